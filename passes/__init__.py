@@ -1,0 +1,1 @@
+"""vlmc's graph passes, one per module; each registers itself with vlmc.pass_api.register."""

@@ -1,0 +1,210 @@
+"""Exporters: turn a transformers VLM (hub id, local directory or built-in) into a vlmc Package.
+
+One module per family registers itself in ``FAMILIES``; a family module provides
+``MODEL_TYPES`` (config.model_type values), ``model_class()`` and ``export(source, package)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from vlmc import manifest as M
+from vlmc import ui
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+# family name -> module; the order is the order `vlmc export --list` shows
+FAMILY_MODULES = {
+    "llava": "vlmc.exporters.llava",
+    "qwen2_vl": "vlmc.exporters.qwen2_vl",
+    "blip2": "vlmc.exporters.blip2",
+}
+
+
+def families() -> dict[str, ModuleType]:
+    """Family name -> exporter module, for the families whose module is present."""
+    out = {}
+    for name, mod in FAMILY_MODULES.items():
+        try:
+            out[name] = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+    return out
+
+
+def supported_model_types() -> dict[str, str]:
+    return {mt: fam for fam, mod in families().items() for mt in mod.MODEL_TYPES}
+
+
+@dataclass
+class Source:
+    """A loaded source model and what is known about where it came from."""
+
+    name: str  # what the user passed
+    model: object  # the transformers model (eval mode, eager attention)
+    config: object
+    family: str
+    directory: Path | None = None  # local directory with config/tokenizer/processor files
+    builtin: bool = False
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def architecture(self) -> str:
+        return type(self.model).__name__
+
+    @property
+    def config_hash(self) -> str:
+        return config_hash(self.config)
+
+
+def config_hash(config) -> str:
+    d = config.to_dict()
+    for k in ("transformers_version", "_name_or_path", "_attn_implementation_autoset", "torch_dtype", "dtype"):
+        d.pop(k, None)
+    return "sha256:" + hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _family_for_config(config, where: str) -> str:
+    types = supported_model_types()
+    model_type = getattr(config, "model_type", None)
+    if model_type in types:
+        return types[model_type]
+    arch = (getattr(config, "architectures", None) or [model_type or "unknown"])[0]
+    raise VlmcError(f"{where}: unsupported architecture {arch} (model_type {model_type!r}); "
+                    f"supported families: {', '.join(families())}")
+
+
+def _require_export_extra() -> None:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as exc:
+        raise VlmcError(f"exporting needs the export extra ({exc.name} is missing): pip install 'vlmc[export]'") from exc
+
+
+def load_source(name: str, trust_remote_code: bool = False, allow_pickle: bool = False,
+                revision: str | None = None) -> Source:
+    """Resolve a model reference and load it in transformers (fp32, eager attention)."""
+    _require_export_extra()
+    from vlmc.exporters import zoo
+
+    families()  # family modules register their built-ins on import
+    if name in zoo.BUILTINS:
+        family, _ = zoo.BUILTINS[name]
+        model = zoo.build(name)
+        _eager(model)
+        return Source(name=name, model=model, config=model.config, family=family, builtin=True)
+    path = Path(name).expanduser()
+    looks_local = path.exists() or name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+    if path.exists():
+        return _load_local(path, trust_remote_code, allow_pickle)
+    if looks_local or name.count("/") > 1:
+        raise VlmcError(f"model path {name} does not exist (built-ins: {', '.join(sorted(zoo.BUILTINS))})")
+    return _load_hub(name, trust_remote_code, allow_pickle, revision)
+
+
+def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Source:
+    from transformers import AutoConfig
+
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise VlmcError(f"{path} is not a Hugging Face model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]}); "
+                        f"if the model needs custom code, pass --trust-remote-code") from exc
+    except (OSError, json.JSONDecodeError) as exc:
+        raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]})") from exc
+    family = _family_for_config(config, str(path))
+    has_safetensors = any(path.glob("*.safetensors"))
+    has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
+    if not has_safetensors:
+        if has_pickle and not allow_pickle:
+            raise VlmcError(f"{path} has only pickle weights (.bin), which can run code when loaded; "
+                            "convert them to safetensors or pass --allow-pickle if you trust the source")
+        if not has_pickle:
+            raise VlmcError(f"{path} has no weights (*.safetensors)")
+    mod = families()[family]
+    try:
+        model = mod.model_class().from_pretrained(str(path), use_safetensors=has_safetensors,
+                                                  trust_remote_code=trust_remote_code, dtype="float32",
+                                                  attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise VlmcError(f"{path}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+    model.eval()
+    _eager(model)
+    return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
+
+
+def _load_hub(name: str, trust_remote_code: bool, allow_pickle: bool, revision: str | None) -> Source:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] + (["*.bin"] if allow_pickle else [])
+    try:
+        local = snapshot_download(name, revision=revision, allow_patterns=patterns)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, OSError) as exc:
+        raise VlmcError(f"cannot download {name!r}: the hub is unreachable (offline?) and it is not cached; "
+                        "download it elsewhere and pass the local directory instead") from exc
+    except HfHubHTTPError as exc:
+        raise VlmcError(f"cannot download {name!r} from the hub: {str(exc).splitlines()[0]}") from exc
+    src = _load_local(Path(local), trust_remote_code, allow_pickle)
+    src.name = name
+    return src
+
+
+def _eager(model) -> None:
+    # Exported graphs use the plain attention math; sdpa/flash kernels do not export to opset 17 cleanly.
+    for cfg in _configs(model.config):
+        cfg._attn_implementation = "eager"
+
+
+def _configs(config):
+    yield config
+    for key in ("text_config", "vision_config", "qformer_config"):
+        sub = getattr(config, key, None)
+        if sub is not None:
+            yield sub
+
+
+def export(source: Source) -> Package:
+    """Export a loaded source model into an in-memory Package."""
+    mod = families()[source.family]
+    m = M.new(source.family, source.architecture, source.name, source.config_hash)
+    pkg = Package(m)
+    with ui.progress(f"exporting {source.name} ({source.family})"):
+        mod.export(source, pkg)
+    if source.directory is not None:
+        _attach_source_files(source.directory, pkg)
+    M.validate(pkg.manifest, where="exported manifest")
+    return pkg
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "preprocessor_config.json", "processor_config.json",
+                    "chat_template.json", "chat_template.jinja", "added_tokens.json", "generation_config.json")
+
+
+def _attach_source_files(directory: Path, pkg: Package) -> None:
+    """Copy tokenizer and processor files so the package runs without its source."""
+    found = []
+    for fname in _TOKENIZER_FILES:
+        p = directory / fname
+        if p.is_file():
+            pkg.files[f"source/{fname}"] = p.read_bytes()
+            found.append(fname)
+    has_tok = any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+    if has_tok:
+        pkg.manifest["text"]["tokenizer"] = "source"
+    if "preprocessor_config.json" in found:
+        pkg.manifest["vision"]["processor"] = "source"

@@ -1,0 +1,105 @@
+"""LLaVA family exporter (LlavaForConditionalGeneration: CLIP-like vision tower + projector + causal LM)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from vlmc import samples
+from vlmc.exporters import base
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("llava",)
+ARCHITECTURES = ("LlavaForConditionalGeneration",)
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+LLAVA_TEMPLATE = "USER: <image>\n{prompt} ASSISTANT:"
+
+
+def model_class():
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration
+
+
+class VisionWrapper(torch.nn.Module):
+    """pixel_values [images, 3, H, W] -> image_features [images, tokens, hidden] (after the projector).
+
+    Mirrors LlavaModel.get_image_features, which returns a per-image list; tracing that list would
+    fix the image count, so the selection is written here on the batched tensor.
+    """
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.vision_tower = model.model.vision_tower
+        self.projector = model.model.multi_modal_projector
+        cfg = model.config
+        self.layers = [cfg.vision_feature_layer] if isinstance(cfg.vision_feature_layer, int) else list(cfg.vision_feature_layer)
+        self.drop_cls = cfg.vision_feature_select_strategy == "default"
+
+    def forward(self, pixel_values):
+        hidden = self.vision_tower(pixel_values, output_hidden_states=True, return_dict=True).hidden_states
+        picked = [hidden[i][:, 1:] if self.drop_cls else hidden[i] for i in self.layers]
+        return self.projector(picked[0] if len(picked) == 1 else torch.cat(picked, dim=-1))
+
+
+def preprocess_facts(config, directory) -> dict:
+    """How pixel_values are made: the source processor's settings, else CLIP defaults at the tower size."""
+    size = int(config.vision_config.image_size)
+    facts = {"kind": "clip", "resize_shortest_edge": size, "crop_size": [size, size], "mean": CLIP_MEAN,
+             "std": CLIP_STD, "rescale_factor": 1 / 255, "resample": "bicubic"}
+    if directory is not None and (directory / "preprocessor_config.json").is_file():
+        pc = json.loads((directory / "preprocessor_config.json").read_text())
+        s = pc.get("size", {})
+        facts["resize_shortest_edge"] = int(s.get("shortest_edge", s.get("height", size)) if isinstance(s, dict) else s)
+        c = pc.get("crop_size", {})
+        facts["crop_size"] = [int(c.get("height", size)), int(c.get("width", size))] if isinstance(c, dict) else [int(c)] * 2
+        facts["mean"] = pc.get("image_mean", CLIP_MEAN)
+        facts["std"] = pc.get("image_std", CLIP_STD)
+        facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
+    return facts
+
+
+def tokens_per_image(config) -> int:
+    v = config.vision_config
+    n = (v.image_size // v.patch_size) ** 2
+    return n if config.vision_feature_select_strategy == "default" else n + 1
+
+
+def export(source, pkg: Package) -> None:
+    model, cfg = source.model, source.config
+    tcfg, vcfg = cfg.text_config, cfg.vision_config
+    layers = tcfg.num_hidden_layers
+    heads = tcfg.num_attention_heads
+    kv_heads = getattr(tcfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
+    n_tokens = tokens_per_image(cfg)
+    size = int(vcfg.image_size)
+
+    m = pkg.manifest
+    m["vision"] = {"image_size": [size, size], "tokens_per_image": n_tokens, "image_token_id": int(cfg.image_token_index),
+                   "preprocess": preprocess_facts(cfg, source.directory), "patch_grid": [size // vcfg.patch_size] * 2,
+                   "has_cls_token": True, "feature_layer": cfg.vision_feature_layer,
+                   "select_strategy": cfg.vision_feature_select_strategy, "hidden_size": int(tcfg.hidden_size)}
+    eos = tcfg.eos_token_id if tcfg.eos_token_id is not None else getattr(cfg, "eos_token_id", None)
+    m["text"] = {"vocab_size": int(tcfg.vocab_size), "eos_token_id": eos, "bos_token_id": tcfg.bos_token_id,
+                 "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
+                 "max_positions": int(tcfg.max_position_embeddings), "hidden_size": int(tcfg.hidden_size),
+                 "tokenizer": "bytes", "prompt_template": LLAVA_TEMPLATE, "image_marker": "<image>",
+                 "position": "1d", "add_bos": True}
+    m["kv"] = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "layout": "contiguous",
+               "block_size": None, "dtype": "float32"}
+    m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
+
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(2, 3, size, size, generator=g)
+    vision = base.export_graph(VisionWrapper(model), [pixels], ["pixel_values"], ["image_features"],
+                               {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}})
+    pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
+    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
+    base.export_decoder(pkg, model.model.language_model, model.lm_head, layers, kv_heads, head_dim, tcfg.hidden_size)

@@ -1,0 +1,154 @@
+"""The pass manager: runs a validated recipe over a package, checking each pass's contract."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vlmc import graphs as G
+from vlmc import ortsession, samples, ui
+from vlmc.errors import CheckFailed, PassFailed, VlmcError
+from vlmc.package import Package
+from vlmc.recipe import Step
+
+logger = logging.getLogger(__name__)
+
+NUMERICS_RTOL = 1e-4
+NUMERICS_ATOL = 1e-4
+
+
+@dataclass
+class _Before:
+    state: dict[str, str]
+    manifest: str
+    graphs: dict[str, object]  # name -> serialized bytes or a path, kept only for --check
+
+
+def _manifest_text(pkg: Package) -> str:
+    return json.dumps({k: v for k, v in pkg.manifest.items() if k != "history"}, sort_keys=True)
+
+
+def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
+    """Run passes in order. Every pass is constructed (options validated) before any pass runs.
+
+    Raises:
+        PassFailed: a pass raised, misreported ``modified``, or produced an invalid graph; the message
+            names the pass, its 1-based position in the recipe, and the passes that ran before it.
+        CheckFailed: ``check`` is on and a numerics-preserving pass changed a graph's outputs.
+    """
+    instances = [s.instantiate() for s in steps]
+    pkg.report.setdefault("passes", [])
+    ran: list[str] = []
+    with ui.progress("running passes", total=len(steps)) as bar:
+        for step, p in zip(steps, instances):
+            bar.describe(f"pass {step.index}/{len(steps)}: {step.name}")
+            label = f"pass #{step.index} {step.name!r}"
+            after_txt = f" (ran before it: {', '.join(ran)})" if ran else " (it was the first pass)"
+            before = _snapshot(pkg, keep_graphs=check and p.preserves_numerics)
+            t0 = time.perf_counter()
+            try:
+                p.check_package(pkg)
+                result = p.run(pkg)
+            except VlmcError as exc:
+                raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
+            except Exception as exc:  # a pass bug: still one line, traceback with -v
+                logger.debug("pass failure", exc_info=True)
+                raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
+            seconds = time.perf_counter() - t0
+            if result is None or not hasattr(result, "modified"):
+                raise PassFailed(f"{label} did not return a PassResult{after_txt}")
+            out = result.package
+            changed = _changed(before, out)
+            actual = bool(changed)
+            if bool(result.modified) != actual:
+                what = f"changed {', '.join(changed)}" if changed else "changed nothing"
+                raise PassFailed(
+                    f"{label} reported modified={bool(result.modified)} but it {what}; "
+                    f"a pass must report modified exactly{after_txt}"
+                )
+            for name in changed:
+                if name in out.manifest["graphs"] and out.is_loaded(name):
+                    try:
+                        G.check(out.graph(name), name=f"{name} after {step.name}")
+                    except VlmcError as exc:
+                        raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
+            report = dict(result.report or {})
+            if check and p.preserves_numerics and actual:
+                report["numerics_check"] = _numerics(before, out, changed, label)
+            out.manifest["history"].append(
+                {"pass": step.name, "index": step.index, "options": step.options, "modified": actual, "report": report}
+            )
+            out.report["passes"].append({"pass": step.name, "index": step.index, "seconds": round(seconds, 4),
+                                         "modified": actual, "changed": changed})
+            pkg = out
+            ran.append(step.name)
+            bar.advance()
+    return pkg
+
+
+def _snapshot(pkg: Package, keep_graphs: bool) -> _Before:
+    graphs: dict[str, object] = {}
+    if keep_graphs:
+        for name in pkg.graph_names:
+            path = pkg.path_of(name)
+            graphs[name] = path if path is not None else pkg.graph(name).SerializeToString()
+    return _Before(state=pkg.state(), manifest=_manifest_text(pkg), graphs=graphs)
+
+
+def _changed(before: _Before, pkg: Package) -> list[str]:
+    """Names of graphs added, removed or changed, plus 'manifest' if other facts changed."""
+    now = pkg.state()
+    changed = []
+    for name in sorted(set(before.state) | set(now)):
+        b, a = before.state.get(name), now.get(name)
+        if b == a:
+            continue
+        if b == "disk" and a is not None and a != "disk" and pkg.original_fingerprint(name) == a:
+            continue  # loaded during the pass but not changed
+        changed.append(name)
+    manifest_changed = _manifest_text(pkg) != before.manifest
+    if manifest_changed and not changed:
+        changed.append("manifest")
+    return changed
+
+
+def _numerics(before: _Before, pkg: Package, changed: list[str], label: str) -> dict:
+    """Run changed graphs before and after on onnxruntime with the same inputs; compare outputs."""
+    results = {}
+    for name in changed:
+        old = before.graphs.get(name)
+        if old is None or name not in pkg.manifest["graphs"]:
+            continue
+        import onnxruntime as ort
+
+        sess_old = (ortsession.from_path(old) if not isinstance(old, bytes)
+                    else ort.InferenceSession(old, ortsession.options(), providers=["CPUExecutionProvider"]))
+        sess_new = ortsession.for_graph(pkg, name)
+        old_inputs = sorted(i.name for i in sess_old.get_inputs())
+        new_inputs = sorted(i.name for i in sess_new.get_inputs())
+        if old_inputs != new_inputs:
+            raise CheckFailed(f"{label} claims to preserve numerics but changed the inputs of {name}")
+        feeds = samples.inputs_for(pkg, name)
+        outs_old = dict(zip([o.name for o in sess_old.get_outputs()], sess_old.run(None, feeds)))
+        outs_new = dict(zip([o.name for o in sess_new.get_outputs()], sess_new.run(None, feeds)))
+        worst = 0.0
+        for oname, ref in outs_old.items():
+            if oname not in outs_new:
+                raise CheckFailed(f"{label} removed output {oname!r} of {name}")
+            got = outs_new[oname]
+            if ref.shape != got.shape:
+                raise CheckFailed(f"{label} changed the shape of {name}:{oname} from {ref.shape} to {got.shape}")
+            if ref.dtype.kind == "f":
+                diff = float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64)))) if ref.size else 0.0
+                if not np.allclose(got, ref, rtol=NUMERICS_RTOL, atol=NUMERICS_ATOL):
+                    raise CheckFailed(f"{label} changed the numerics of {name}:{oname} (max |diff| {diff:.3g})")
+                worst = max(worst, diff)
+            elif not np.array_equal(ref, got):
+                raise CheckFailed(f"{label} changed the integer output {name}:{oname}")
+        results[name] = {"max_abs_diff": worst}
+    return results
+

@@ -1,0 +1,133 @@
+"""The vlmc.json manifest: the single source of truth about a package, and its validation.
+
+Layout (format version 1)::
+
+    {
+      "format_version": 1,
+      "vlmc_version": "0.1.0",
+      "model":  {"family", "architecture", "source", "config_hash"},
+      "vision": {"image_size": [h, w], "tokens_per_image": int | null, "image_token_id": int,
+                 "preprocess": {...}, "position": "1d" | "mrope", ...},
+      "text":   {"vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "max_positions",
+                 "hidden_size", "tokenizer": "source" | "bytes", "prompt_template": str},
+      "kv":     {"layers", "kv_heads", "head_dim", "layout": "contiguous" | "paged",
+                 "block_size": int | null, "dtype"},
+      "graphs": {name: {"file", "role", "precision", "inputs": [...], "outputs": [...]}},
+      "pipeline": {"image": [graph, ...], "embed": graph, "decoder": [graph, ...]},
+      "history": [{"pass", "options", "modified", "report"}]
+    }
+
+Timings live only in report.json / report.md so that two builds of one recipe give identical
+manifests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any
+
+from vlmc import __version__
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "vlmc.json"
+
+# Roles a graph can play; the runtime and backends dispatch on these, never on file names.
+ROLES = ("vision", "fusion", "embed", "decoder", "vlm")
+KV_LAYOUTS = ("contiguous", "paged")
+PRECISIONS = ("fp32", "fp16", "int8", "int8_weight_only", "int4_weight_only", "mixed")
+
+_REQUIRED = {
+    "model": ("family", "architecture", "source", "config_hash"),
+    "vision": ("image_size", "tokens_per_image", "image_token_id", "preprocess"),
+    "text": ("vocab_size", "eos_token_id"),
+    "kv": ("layers", "kv_heads", "head_dim", "layout"),
+}
+
+
+def new(family: str, architecture: str, source: str, config_hash: str) -> dict:
+    """An empty manifest for an exporter to fill in."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "vlmc_version": __version__,
+        "model": {"family": family, "architecture": architecture, "source": source, "config_hash": config_hash},
+        "vision": {},
+        "text": {},
+        "kv": {},
+        "graphs": {},
+        "pipeline": {},
+        "history": [],
+    }
+
+
+def validate(m: Any, where: str = "vlmc.json") -> dict:
+    """Check a manifest's structure and internal consistency; raise a one-line VlmcError if broken."""
+    if not isinstance(m, dict):
+        raise VlmcError(f"{where}: manifest must be a JSON object")
+    version = m.get("format_version")
+    if not isinstance(version, int):
+        raise VlmcError(f"{where}: missing integer format_version")
+    if version > FORMAT_VERSION:
+        raise VlmcError(
+            f"{where}: format version {version} is newer than this vlmc supports ({FORMAT_VERSION}); upgrade vlmc"
+        )
+    for section, keys in _REQUIRED.items():
+        sec = m.get(section)
+        if not isinstance(sec, dict):
+            raise VlmcError(f"{where}: section {section!r} is missing or not an object")
+        for k in keys:
+            if k not in sec:
+                raise VlmcError(f"{where}: {section}.{k} is missing")
+    graphs = m.get("graphs")
+    if not isinstance(graphs, dict) or not graphs:
+        raise VlmcError(f"{where}: 'graphs' must name at least one graph")
+    for name, g in graphs.items():
+        if not isinstance(g, dict):
+            raise VlmcError(f"{where}: graphs.{name} must be an object")
+        for k in ("file", "role", "inputs", "outputs", "precision"):
+            if k not in g:
+                raise VlmcError(f"{where}: graphs.{name}.{k} is missing")
+        if g["role"] not in ROLES:
+            raise VlmcError(f"{where}: graphs.{name}.role {g['role']!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(g["file"], str) or "/" in g["file"] or "\\" in g["file"] or g["file"].startswith("."):
+            raise VlmcError(f"{where}: graphs.{name}.file must be a plain file name inside the package")
+        for io in ("inputs", "outputs"):
+            if not isinstance(g[io], list) or not all(isinstance(e, dict) and "name" in e for e in g[io]):
+                raise VlmcError(f"{where}: graphs.{name}.{io} must be a list of {{name, dtype, shape}}")
+    kv = m["kv"]
+    if kv["layout"] not in KV_LAYOUTS:
+        raise VlmcError(f"{where}: kv.layout {kv['layout']!r} is not one of {', '.join(KV_LAYOUTS)}")
+    if kv["layout"] == "paged" and not isinstance(kv.get("block_size"), int):
+        raise VlmcError(f"{where}: kv.layout is paged but kv.block_size is not set")
+    pipeline = m.get("pipeline")
+    if not isinstance(pipeline, dict):
+        raise VlmcError(f"{where}: 'pipeline' must be an object")
+    for key, value in pipeline.items():
+        names = value if isinstance(value, list) else [value]
+        for n in names:
+            if n is not None and n not in graphs:
+                raise VlmcError(f"{where}: pipeline.{key} names graph {n!r}, which the manifest does not list")
+    if not isinstance(m.get("history", []), list):
+        raise VlmcError(f"{where}: 'history' must be a list")
+    return m
+
+
+def dumps(m: dict) -> str:
+    """Serialize deterministically (sorted keys, fixed indentation)."""
+    return json.dumps(m, indent=2, sort_keys=True) + "\n"
+
+
+def loads(text: str, where: str = "vlmc.json") -> dict:
+    try:
+        m = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise VlmcError(f"{where}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    return validate(m, where)
+
+
+def clone(m: dict) -> dict:
+    return copy.deepcopy(m)

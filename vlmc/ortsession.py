@@ -1,0 +1,47 @@
+"""onnxruntime sessions for package graphs, on disk or in memory."""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+
+import onnx
+import onnxruntime as ort
+
+from vlmc import graphs as G
+
+logger = logging.getLogger(__name__)
+
+# onnxruntime's graph-optimizer warnings are noise for users; errors still surface as exceptions.
+ort.set_default_logger_severity(3)
+
+
+def options(threads: int | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    return so
+
+
+def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), options(threads), providers=["CPUExecutionProvider"])
+
+
+def from_model(model: onnx.ModelProto, threads: int | None = None) -> ort.InferenceSession:
+    """A CPU session for an in-memory model; models over the protobuf limit go through a temp file."""
+    if model.ByteSize() < 1_800_000_000:
+        return ort.InferenceSession(model.SerializeToString(), options(threads), providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as tmp:
+        p = os.path.join(tmp, "m.onnx")
+        G.save(model, p)
+        return from_path(p, threads)
+
+
+def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:
+    """Session for a package graph: straight from disk when unmodified, else from memory."""
+    path = pkg.path_of(name)
+    if path is not None:
+        return from_path(path, threads)
+    return from_model(pkg.graph(name), threads)

@@ -1,0 +1,239 @@
+"""Package: a directory holding vlmc.json, ONNX graphs (weights as external data) and reports.
+
+Graphs are loaded lazily. Passes change a package in place through :meth:`Package.set_graph`,
+which also refreshes the graph's IO signature in the manifest; the pass manager detects changes by
+fingerprint. :meth:`Package.save` writes to a temporary sibling directory and renames it into
+place, so a package on disk is always complete and the input package is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+
+from vlmc import graphs as G
+from vlmc import manifest as M
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+# Extra files a pass or exporter may attach (calibration samples, pictures): name -> bytes.
+_REPORT_FILES = ("report.md", "report.json")
+
+
+class Package:
+    """A VLM package: a manifest plus its graphs, optionally backed by a directory on disk."""
+
+    def __init__(self, manifest: dict, root: Path | None = None) -> None:
+        self.manifest = manifest
+        self.root = Path(root) if root is not None else None
+        self._models: dict[str, onnx.ModelProto] = {}
+        self._loaded_fp: dict[str, str] = {}
+        self.files: dict[str, bytes] = {}  # extra files written beside the graphs (relative name -> bytes)
+        self.report: dict = {}  # build report data (timings etc.), never part of the manifest
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path) -> Package:
+        """Open a package directory (graphs are read when first used)."""
+        root = Path(path)
+        if not root.exists():
+            raise VlmcError(f"package {root} does not exist")
+        mpath = root / M.MANIFEST_NAME
+        if not mpath.is_file():
+            raise VlmcError(f"{root} is not a vlmc package (no {M.MANIFEST_NAME}); create one with `vlmc export`")
+        try:
+            text = mpath.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise VlmcError(f"{mpath} cannot be read: {exc}") from exc
+        manifest = M.loads(text, where=str(mpath))
+        for name, g in manifest["graphs"].items():
+            if not (root / g["file"]).is_file():
+                raise VlmcError(f"{root}: graph {name!r} file {g['file']} is missing")
+        pkg = cls(manifest, root)
+        report = root / "report.json"
+        if report.is_file():
+            try:
+                pkg.report = json.loads(report.read_text())
+            except (OSError, json.JSONDecodeError):
+                pkg.report = {}
+        return pkg
+
+    # ---- graph access --------------------------------------------------------------------
+    @property
+    def graph_names(self) -> list[str]:
+        return list(self.manifest["graphs"])
+
+    def graphs_with_role(self, role: str) -> list[str]:
+        return [n for n, g in self.manifest["graphs"].items() if g["role"] == role]
+
+    def info(self, name: str) -> dict:
+        try:
+            return self.manifest["graphs"][name]
+        except KeyError:
+            raise VlmcError(f"package has no graph {name!r} (graphs: {', '.join(self.graph_names)})") from None
+
+    def path_of(self, name: str) -> Path | None:
+        """The on-disk file of an unmodified graph, or None if the graph only exists in memory."""
+        if self.root is None or name in self._models:
+            return None
+        return self.root / self.info(name)["file"]
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self._models
+
+    def graph(self, name: str) -> onnx.ModelProto:
+        """The graph's ModelProto with weights, loading it on first use."""
+        if name not in self._models:
+            info = self.info(name)
+            if self.root is None:
+                raise VlmcError(f"graph {name!r} has no data")
+            model = G.load(self.root / info["file"])
+            self._models[name] = model
+            self._loaded_fp[name] = G.fingerprint(model)
+        return self._models[name]
+
+    def set_graph(self, name: str, model: onnx.ModelProto, role: str | None = None, precision: str | None = None,
+                  **extra: object) -> None:
+        """Add or replace a graph; its manifest signature is recomputed from the model."""
+        entry = self.manifest["graphs"].get(name, {})
+        role = role or entry.get("role")
+        if role not in M.ROLES:
+            raise VlmcError(f"graph {name!r}: role {role!r} is not one of {', '.join(M.ROLES)}")
+        entry = dict(entry)
+        entry.update({"file": entry.get("file", f"{name}.onnx"), "role": role,
+                      "precision": precision or entry.get("precision", "fp32")})
+        entry.update(extra)
+        entry.update(G.signature(model))
+        self.manifest["graphs"][name] = entry
+        self._models[name] = model
+
+    def remove_graph(self, name: str) -> None:
+        self.manifest["graphs"].pop(name, None)
+        self._models.pop(name, None)
+        self._loaded_fp.pop(name, None)
+
+    def loaded(self) -> Iterator[tuple[str, onnx.ModelProto]]:
+        yield from list(self._models.items())
+
+    # ---- change tracking (used by the pass manager) ---------------------------------------
+    def state(self) -> dict[str, str]:
+        """Fingerprints of every graph: a content hash if loaded, else 'disk' (unchanged since load)."""
+        out = {}
+        for name in self.manifest["graphs"]:
+            if name in self._models:
+                out[name] = G.fingerprint(self._models[name])
+            else:
+                out[name] = "disk"
+        return out
+
+    def original_fingerprint(self, name: str) -> str | None:
+        return self._loaded_fp.get(name)
+
+    # ---- convenience facts -----------------------------------------------------------------
+    @property
+    def family(self) -> str:
+        return self.manifest["model"]["family"]
+
+    def facts(self, section: str) -> dict:
+        return self.manifest.get(section, {})
+
+    # ---- saving ------------------------------------------------------------------------------
+    def save(self, out: str | Path, force: bool = False) -> Path:
+        """Write the package atomically to ``out`` and return its path.
+
+        Unmodified graphs are hard-linked (or copied) from the source package. ``force`` replaces an
+        existing directory only if it is itself a vlmc package.
+        """
+        out = Path(out).resolve()
+        check_output_dir(out, force)
+        M.validate(self.manifest, where="manifest to save")
+        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir()
+            for name, info in self.manifest["graphs"].items():
+                dest = tmp / info["file"]
+                if name in self._models:
+                    G.save(self._models[name], dest)
+                else:
+                    src = self.root / info["file"]
+                    _link_or_copy(src, dest)
+                    data = src.parent / (src.name + ".data")
+                    if data.exists():
+                        _link_or_copy(data, tmp / (info["file"] + ".data"))
+            for rel, blob in sorted(self.files.items()):
+                target = (tmp / rel).resolve()
+                if tmp.resolve() not in target.parents:
+                    raise VlmcError(f"package file {rel!r} would be written outside the package")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(blob)
+            if self.root is not None and self.root.resolve() != out:
+                _carry_files(self.root, tmp, keep=set(self.files))
+            (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
+            from vlmc import report as R
+
+            (tmp / "report.json").write_text(json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n")
+            (tmp / "report.md").write_text(R.render_markdown(self, tmp))
+            _replace_dir(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.root = out
+        return out
+
+
+def is_package(path: Path) -> bool:
+    return (path / M.MANIFEST_NAME).is_file()
+
+
+def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME) -> None:
+    """Refuse to overwrite a directory unless --force and it is a previous vlmc output."""
+    if not out.exists():
+        return
+    if not force:
+        raise VlmcError(f"output {out} already exists; pass --force to replace it")
+    if not out.is_dir() or not ((out / marker).is_file() or (out / "vlmc-build.json").is_file()):
+        raise VlmcError(f"output {out} exists and is not a vlmc output; refusing to replace it even with --force")
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy2(src, dest)
+
+
+def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
+    """Copy auxiliary files (samples, tokenizer, pictures) from the source package."""
+    for p in sorted(src_root.rglob("*")):
+        rel = p.relative_to(src_root).as_posix()
+        if p.is_dir() or rel in keep or rel == M.MANIFEST_NAME or rel in _REPORT_FILES:
+            continue
+        if rel.endswith(".onnx") or rel.endswith(".onnx.data"):
+            continue  # graphs are written from the manifest; stale ones must not leak
+        target = dest_root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(p, target)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move tmp into place; an existing (vlmc) directory is swapped out and removed after."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)

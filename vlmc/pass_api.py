@@ -1,0 +1,215 @@
+"""The pass contract: typed options, PassResult, and the registry of passes in ``vlmc.passes``.
+
+A pass is a class with a ``name``, an ``options`` schema (a tuple of :class:`Option`) and
+``run(package) -> PassResult``. Passes change the package they are given (in place, through
+``Package.set_graph``) and return it; ``modified`` must be exactly whether anything changed —
+the pass manager checks it by fingerprint and rejects a pass that misreports.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import pkgutil
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from vlmc.errors import VlmcError
+
+if TYPE_CHECKING:
+    from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+_MISSING = object()
+_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One typed, documented pass option.
+
+    Attributes:
+        name: key in the recipe.
+        type: python type (bool, int, float, str, list, dict); ints are accepted for floats.
+        default: value when the recipe omits the key; ``None`` means "not set".
+        doc: one-line description, shown by ``vlmc passes`` and in the JSON Schema.
+        choices: allowed values, if the option is an enum.
+        min / max: inclusive numeric bounds.
+        multiple_of: numeric values must be a multiple of this.
+        items: element type for list options.
+    """
+
+    name: str
+    type: type
+    default: Any = None
+    doc: str = ""
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    multiple_of: int | None = None
+    items: type | None = None
+    required: bool = False
+
+    def coerce(self, value: Any, where: str) -> Any:
+        """Validate one value; raise VlmcError naming the key on a wrong type or range."""
+        if value is None and not self.required:
+            return None
+        t = self.type
+        ok = isinstance(value, t) and not (t is int and isinstance(value, bool))
+        if t is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise VlmcError(f"{where}: {self.name} must be {_JSON_TYPES.get(t, t.__name__)}, got {type(value).__name__} {value!r}")
+        if self.choices is not None and value not in self.choices:
+            raise VlmcError(f"{where}: {self.name}={value!r} is not one of {', '.join(map(str, self.choices))}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if self.min is not None and value < self.min:
+                raise VlmcError(f"{where}: {self.name}={value} is below the minimum {self.min}")
+            if self.max is not None and value > self.max:
+                raise VlmcError(f"{where}: {self.name}={value} is above the maximum {self.max}")
+            if self.multiple_of and value % self.multiple_of:
+                raise VlmcError(f"{where}: {self.name}={value} must be a multiple of {self.multiple_of}")
+        if t is list and self.items is not None:
+            for v in value:
+                if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
+                    raise VlmcError(f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}")
+        return value
+
+    def json_schema(self) -> dict:
+        s: dict[str, Any] = {"type": _JSON_TYPES[self.type], "description": self.doc}
+        if self.default is not None:
+            s["default"] = self.default
+        if not self.required:
+            s["type"] = [s["type"], "null"]
+        if self.choices is not None:
+            s["enum"] = list(self.choices) + ([] if self.required else [None])
+        if self.min is not None:
+            s["minimum"] = self.min
+        if self.max is not None:
+            s["maximum"] = self.max
+        if self.multiple_of:
+            s["multipleOf"] = self.multiple_of
+        if self.items is not None:
+            s["items"] = {"type": _JSON_TYPES[self.items]}
+        return s
+
+
+@dataclass
+class PassResult:
+    """What a pass returns: the package, whether it changed (exactly), and a plain-dict report."""
+
+    package: Package
+    modified: bool
+    report: dict = field(default_factory=dict)
+
+
+class Pass:
+    """Base class for passes. Subclasses set ``name``, ``summary``, ``options`` and implement ``run``.
+
+    Class attributes:
+        preserves_numerics: outputs are unchanged up to float rounding; ``--check`` verifies it.
+        lossy: the pass moves outputs on purpose; its report must say by how much.
+        options: the typed schema; ``self.opts`` holds validated values after construction.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    preserves_numerics: ClassVar[bool] = False
+    # Changes outputs on purpose (pruning, quantization): verify reports fidelity instead of exactness.
+    lossy: ClassVar[bool] = False
+    options: ClassVar[tuple[Option, ...]] = ()
+    # Passes whose options are keyed by graph name (e.g. quantize) accept extra keys and check them.
+    allow_extra_keys: ClassVar[bool] = False
+
+    def __init__(self, **opts: Any) -> None:
+        self.opts = self.validate_options(opts, where=self.name)
+
+    @classmethod
+    def validate_options(cls, opts: dict, where: str) -> dict:
+        out = validate(cls.options, opts, where, allow_extra=cls.allow_extra_keys)
+        cls.check_options(out, where)
+        return out
+
+    @classmethod
+    def check_options(cls, opts: dict, where: str) -> None:
+        """Cross-option validation hook (raise VlmcError); runs before any work."""
+
+    def check_package(self, package: Package) -> None:
+        """Hook to refuse a package early with a clear message (called before run)."""
+
+    def run(self, package: Package) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def json_schema(cls) -> dict:
+        return schema_json(cls.options, cls.summary, bool(cls.allow_extra_keys))
+
+
+def validate(schema: tuple[Option, ...], opts: Any, where: str, allow_extra: bool = False) -> dict:
+    """Validate a mapping against an option schema; fill defaults; unknown keys list the valid ones."""
+    by_name = {o.name: o for o in schema}
+    if not isinstance(opts, dict):
+        raise VlmcError(f"{where}: options must be a mapping of option names to values")
+    unknown = [k for k in opts if k not in by_name]
+    if unknown and not allow_extra:
+        valid = ", ".join(by_name) or "(none)"
+        raise VlmcError(f"{where}: unknown option {unknown[0]!r}; valid options: {valid}")
+    out = {}
+    for o in schema:
+        if o.name in opts:
+            out[o.name] = o.coerce(opts[o.name], where)
+        elif o.required:
+            raise VlmcError(f"{where}: option {o.name!r} is required")
+        else:
+            out[o.name] = o.default
+    for k in unknown:
+        out[k] = opts[k]
+    return out
+
+
+def schema_json(schema: tuple[Option, ...], description: str = "", allow_extra: bool = False) -> dict:
+    """JSON Schema object for an option schema."""
+    return {
+        "type": "object",
+        "description": description,
+        "properties": {o.name: o.json_schema() for o in schema},
+        "additionalProperties": allow_extra,
+    }
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: add a pass to the registry; a second pass with the same name is an error."""
+    if not cls.name:
+        raise TypeError(f"{cls.__qualname__} has no name")
+    existing = _REGISTRY.get(cls.name)
+    if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
+        raise ValueError(f"pass name {cls.name!r} is registered twice ({existing.__module__} and {cls.__module__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _discover() -> None:
+    import vlmc.passes as pkg
+
+    for info in pkgutil.iter_modules(pkg.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"vlmc.passes.{info.name}")
+
+
+def registry() -> dict[str, type[Pass]]:
+    """All registered passes by name (importing every module in vlmc.passes once)."""
+    if not getattr(registry, "_done", False):
+        _discover()
+        registry._done = True  # type: ignore[attr-defined]
+    return dict(sorted(_REGISTRY.items()))
+
+
+def get(name: str) -> type[Pass]:
+    reg = registry()
+    if name not in reg:
+        raise VlmcError(f"unknown pass {name!r}; valid passes: {', '.join(reg)}")
+    return reg[name]

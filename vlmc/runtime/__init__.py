@@ -1,0 +1,7 @@
+"""Reference runtime: runs any vlmc package on onnxruntime CPU, driven only by its manifest."""
+
+from __future__ import annotations
+
+from vlmc.runtime.pipeline import GenerationResult, Pipeline
+
+__all__ = ["GenerationResult", "Pipeline"]

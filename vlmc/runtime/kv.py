@@ -1,0 +1,40 @@
+"""KV-cache state for the decoder loop: what the decoder graphs read and how their outputs update it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class ContiguousKV:
+    """One [batch, kv_heads, length, head_dim] tensor per layer and K/V; grows by concatenation inside the graph."""
+
+    def __init__(self, kv: dict, batch: int, dtype: str = "float32") -> None:
+        self.layers = int(kv["layers"])
+        shape = (batch, int(kv["kv_heads"]), 0, int(kv["head_dim"]))
+        self.past = {f"past_key_values.{i}.{k}": np.zeros(shape, np.dtype(dtype))
+                     for i in range(self.layers) for k in ("key", "value")}
+
+    def feeds(self, step: dict) -> dict[str, np.ndarray]:
+        return dict(self.past)
+
+    def update(self, outputs: dict[str, np.ndarray]) -> None:
+        for i in range(self.layers):
+            for k in ("key", "value"):
+                name = f"present.{i}.{k}"
+                if name in outputs:
+                    self.past[f"past_key_values.{i}.{k}"] = outputs[name]
+
+    def release(self) -> None:
+        self.past.clear()
+
+
+# layout -> factory(kv facts, batch, dtype, step info); the paged layout registers itself here.
+LAYOUTS = {"contiguous": lambda kv, batch, dtype, **_: ContiguousKV(kv, batch, dtype)}
+
+
+def make(kv: dict, batch: int, dtype: str = "float32", **extra) -> object:
+    return LAYOUTS[kv["layout"]](kv, batch, dtype, **extra)

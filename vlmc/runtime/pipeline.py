@@ -1,0 +1,210 @@
+"""Greedy generation over a package's graphs, driven by the manifest's pipeline and facts.
+
+The steps are the same for every family: preprocess images, run the image chain to
+``image_features``, tokenize and expand image placeholders, embed, write image features into the
+placeholder rows, compute positions, prefill, then decode one token at a time. What differs between
+families (preprocessing kind, position kind, tokens per image, the graph chain) comes from vlmc.json.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vlmc import ortsession
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+from vlmc.runtime import kv as kvmod
+from vlmc.runtime import positions, preprocess
+from vlmc.runtime import tokenizer as tokmod
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Inputs:
+    """Everything one generation call feeds the graphs (numpy), also used to drive transformers in verify."""
+
+    input_ids: np.ndarray  # [batch, seq] int64, left padded
+    attention_mask: np.ndarray  # [batch, seq] int64
+    vision: dict[str, np.ndarray] = field(default_factory=dict)  # pixel_values (+ image_grid_thw ...)
+    image_counts: list[int] = field(default_factory=list)  # images per prompt
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[list[int]]  # new tokens per prompt (up to and including eos)
+    texts: list[str]
+    prefill_logits: np.ndarray  # [batch, vocab] logits of the last prompt position
+    step_logits: list[np.ndarray] = field(default_factory=list)  # [batch, vocab] per generated token
+    image_tokens: int = 0
+
+
+class Pipeline:
+    """Run a package on onnxruntime CPU."""
+
+    def __init__(self, pkg: Package, threads: int | None = None) -> None:
+        self.pkg = pkg
+        self.m = pkg.manifest
+        self.threads = threads
+        self._sessions: dict[str, object] = {}
+        self._tokenizer = None
+
+    # ---- sessions -------------------------------------------------------------------------
+    def session(self, name: str):
+        if name not in self._sessions:
+            self._sessions[name] = ortsession.for_graph(self.pkg, name, self.threads)
+        return self._sessions[name]
+
+    def run_graph(self, name: str, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one graph, feeding each declared input by name from ``available``."""
+        sess = self.session(name)
+        feeds = {}
+        for i in sess.get_inputs():
+            if i.name not in available:
+                raise VlmcError(f"graph {name} needs input {i.name!r}, which the pipeline does not provide")
+            feeds[i.name] = available[i.name]
+        outs = sess.run(None, feeds)
+        return dict(zip([o.name for o in sess.get_outputs()], outs))
+
+    def run_chain(self, names: list[str], available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run graphs in order; each one's outputs become available to the next (stage chains, decoder ranges)."""
+        env = dict(available)
+        produced: dict[str, np.ndarray] = {}
+        for name in names:
+            out = self.run_graph(name, env)
+            env.update(out)
+            produced.update(out)
+        return produced
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = tokmod.load(self.pkg)
+        return self._tokenizer
+
+    # ---- inputs ----------------------------------------------------------------------------
+    def tokens_for_images(self, vision: dict[str, np.ndarray], n_images: int) -> list[int]:
+        """Placeholder count per image: fixed by the manifest, or derived from the image grid."""
+        v = self.m["vision"]
+        if isinstance(v.get("tokens_per_image"), int):
+            return [int(v["tokens_per_image"])] * n_images
+        grid = vision.get("image_grid_thw")
+        if grid is None:
+            raise VlmcError("manifest gives no tokens_per_image and the preprocessing gives no image grid")
+        merge = int(v.get("spatial_merge_size", 1))
+        return [int(np.prod(g)) // (merge * merge) for g in grid]
+
+    def prepare(self, prompts: list[str], images: list[list]) -> Inputs:
+        """Tokenize prompts, expand image placeholders, left-pad into a batch, preprocess images."""
+        if len(prompts) != len(images):
+            raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
+        t = self.m["text"]
+        marker = t.get("image_marker", "<image>")
+        flat = [img for per in images for img in per]
+        vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
+        counts = self.tokens_for_images(vision, len(flat)) if flat else []
+        image_id = int(self.m["vision"]["image_token_id"])
+        seqs, k = [], 0
+        for prompt, per in zip(prompts, images):
+            if marker not in prompt:
+                template = t.get("prompt_template", "{prompt}")
+                prompt = template.replace("{prompt}", prompt) if per else template.replace(marker, "").replace("{prompt}", prompt)
+            n_markers = prompt.count(marker)
+            if n_markers != len(per):
+                raise VlmcError(f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(per)} image(s) were given")
+            ids = self.tokenizer.encode(prompt, add_bos=t.get("add_bos", True))
+            expanded = []
+            for tok in ids:
+                if tok == image_id:
+                    expanded.extend([image_id] * counts[k])
+                    k += 1
+                else:
+                    expanded.append(tok)
+            seqs.append(expanded)
+        longest = max(len(s) for s in seqs)
+        limit = int(t.get("max_positions", 1 << 30))
+        if longest >= limit:
+            raise VlmcError(f"prompt is {longest} tokens (images included), longer than the model's context of {limit}")
+        pad = int(t.get("pad_token_id") or 0)
+        ids = np.full((len(seqs), longest), pad, np.int64)
+        mask = np.zeros((len(seqs), longest), np.int64)
+        for b, s in enumerate(seqs):
+            ids[b, longest - len(s):] = s
+            mask[b, longest - len(s):] = 1
+        return Inputs(ids, mask, vision, [len(p) for p in images])
+
+    # ---- generation ------------------------------------------------------------------------
+    def image_features(self, vision: dict[str, np.ndarray]) -> np.ndarray:
+        """Run the image chain; returns features flattened to [total_image_tokens, hidden]."""
+        out = self.run_chain(self.m["pipeline"]["image"], vision)
+        feats = out["image_features"]
+        return feats.reshape(-1, feats.shape[-1])
+
+    def embed(self, input_ids: np.ndarray) -> np.ndarray:
+        return self.run_graph(self.m["pipeline"]["embed"], {"input_ids": input_ids})["inputs_embeds"]
+
+    def prefill_embeds(self, inp: Inputs) -> np.ndarray:
+        embeds = self.embed(inp.input_ids)
+        slots = inp.input_ids == int(self.m["vision"]["image_token_id"])
+        n_slots = int(slots.sum())
+        if inp.vision:
+            feats = self.image_features(inp.vision)
+            if feats.shape[0] != n_slots:
+                raise VlmcError(f"{n_slots} image placeholders but the vision graphs produced {feats.shape[0]} features")
+            embeds = embeds.copy()
+            embeds[slots] = feats.astype(embeds.dtype)
+        elif n_slots:
+            raise VlmcError(f"{n_slots} image placeholders but no images")
+        return embeds
+
+    def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20) -> GenerationResult:
+        return self.generate_from(self.prepare(prompts, images), max_new_tokens)
+
+    def generate_from(self, inp: Inputs, max_new_tokens: int = 20) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise VlmcError("max_new_tokens must be at least 1")
+        t = self.m["text"]
+        batch = inp.input_ids.shape[0]
+        eos = t.get("eos_token_id")
+        eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        pad = int(t.get("pad_token_id") or 0)
+        embeds = self.prefill_embeds(inp)
+        ctx = {"manifest": self.m, "vision": inp.vision, "image_counts": inp.image_counts}
+        pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
+        mask = inp.attention_mask
+        dtype = self.m["kv"].get("dtype", "float32")
+        state = kvmod.make(self.m["kv"], batch, dtype, attention_mask=mask, pipeline=self)
+        tokens: list[list[int]] = [[] for _ in range(batch)]
+        done = np.zeros(batch, bool)
+        step_logits = []
+        prefill_logits = None
+        try:
+            for step in range(max_new_tokens):
+                available = {"inputs_embeds": embeds, "attention_mask": mask, "position_ids": pos}
+                available.update(state.feeds({"attention_mask": mask, "new_tokens": embeds.shape[1]}))
+                out = self.run_chain(self.m["pipeline"]["decoder"], available)
+                state.update(out)
+                logits = out["logits"][:, -1, :]
+                if prefill_logits is None:
+                    prefill_logits = logits.copy()
+                step_logits.append(logits)
+                nxt = logits.argmax(-1)
+                nxt = np.where(done, pad, nxt)
+                for b in range(batch):
+                    if not done[b]:
+                        tokens[b].append(int(nxt[b]))
+                        if int(nxt[b]) in eos_ids:
+                            done[b] = True
+                if done.all() or step == max_new_tokens - 1:
+                    break
+                embeds = self.embed(nxt[:, None].astype(np.int64))
+                mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
+                pos = positions.next_positions(pos)
+        finally:
+            state.release()
+        texts = [self.tokenizer.decode([x for x in seq if x not in eos_ids]) for seq in tokens]
+        return GenerationResult(tokens, texts, prefill_logits, step_logits,
+                                image_tokens=int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum()))

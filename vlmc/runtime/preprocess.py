@@ -1,0 +1,89 @@
+"""Image loading and preprocessing, chosen by the manifest's ``vision.preprocess.kind``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+DEMO_IMAGE = "demo"
+
+
+def demo_image(size: int = 96, seed: int = 0) -> np.ndarray:
+    """A deterministic synthetic RGB image (uint8 HWC): gradients plus a few solid shapes."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:size, 0:size]
+    img = np.stack([x * 255 / size, y * 255 / size, (x + y) * 127 / size], axis=-1)
+    for _ in range(3):
+        cx, cy, r = rng.integers(size // 8, size - size // 8, 2).tolist() + [int(rng.integers(size // 10, size // 4))]
+        img[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.integers(0, 256, 3)
+    return img.astype(np.uint8)
+
+
+def load_image(ref) -> np.ndarray:
+    """An image as uint8 HWC RGB from a path, a numpy array, or the name 'demo' / 'demo:SEED'."""
+    if isinstance(ref, np.ndarray):
+        return ref
+    ref = str(ref)
+    if ref == DEMO_IMAGE or ref.startswith(DEMO_IMAGE + ":"):
+        seed = int(ref.split(":", 1)[1]) if ":" in ref else 0
+        return demo_image(seed=seed)
+    path = Path(ref)
+    if not path.is_file():
+        raise VlmcError(f"image {ref} does not exist")
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ModuleNotFoundError as exc:
+        raise VlmcError("reading image files needs pillow: pip install pillow") from exc
+    try:
+        with Image.open(path) as im:
+            return np.asarray(im.convert("RGB"))
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise VlmcError(f"{ref} is not a readable image ({type(exc).__name__})") from exc
+
+
+def _resample(name: str) -> int:
+    from PIL import Image
+
+    return {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}.get(name, Image.BICUBIC)
+
+
+def _resize(img: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.asarray(Image.fromarray(img).resize((width, height), _resample(resample)))
+
+
+def clip(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    """CLIP-style: resize the shortest edge, center-crop, rescale, normalize -> pixel_values NCHW."""
+    out = []
+    ch, cw = facts["crop_size"]
+    for img in images:
+        h, w = img.shape[:2]
+        short = facts["resize_shortest_edge"]
+        scale = short / min(h, w)
+        nh, nw = max(ch, round(h * scale)), max(cw, round(w * scale))
+        img = _resize(img, nh, nw, facts.get("resample", "bicubic"))
+        top, left = (nh - ch) // 2, (nw - cw) // 2
+        img = img[top:top + ch, left:left + cw]
+        x = img.astype(np.float32) * np.float32(facts.get("rescale_factor", 1 / 255))
+        x = (x - np.array(facts["mean"], np.float32)) / np.array(facts["std"], np.float32)
+        out.append(x.transpose(2, 0, 1))
+    return {"pixel_values": np.stack(out).astype(np.float32)}
+
+
+# kind -> function(images, facts) -> (vision graph inputs); family modules may add kinds.
+KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {"clip": clip}
+
+
+def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:
+    kind = facts.get("kind")
+    if kind not in KINDS:
+        raise VlmcError(f"unknown preprocessing kind {kind!r} in the manifest")
+    return KINDS[kind]([load_image(i) for i in images], facts)
