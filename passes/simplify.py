@@ -63,11 +63,23 @@ class Simplify(Pass):
             else:
                 logger.warning("simplify: %s is too large for onnxsim; only dead nodes are removed", name)
             remove_dead_nodes(model)
+            if _same_modulo_node_order(model, package.graph(name)):
+                model = package.graph(name)  # onnxsim only reordered nodes: keep the original
             if G.fingerprint(model) != before:
                 package.set_graph(name, model)
                 modified = True
             report[name] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node)}
         return PassResult(package, modified, report)
+
+
+def _same_modulo_node_order(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
+    """onnxsim's topological sort is not stable, so an already simple graph can come back reordered."""
+    if a is b:
+        return True
+    key = lambda m: sorted(n.SerializeToString(deterministic=True) for n in m.graph.node)  # noqa: E731
+    same_inits = [(t.name, t.raw_data, list(t.dims)) for t in a.graph.initializer] == [
+        (t.name, t.raw_data, list(t.dims)) for t in b.graph.initializer]
+    return same_inits and key(a) == key(b) and a.graph.input == b.graph.input and a.graph.output == b.graph.output
 
 
 def _onnxsim(model: onnx.ModelProto, skip_fuse_bn: bool, name: str) -> onnx.ModelProto:

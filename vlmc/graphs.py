@@ -68,6 +68,33 @@ def load(path: str | Path, load_weights: bool = True) -> onnx.ModelProto:
     return model
 
 
+def check_external_data(model: onnx.ModelProto, base: Path) -> None:
+    """Raise a one-line VlmcError if an external data file is missing or too short (nothing is read)."""
+    from onnx.external_data_helper import uses_external_data
+
+    sizes: dict[Path, int] = {}
+    for tensor in _all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        location = (base / info.get("location", "")).resolve()
+        if base.resolve() not in location.parents:
+            raise VlmcError(f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
+                            f"{base}; re-export the package")
+        if location not in sizes:
+            if not location.is_file():
+                raise VlmcError(f"external data {location} for tensor {tensor.name!r} is missing; "
+                                "copy the whole package directory or re-export it")
+            sizes[location] = location.stat().st_size
+        try:
+            end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        except ValueError:
+            raise VlmcError(f"tensor {tensor.name!r} has a malformed external data entry; re-export the package") from None
+        if end > sizes[location]:
+            raise VlmcError(f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {end}, "
+                            f"the file has {sizes[location]}); copy the whole package again or re-export it")
+
+
 def _load_external(model: onnx.ModelProto, base: Path) -> None:
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
@@ -82,7 +109,8 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
         if length >= 0 and offset + length > location.stat().st_size:
             raise VlmcError(f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})")
         load_external_data_for_tensor(tensor, str(base))
-        tensor.data_location = onnx.TensorProto.DEFAULT
+        # ClearField, not "= DEFAULT": proto2 keeps an explicitly set field, which changes the bytes
+        tensor.ClearField("data_location")
         del tensor.external_data[:]
 
 
@@ -120,7 +148,7 @@ def save(model: onnx.ModelProto, path: str | Path) -> None:
     finally:
         for tensor, raw in moved:
             del tensor.external_data[:]
-            tensor.data_location = onnx.TensorProto.DEFAULT
+            tensor.ClearField("data_location")
             tensor.raw_data = raw
     if not moved:
         data_path.unlink(missing_ok=True)
