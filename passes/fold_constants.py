@@ -8,6 +8,7 @@ import onnx_graphsurgeon as gs
 
 from vlmc import graphs as G
 from vlmc.pass_api import Option, Pass, PassResult, register
+from vlmc.passes._folding import foldable
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +26,8 @@ class FoldConstants(Pass):
     )
 
     def run(self, package):
-        names = self.opts["graphs"] or package.graph_names
-        report = {}
+        names, skipped = foldable(package, self.opts["graphs"] or package.graph_names, self.name)
+        report = {name: {"skipped": why} for name, why in skipped.items()}
         modified = False
         limit = int(self.opts["size_threshold_mb"] * 1024 * 1024)
         for name in names:

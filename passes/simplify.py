@@ -8,6 +8,7 @@ import onnx
 
 from vlmc import graphs as G
 from vlmc.pass_api import Option, Pass, PassResult, register
+from vlmc.passes._folding import foldable
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ class Simplify(Pass):
     )
 
     def run(self, package):
-        names = self.opts["graphs"] or package.graph_names
-        report = {}
+        names, skipped = foldable(package, self.opts["graphs"] or package.graph_names, self.name)
+        report = {name: {"skipped": why} for name, why in skipped.items()}
         modified = False
         for name in names:
             model = package.graph(name)

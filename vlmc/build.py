@@ -49,6 +49,10 @@ def build(recipe: Recipe, output: str | Path, check: bool = False, force: bool =
             from vlmc import backends
 
             compiled = backends.get(recipe.target["backend"]).compile(pkg, tmp / "build", recipe.target)
+            from vlmc import report
+
+            pkg.report["compile"] = report.compile_summary(compiled)  # the ATC commands go into report.md
+            report.write(pkg, tmp / "package")
         (tmp / BUILD_MARKER).write_text(json.dumps({"recipe": recipe.to_dict(), "package": "package",
                                                     "build": "build" if compiled is not None else None},
                                                    indent=2, sort_keys=True) + "\n")

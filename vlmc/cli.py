@@ -5,9 +5,12 @@ User errors print one line on stderr and exit 2 (a failed check exits 1); ``-v``
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import click
@@ -16,6 +19,22 @@ from vlmc import __version__, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that every atomic write removes its temporary directory."""
+
+
+def _raise_on_sigterm(ctx: click.Context) -> None:
+    # The default SIGTERM action kills the process without unwinding, leaving .tmp-* directories behind.
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
 
 
 class _Group(click.Group):
@@ -29,14 +48,15 @@ class _Group(click.Group):
                 logger.exception("error")
             click.echo(f"vlmc: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
             click.echo("vlmc: interrupted; nothing was written", err=True)
-            ctx.exit(130)
+            ctx.exit(143 if isinstance(exc, _Terminated) else 130)
         except OSError as exc:
             if ui.is_verbose():
                 logger.exception("error")
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            click.echo(f"vlmc: error: {exc.strerror or exc}{where}", err=True)
+            hint = "; free some space or write elsewhere, nothing was written" if exc.errno == errno.ENOSPC else ""
+            click.echo(f"vlmc: error: {exc.strerror or exc}{where}{hint}", err=True)
             ctx.exit(2)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
@@ -60,6 +80,7 @@ def main(verbose: bool, quiet: bool) -> None:
         vlmc build --recipe recipes/demo.yaml -o out/demo
     """
     ui.configure(quiet=quiet, verbose=verbose)
+    _raise_on_sigterm(click.get_current_context())
 
 
 def _export_options(f):
@@ -119,7 +140,7 @@ def optimize(package, recipe_path, output, check, force):
     from vlmc import package as P
 
     r = recipe.load(recipe_path)
-    P.check_output_dir(output.resolve(), force)
+    P.check_output_dir(output.resolve(), force, source=package)
     pkg = P.Package.load(package)
     pkg = manager.run(pkg, r.steps, check=check)
     path = pkg.save(output, force=force)
@@ -189,7 +210,8 @@ def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list
         out.append(images[k:k + n])
         k += n
     if k != len(images):
-        raise VlmcError(f"{len(images)} image(s) given but the prompts take {k}")
+        raise VlmcError(f"{len(images)} image(s) given but the prompts take {k}; "
+                       f"put one {marker!r} in the prompts for each --image")
     return out
 
 
@@ -225,6 +247,11 @@ def verify(package, max_new_tokens, images, prompts, max_logit_diff, min_token_a
             ["token agreement", f"{res.token_agreement:.3f} over {max_new_tokens} new tokens"],
             ["common prefix", str(res.common_prefix)],
             ["result", "PASS" if res.passed else "FAIL"]]
+    if res.prefill_logits_kl is not None:
+        rows[3:3] = [["prefill KL(reference || package)", f"{res.prefill_logits_kl:.4g}"],
+                     ["top-5 agreement", f"{res.top5_agreement:.3f}"]]
+    if res.visual_tokens and res.visual_tokens["package"] != res.visual_tokens["reference"]:
+        rows.insert(0, ["visual tokens per image", f"{res.visual_tokens['package']} (reference {res.visual_tokens['reference']})"])
     ui.show(ui.table(f"verify {res.source} ({'exact' if res.exact_package else 'lossy'} package)", ["metric", "value"], rows))
     if not res.passed:
         from vlmc.errors import CheckFailed
@@ -236,21 +263,86 @@ def verify(package, max_new_tokens, images, prompts, max_logit_diff, min_token_a
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-def inspect(package, as_json):
+@click.option("--pruning", "pruning_image", help="For a pruned package: draw the patches kept for this image "
+              "(a file, or 'demo') into a PNG.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="PNG to write with --pruning (default pruning.png).")
+def inspect(package, as_json, pruning_image, output):
     """Show a package: graphs with IO, ops, weights, precision, KV layout and pass history.
 
     Example:
 
         vlmc inspect out/demo/package
+
+        vlmc inspect out/pruned --pruning demo -o kept.png
     """
     from vlmc import report
     from vlmc.package import Package
 
     pkg = Package.load(package)
+    if pruning_image:
+        from vlmc import pruning
+
+        out = output or Path("pruning.png")
+        out.write_bytes(pruning.picture(pkg, pruning_image))
+        p = pruning.facts(pkg)
+        ui.info(f"wrote {out}: {p['keep']} of {p['tokens_before']} visual tokens kept ({p['method']})")
+        return
     if as_json:
         click.echo(json.dumps(report.summary(pkg), indent=2, sort_keys=True, default=str))
         return
-    ui.stdout.print(report.render_markdown(pkg), markup=False, highlight=False)
+    click.echo(report.render_markdown(pkg), nl=False)  # byte for byte the package's report.md
+
+
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path), required=False)
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="Plan from a Hugging Face config.json or a vlmc sizing spec instead of a package.")
+@click.option("--device-memory", required=True, help="Memory per card, e.g. 16GiB or 16GB.")
+@click.option("--images", default=1, show_default=True, type=click.IntRange(0), help="Images per sequence.")
+@click.option("--text-tokens", default=512, show_default=True, type=click.IntRange(0),
+              help="Text tokens per sequence (prompt plus generated).")
+@click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Concurrent sequences.")
+@click.option("--cards", default=1, show_default=True, type=click.IntRange(1), help="Cards sharing the model (tensor parallel).")
+@click.option("--block-size", type=click.IntRange(1), help="Paged block size (default: the package's, else 128).")
+@click.option("--max-context", type=click.IntRange(1), help="Tokens a contiguous cache reserves per sequence (default: max positions).")
+@click.option("--reserve", default="0", show_default=True, help="Memory the runtime keeps per card, e.g. 1GiB.")
+@click.option("--precision", "precisions", multiple=True, help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+def plan(package, config_path, device_memory, images, text_tokens, batch, cards, block_size, max_context, reserve,
+         precisions, as_json):
+    """Plan device memory: weights, KV per token/block, image tokens, headroom -> sequences and context that fit.
+
+    Compares the paged KV reservation with a contiguous cache's worst case for the request mix.
+
+    Example:
+
+        vlmc plan out/demo/package --device-memory 16GiB --images 4 --text-tokens 2048 --batch 2
+    """
+    from vlmc import plan as PL
+    from vlmc.package import Package
+
+    if (package is None) == (config_path is None):
+        raise click.UsageError("plan needs a PACKAGE or --config (one of them)")
+    prec = {}
+    for item in precisions:
+        role, _, value = item.partition("=")
+        if not value or value not in PL.WEIGHT_BYTES:
+            raise VlmcError(f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}")
+        prec[role] = value
+    if config_path is not None:
+        spec = PL.load_spec(config_path, prec or None)
+    else:
+        if prec:
+            raise click.UsageError("--precision only applies with --config (a package states its own precisions)")
+        spec = PL.spec_from_package(Package.load(package))
+    result = PL.plan(spec, device_memory, images=images, text_tokens=text_tokens, batch=batch, cards=cards,
+                     block_size=block_size, max_context=max_context, reserve=reserve)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+        return
+    ui.show(ui.table(f"plan for {spec.name}", ["quantity", "value"], result.rows()))
+    for note in result.notes:
+        ui.info(f"note: {note}")
 
 
 @main.command()
@@ -272,6 +364,51 @@ def passes(schema):
         opts = ", ".join(f"{o.name}={o.default!r}" for o in cls.options) or "-"
         rows.append([name, cls.summary, opts])
     ui.show(ui.table("passes", ["pass", "what it does", "options (defaults)"], rows))
+
+
+@main.command(name="compile")
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Build directory to write.")
+@click.option("--target", "backend", default="ascend", show_default=True, type=click.Choice(["ascend", "ort"]),
+              help="Backend: ascend (ATC builds) or ort (a package runnable here).")
+@click.option("--soc", default=None, help="Ascend SoC: an exact variant (Ascend910B1…B4-1) or the family Ascend910B.")
+@click.option("--soc-variant", default=None, help="910B variant to use when --soc is the family and npu-smi is absent.")
+@click.option("--recipe", "recipe_path", type=click.Path(path_type=Path), help="Take target options from a recipe's target.")
+@click.option("--run", "run_atc", is_flag=True, help="Run atc when it is on PATH and collect the .om files.")
+@click.option("--force", is_flag=True, help="Replace an existing vlmc build at the output.")
+def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, force):
+    """Lower a package for a backend and write the build (ATC commands, build.sh, compile.json).
+
+    Everything is prechecked before anything is written; without atc on PATH the build directory
+    is still complete and `--run` says atc is missing.
+
+    Example:
+
+        vlmc compile out/demo/package --soc Ascend910B -o out/demo-910b
+    """
+    from vlmc import backends
+    from vlmc import recipe as R
+    from vlmc.package import Package
+
+    target = dict(R.load(recipe_path).target or {}) if recipe_path else {}
+    if target and target.get("backend") != backend and "--target" not in sys.argv:
+        backend = target["backend"]
+    target["backend"] = backend
+    if backend == "ascend":
+        for key, value in (("soc", soc), ("soc_variant", soc_variant)):
+            if value is not None:
+                target[key] = value
+        if run_atc:
+            target["run"] = True
+    elif soc or soc_variant or run_atc:
+        raise click.UsageError("--soc, --soc-variant and --run apply to --target ascend only")
+    target = backends.validate_target(target, where="compile target")
+    pkg = Package.load(package)
+    summary = backends.get(backend).compile(pkg, output, target, force=force)
+    rows = [[name, g.get("role", ""), g.get("precision", "")] for name, g in summary.get("graphs", {}).items()]
+    ui.show(ui.table(f"compiled for {backend}" + (f" ({summary.get('soc_version')})" if summary.get("soc_version") else ""),
+                     ["graph", "role", "precision"], rows))
+    ui.info(f"wrote {output}")
 
 
 def _summary(pkg) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +98,7 @@ def check_external_data(model: onnx.ModelProto, base: Path) -> None:
 
 
 def _load_external(model: onnx.ModelProto, base: Path) -> None:
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from onnx.external_data_helper import uses_external_data
 
     for tensor in _all_tensors(model):
         if not uses_external_data(tensor):
@@ -108,50 +110,109 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
         offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
         if length >= 0 and offset + length > location.stat().st_size:
             raise VlmcError(f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})")
-        load_external_data_for_tensor(tensor, str(base))
+        if base.resolve() not in location.resolve().parents:
+            raise VlmcError(f"tensor {tensor.name!r} points at external data outside {base}; re-export the package")
+        # Read the bytes directly: the bounds and location were checked above, and one read per tensor
+        # avoids onnx's loader reopening the file for every tensor.
+        with open(location, "rb") as f:
+            f.seek(offset)
+            tensor.raw_data = f.read(length) if length >= 0 else f.read()
         # ClearField, not "= DEFAULT": proto2 keeps an explicitly set field, which changes the bytes
         tensor.ClearField("data_location")
         del tensor.external_data[:]
+
+
+@contextlib.contextmanager
+def detached_weights(*models: onnx.ModelProto) -> Iterator[list[tuple[onnx.TensorProto, bytes]]]:
+    """Temporarily take the bytes of every large tensor out of the models (marking them external).
+
+    The caller fills in ``external_data`` entries for what it needs (a file to write, or a placeholder
+    for checking); on exit the bytes go back and the markers are removed. The protobuf left behind is
+    small, so serializing, checking and shape inference stay cheap at any model size and no copy of
+    the weights is ever made.
+    """
+    moved: list[tuple[onnx.TensorProto, bytes]] = []
+    try:
+        for model in models:
+            for tensor in _all_tensors(model):
+                if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD:
+                    continue
+                raw = tensor.raw_data
+                tensor.ClearField("raw_data")
+                tensor.data_location = onnx.TensorProto.EXTERNAL
+                moved.append((tensor, raw))
+        yield moved
+    finally:
+        for tensor, raw in moved:
+            del tensor.external_data[:]
+            tensor.ClearField("data_location")  # not "= DEFAULT": proto2 would keep the field set
+            tensor.raw_data = raw
+
+
+def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
 
 
 def save(model: onnx.ModelProto, path: str | Path) -> None:
     """Save a graph with its large tensors in one external data file named ``<file>.data``.
 
     onnx.save_model's external-data writer strips the weights from the in-memory model, and copying
-    the model first doubles peak memory. Here each large tensor's bytes are moved out, the small
-    protobuf is written, and the bytes are put back, so the model stays usable and memory stays flat.
+    the model first doubles peak memory; detaching the bytes around the write does neither.
     """
-    path = Path(path)
-    data_name = path.name + ".data"
-    data_path = path.parent / data_name
-    moved: list[tuple[onnx.TensorProto, bytes]] = []
+    save_shared({Path(path): model}, Path(str(path) + ".data"), dedupe=False)
+
+
+def save_shared(models: dict[Path, onnx.ModelProto], data_path: Path, dedupe: bool = True) -> None:
+    """Save graphs with their large tensors in one data file; with ``dedupe`` each distinct content once.
+
+    Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path beside
+    it): a tensor whose dtype, dims and bytes were already written points at the first copy.
+    """
+    data_path = Path(data_path)
+    written: dict[str, tuple[int, int]] = {}
     offset = 0
-    try:
+    with detached_weights(*models.values()) as moved:
         with open(data_path, "wb") as data:
-            for tensor in _all_tensors(model):
-                if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD:
-                    continue
-                raw = tensor.raw_data
-                pad = (-offset) % 64  # aligned offsets let runtimes mmap tensors
-                data.write(b"\0" * pad)
-                offset += pad
-                data.write(raw)
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                for key, value in (("location", data_name), ("offset", str(offset)), ("length", str(len(raw)))):
-                    entry = tensor.external_data.add()
-                    entry.key, entry.value = key, value
-                offset += len(raw)
-                moved.append((tensor, raw))
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString(deterministic=True))
-    finally:
-        for tensor, raw in moved:
-            del tensor.external_data[:]
-            tensor.ClearField("data_location")
-            tensor.raw_data = raw
-    if not moved:
-        data_path.unlink(missing_ok=True)
+            for tensor, raw in moved:
+                key = (hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode() + raw).hexdigest()
+                       if dedupe else str(len(written)))
+                if key not in written:
+                    pad = (-offset) % 64  # aligned offsets let runtimes mmap tensors
+                    data.write(b"\0" * pad)
+                    offset += pad
+                    data.write(raw)
+                    written[key] = (offset, len(raw))
+                    offset += len(raw)
+                _point_at(tensor, data_path.name, *written[key])
+        for path, model in models.items():
+            with open(path, "wb") as f:
+                f.write(model.SerializeToString(deterministic=True))
+        if not moved:
+            data_path.unlink(missing_ok=True)
+
+
+def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str, int]:
+    """Stored weight copies of a graph: identity -> bytes (initializers and Constant tensors).
+
+    External tensors are identified by where they are stored (file, offset, length), so graphs that
+    share a data file count a shared weight once; in-memory tensors by content.
+    """
+    out: dict[str, int] = {}
+    tensors = list(model.graph.initializer)
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            tensors.extend(a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR)
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL and base is not None:
+            info = {e.key: e.value for e in t.external_data}
+            key = f"{(Path(base) / info.get('location', '')).resolve()}@{info.get('offset', 0)}+{info.get('length')}"
+        else:
+            raw = t.raw_data if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL else to_array(t).tobytes()
+            key = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode() + raw).hexdigest()
+        out[key] = _tensor_nbytes(t)
+    return out
 
 
 def _all_tensors(model: onnx.ModelProto):
@@ -160,46 +221,64 @@ def _all_tensors(model: onnx.ModelProto):
     return _get_all_tensors(model)
 
 
-def fingerprint(model: onnx.ModelProto) -> str:
-    """A content hash of a graph, weights included, without serializing it as one message.
+# Tensors up to this size are hashed whole; larger ones by evenly spaced windows (see fingerprint).
+_FULL_HASH_BYTES = 1 << 20
+_WINDOWS, _WINDOW_BYTES = 64, 4096
 
-    Serializing a model over 2 GB fails, so weights are hashed tensor by tensor.
+
+def fingerprint(model: onnx.ModelProto) -> str:
+    """A content hash of a graph, used by the pass manager to see what a pass changed.
+
+    Structure (nodes, IO, opsets, tensor names, dtypes and shapes) is hashed exactly. Tensor bytes
+    are hashed whole up to 1 MiB; larger tensors by 64 evenly spaced 4 KiB windows plus their
+    length. Hashing every byte of a multi-GB model after every pass cost more than the passes; the
+    windows catch any rewrite of a weight (requantization, rescaling, a different tensor), and the
+    structure catches every graph edit. A pass that changed one value deep inside a large weight in
+    place, and nothing else, would go unseen; vlmc's passes replace tensors instead.
     """
     h = hashlib.sha256()
     for t in model.graph.initializer:
-        raw = t.raw_data
-        h.update((_header(t) if raw else t).SerializeToString(deterministic=True))
-        h.update(raw)
-    for part in (model.graph.node, model.graph.input, model.graph.output, model.opset_import):
+        raw = t.raw_data  # one read; detaching and restoring would copy the bytes twice
+        if not raw:
+            h.update(t.SerializeToString(deterministic=True))
+            continue
+        h.update(f"{t.name}|{t.data_type}|{list(t.dims)}|{len(raw)}|".encode())
+        if len(raw) <= _FULL_HASH_BYTES:
+            h.update(raw)
+        else:
+            view = memoryview(raw)
+            step = (len(raw) - _WINDOW_BYTES) // (_WINDOWS - 1)
+            for i in range(_WINDOWS):
+                h.update(view[i * step:i * step + _WINDOW_BYTES])
+    for part in (model.graph.node, model.graph.input, model.graph.output, model.opset_import,
+                 model.graph.sparse_initializer):
         for item in part:
             h.update(item.SerializeToString(deterministic=True))
-    for si in model.graph.sparse_initializer:
-        h.update(si.SerializeToString(deterministic=True))
     return h.hexdigest()
 
 
-def _header(t: onnx.TensorProto) -> onnx.TensorProto:
-    out = onnx.TensorProto()
-    out.name = t.name
-    out.data_type = t.data_type
-    out.dims.extend(t.dims)
-    return out
+def check(model: onnx.ModelProto, name: str = "graph") -> None:
+    """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
 
-
-def check(model: onnx.ModelProto, name: str = "graph") -> onnx.ModelProto:
-    """Run onnx.checker (full) and strict shape inference; return the model with inferred shapes.
-
-    Models above the protobuf limit are checked through a temporary file, which the checker needs.
+    The weights are detached first (the checker and shape inference need only dtypes and shapes),
+    so this works for models over the protobuf limit and never copies the weights.
     """
     try:
-        if model.ByteSize() < 1_800_000_000:
-            onnx.checker.check_model(model, full_check=True)
-            return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=False, data_prop=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            p = os.path.join(tmp, "m.onnx")
-            save(model, p)
-            onnx.checker.check_model(p, full_check=True)
-        return model
+        with detached_weights(model) as moved, tempfile.TemporaryDirectory() as tmp:
+            # The checker insists that external data is a regular file inside the model's directory:
+            # a sparse file of the right size stands in for the weights (no bytes are written).
+            size = 0
+            for tensor, raw in moved:
+                _point_at(tensor, "weights", size, len(raw))
+                size += len(raw)
+            with open(os.path.join(tmp, "weights"), "wb") as f:
+                f.truncate(size)
+            path = os.path.join(tmp, "graph.onnx")
+            with open(path, "wb") as f:
+                f.write(model.SerializeToString(deterministic=True))
+            onnx.checker.check_model(path, full_check=True)
+            onnx.shape_inference.infer_shapes_path(path, os.path.join(tmp, "inferred.onnx"), check_type=True,
+                                                   strict_mode=True, data_prop=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise VlmcError(f"{name}: ONNX check failed: {first}") from exc

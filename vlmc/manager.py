@@ -51,6 +51,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             before = _snapshot(pkg, keep_graphs=check and p.preserves_numerics)
             t0 = time.perf_counter()
             try:
+                _refuse_weight_change_on_merged(p, step.name, pkg)
                 p.check_package(pkg)
                 result = p.run(pkg)
             except VlmcError as exc:
@@ -88,6 +89,16 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             ran.append(step.name)
             bar.advance()
     return pkg
+
+
+def _refuse_weight_change_on_merged(p, name: str, pkg: Package) -> None:
+    """A merged package keeps the text-only decode graphs beside the merged graph, which repeats them; a
+    pass that changes numerics on purpose (pruning, quantization) would make prefill and decode disagree."""
+    merged = pkg.manifest.get("pipeline", {}).get("vlm")
+    if merged and p.lossy:
+        raise VlmcError(f"{name} cannot run on a merged package: graph {merged!r} repeats the stages that the "
+                        f"decode graphs keep, and changing one copy would make prefill and decode disagree; "
+                        f"run {name} before merge, or run split first")
 
 
 def _snapshot(pkg: Package, keep_graphs: bool) -> _Before:

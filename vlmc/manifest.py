@@ -11,7 +11,8 @@ Layout (format version 1)::
       "text":   {"vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "max_positions",
                  "hidden_size", "tokenizer": "source" | "bytes", "prompt_template": str},
       "kv":     {"layers", "kv_heads", "head_dim", "layout": "contiguous" | "paged",
-                 "block_size": int | null, "dtype"},
+                 "block_size": int | null, "dtype",
+                 "num_blocks": int | "num_blocks", "padding_slot": str},   # the last two when paged
       "graphs": {name: {"file", "role", "precision", "inputs": [...], "outputs": [...]}},
       "pipeline": {"image": [graph, ...], "embed": graph, "decoder": [graph, ...]},
       "history": [{"pass", "options", "modified", "report"}]
@@ -109,6 +110,8 @@ def validate(m: Any, where: str = "vlmc.json") -> dict:
     for key, value in pipeline.items():
         names = value if isinstance(value, list) else [value]
         for n in names:
+            if n is not None and not isinstance(n, str):
+                raise VlmcError(f"{where}: pipeline.{key} must name graphs (strings), got {type(n).__name__}")
             if n is not None and n not in graphs:
                 raise VlmcError(f"{where}: pipeline.{key} names graph {n!r}, which the manifest does not list")
     if not isinstance(m.get("history", []), list):

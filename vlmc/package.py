@@ -25,7 +25,7 @@ from vlmc.errors import VlmcError
 logger = logging.getLogger(__name__)
 
 # Extra files a pass or exporter may attach (calibration samples, pictures): name -> bytes.
-_REPORT_FILES = ("report.md", "report.json")
+_REPORT_FILES = ("report.md", "report.json", "verify.json")  # describe one package state; never carried over
 
 
 class Package:
@@ -57,6 +57,7 @@ class Package:
         for name, g in manifest["graphs"].items():
             if not (root / g["file"]).is_file():
                 raise VlmcError(f"{root}: graph {name!r} file {g['file']} is missing")
+            _check_graph_file(root, name, g, str(mpath))
         pkg = cls(manifest, root)
         report = root / "report.json"
         if report.is_file():
@@ -149,19 +150,22 @@ class Package:
     def save(self, out: str | Path, force: bool = False) -> Path:
         """Write the package atomically to ``out`` and return its path.
 
-        Unmodified graphs are hard-linked (or copied) from the source package. ``force`` replaces an
+        Unmodified graphs are copied (cloned where the filesystem can) from the source package. ``force`` replaces an
         existing directory only if it is itself a vlmc package.
         """
         out = Path(out).resolve()
-        check_output_dir(out, force)
+        check_output_dir(out, force, source=self.root)
         M.validate(self.manifest, where="manifest to save")
         tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
             tmp.mkdir()
+            shared: dict[str, list[str]] = {}  # weights_file -> graphs storing their weights in it
             for name, info in self.manifest["graphs"].items():
                 dest = tmp / info["file"]
-                if name in self._models:
+                if info.get("weights_file"):
+                    shared.setdefault(info["weights_file"], []).append(name)
+                elif name in self._models:
                     G.save(self._models[name], dest)
                 else:
                     src = self.root / info["file"]
@@ -169,6 +173,9 @@ class Package:
                     data = src.parent / (src.name + ".data")
                     if data.exists():
                         _link_or_copy(data, tmp / (info["file"] + ".data"))
+            for data_file, names in sorted(shared.items()):
+                # Graphs that share weights (merge) are rewritten together so each weight is stored once.
+                G.save_shared({tmp / self.info(n)["file"]: self.graph(n) for n in names}, tmp / data_file)
             for rel, blob in sorted(self.files.items()):
                 target = (tmp / rel).resolve()
                 if tmp.resolve() not in target.parents:
@@ -190,12 +197,41 @@ class Package:
         return out
 
 
+def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
+    """Fail at load time, with one line, on a truncated graph, missing weights or a hand-edited signature.
+
+    Only the small protobuf is parsed (weights stay on disk), so opening a large package stays cheap;
+    catching these here keeps them from surfacing later as onnxruntime errors mid-run.
+    """
+    path = root / info["file"]
+    model = G.load(path, load_weights=False)
+    G.check_external_data(model, path.parent)
+    actual = G.signature(model)
+    for io in ("inputs", "outputs"):
+        want = [(e.get("name"), e.get("dtype")) for e in info[io]]
+        have = [(e["name"], e["dtype"]) for e in actual[io]]
+        if want != have:
+            diff = next(((w, h) for w, h in zip(want, have) if w != h), (want[len(have):] or None, have[len(want):] or None))
+            raise VlmcError(f"{where}: graphs.{name}.{io} do not match {info['file']} (manifest {diff[0]}, file {diff[1]}); "
+                            "the manifest was edited or the file replaced: re-export the package")
+
+
 def is_package(path: Path) -> bool:
     return (path / M.MANIFEST_NAME).is_file()
 
 
-def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME) -> None:
-    """Refuse to overwrite a directory unless --force and it is a previous vlmc output."""
+def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME, source: Path | None = None) -> None:
+    """Refuse to overwrite a directory unless --force and it is a previous vlmc output.
+
+    With ``source`` (the input package), an output nested inside it or around it is refused too:
+    writing there would change the input (or, with --force, delete it).
+    """
+    if source is not None:
+        src, dest = Path(source).resolve(), Path(out).resolve()
+        if src in dest.parents:
+            raise VlmcError(f"output {out} is inside the input package {source}; choose a directory outside it")
+        if dest in src.parents:
+            raise VlmcError(f"output {out} contains the input package {source}; choose a directory outside it")
     if not out.exists():
         return
     if not force:
@@ -205,10 +241,28 @@ def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME) -> N
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:
+    """Copy an unchanged file into a new package: a copy-on-write clone where the filesystem can.
+
+    Not a hard link: onnx.load and onnx.checker refuse external data files with more than one link
+    (a hardlink-attack guard), so a hard-linked package would not open in users' own onnx code.
+    """
     try:
-        os.link(src, dest)
+        _reflink(src, dest)
     except OSError:
-        shutil.copy2(src, dest)
+        shutil.copyfile(src, dest)  # uses the kernel's in-place copy (sendfile) on Linux
+
+
+def _reflink(src: Path, dest: Path) -> None:
+    import fcntl
+
+    ficlone = 0x40049409  # FICLONE: share the extents (btrfs, xfs); raises on filesystems without it
+    with open(src, "rb") as s, open(dest, "wb") as d:
+        try:
+            fcntl.ioctl(d.fileno(), ficlone, s.fileno())
+        except OSError:
+            d.close()
+            os.unlink(dest)
+            raise
 
 
 def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vlmc import pass_api, ui
+from vlmc import pass_api, pruning, ui
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
@@ -40,6 +40,9 @@ class VerifyResult:
     exact_package: bool
     passed: bool
     thresholds: dict
+    prefill_logits_kl: float | None = None  # KL(reference || package) of the first-token distribution, nats
+    top5_agreement: float | None = None  # share of the reference's 5 best first tokens the package also ranks top-5
+    visual_tokens: dict | None = None  # per image, package vs reference (differs for pruned packages)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,6 +72,7 @@ def reference_generate(model, inp: Inputs, max_new_tokens: int, eos, pad: int):
 
     feeds = {"input_ids": torch.from_numpy(inp.input_ids), "attention_mask": torch.from_numpy(inp.attention_mask)}
     feeds.update({k: torch.from_numpy(v) for k, v in inp.vision.items()})
+    feeds.update({k: torch.from_numpy(v) for k, v in inp.extra.items()})
     with torch.no_grad():
         logits = model(**feeds).logits[:, -1, :].float().numpy()
         gen = model.generate(**feeds, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
@@ -103,6 +107,19 @@ def compare(ref_logits, ref_tokens, got_logits, got_tokens) -> dict:
             "common_prefix": prefixes}
 
 
+def reference_inputs(pkg: Package, prompts: list[str], images: list[list]) -> Inputs | None:
+    """Inputs for the source model when a pass changed the placeholder count (pruning), else None.
+
+    The source model expects every visual token, so its prompts are expanded with the unpruned
+    count that ``vision.pruning`` records.
+    """
+    p = pruning.facts(pkg)
+    if not p:
+        return None
+    vision = dict(pkg.manifest["vision"], tokens_per_image=p.get("unpruned_tokens_per_image", p["tokens_before"]))
+    return Pipeline(pruning.variant(pkg, vision=vision)).prepare(prompts, images)
+
+
 def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = None, images: list[list] | None = None,
            max_logit_diff: float | None = None, min_token_agreement: float | None = None,
            trust_remote_code: bool = False, allow_pickle: bool = False) -> VerifyResult:
@@ -112,15 +129,21 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
         images = [[f"demo:{i}"] for i in range(len(prompts))]
     pipe = Pipeline(pkg)
     inp = pipe.prepare(prompts, images)
+    ref_inp = reference_inputs(pkg, prompts, images) or inp
     with ui.progress("verify: loading the source model in transformers"):
         model = reference_model(pkg, trust_remote_code, allow_pickle)
     t = pkg.manifest["text"]
     with ui.progress(f"verify: transformers generate ({max_new_tokens} tokens)"):
-        ref_logits, ref_tokens = reference_generate(model, inp, max_new_tokens, t.get("eos_token_id"),
+        ref_logits, ref_tokens = reference_generate(model, ref_inp, max_new_tokens, t.get("eos_token_id"),
                                                     int(t.get("pad_token_id") or 0))
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
         got = pipe.generate_from(inp, max_new_tokens)
     c = compare(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
+    dist = pruning.logits_agreement(ref_logits, got.prefill_logits)
+    image_id = int(pkg.manifest["vision"]["image_token_id"])
+    n_images = max(sum(inp.image_counts), 1)
+    tokens = {"package": int((inp.input_ids == image_id).sum()) // n_images,
+              "reference": int((ref_inp.input_ids == image_id).sum()) // n_images}
     exact = not is_lossy(pkg)
     if exact:
         max_logit_diff = DEFAULT_MAX_LOGIT_DIFF if max_logit_diff is None else max_logit_diff
@@ -134,11 +157,18 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
                        prefill_logits_max_abs_diff=c["max_abs_diff"], prefill_logits_cosine=c["cosine"],
                        top1_agreement=c["top1"], token_agreement=c["token_agreement"], common_prefix=c["common_prefix"],
                        tokens_package=got.tokens, tokens_reference=ref_tokens, exact_package=exact, passed=ok,
-                       thresholds={"max_logit_diff": max_logit_diff, "min_token_agreement": min_token_agreement})
+                       thresholds={"max_logit_diff": max_logit_diff, "min_token_agreement": min_token_agreement},
+                       prefill_logits_kl=dist["kl"], top5_agreement=dist["top5"], visual_tokens=tokens)
     return res
 
 
 def write(pkg: Package, result: VerifyResult) -> None:
     """Store verify.json in the package directory (a report file, not part of the manifest)."""
     if pkg.root is not None:
-        (pkg.root / "verify.json").write_text(json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
+        from vlmc import report
+
+        # The digest ties the numbers to this exact package, so a later optimize does not inherit them.
+        data = dict(result.to_dict(), manifest_sha256=report.manifest_digest(pkg.manifest))
+        (pkg.root / "verify.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        pkg.report["verify"] = data  # report.md shows parity/fidelity numbers: keep it in step
+        report.write(pkg, pkg.root)

@@ -109,7 +109,8 @@ def load_source(name: str, trust_remote_code: bool = False, allow_pickle: bool =
     if path.exists():
         return _load_local(path, trust_remote_code, allow_pickle)
     if looks_local or name.count("/") > 1:
-        raise VlmcError(f"model path {name} does not exist (built-ins: {', '.join(sorted(zoo.BUILTINS))})")
+        raise VlmcError(f"model path {name} does not exist; pass a local Hugging Face model directory, a hub id "
+                        f"(org/name) or a built-in ({', '.join(sorted(zoo.BUILTINS))})")
     return _load_hub(name, trust_remote_code, allow_pickle, revision)
 
 

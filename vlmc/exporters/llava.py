@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from vlmc import samples
+from vlmc import attention, samples
 from vlmc.exporters import base
 from vlmc.package import Package
 
@@ -70,6 +70,32 @@ def tokens_per_image(config) -> int:
     return n if config.vision_feature_select_strategy == "default" else n + 1
 
 
+def attention_facts(vision_graph, config) -> dict | None:
+    """Where the attention of the feature layer lives in the vision graph (read by prune_visual_tokens).
+
+    hidden_states[0] is the embeddings, so hidden_states[f] (f < 0: L + f) is the output of encoder
+    layer L + f (f > 0: f - 1); FasterVLM scores tokens with that same layer's CLS attention row.
+    """
+    v = config.vision_config
+    n_layers = int(v.num_hidden_layers)
+    picked = config.vision_feature_layer if isinstance(config.vision_feature_layer, int) else max(
+        (f if f >= 0 else n_layers + 1 + f) for f in config.vision_feature_layer)
+    layer = n_layers + picked if picked < 0 else picked - 1
+    if layer < 0:
+        return None  # features are the patch embeddings: no attention before them
+    nodes = attention.softmax_nodes(vision_graph, scope=f"/encoder/layers.{layer}/")
+    if len(nodes) != 1:
+        logger.warning("llava: found %d Softmax nodes for vision layer %d; attention facts not written", len(nodes), layer)
+        return None
+    facts = attention.locate(vision_graph, nodes[0])
+    n_patches = (int(v.image_size) // int(v.patch_size)) ** 2
+    # Keys are [CLS, patches...]; feature tokens are the patches (default) or CLS + patches (full).
+    facts.update({"graph": "vision_encoder", "layer": layer, "layers": n_layers, "query_index": 0,
+                  "token_offset": 1 if config.vision_feature_select_strategy == "default" else 0,
+                  "keys_per_image": n_patches + 1})
+    return facts
+
+
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
@@ -89,7 +115,7 @@ def export(source, pkg: Package) -> None:
     m["text"] = {"vocab_size": int(tcfg.vocab_size), "eos_token_id": eos, "bos_token_id": tcfg.bos_token_id,
                  "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
                  "max_positions": int(tcfg.max_position_embeddings), "hidden_size": int(tcfg.hidden_size),
-                 "tokenizer": "bytes", "prompt_template": LLAVA_TEMPLATE, "image_marker": "<image>",
+                 "intermediate_size": getattr(tcfg, "intermediate_size", None), "tokenizer": "bytes", "prompt_template": LLAVA_TEMPLATE, "image_marker": "<image>",
                  "position": "1d", "add_bos": True}
     m["kv"] = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "layout": "contiguous",
                "block_size": None, "dtype": "float32"}
@@ -100,6 +126,7 @@ def export(source, pkg: Package) -> None:
     vision = base.export_graph(VisionWrapper(model), [pixels], ["pixel_values"], ["image_features"],
                                {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}})
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
+    m["vision"]["attention"] = attention_facts(vision, cfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(pkg, model.model.language_model, model.lm_head, layers, kv_heads, head_dim, tcfg.hidden_size)

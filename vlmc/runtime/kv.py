@@ -36,5 +36,14 @@ class ContiguousKV:
 LAYOUTS = {"contiguous": lambda kv, batch, dtype, **_: ContiguousKV(kv, batch, dtype)}
 
 
+def _paged(kv: dict, batch: int, dtype: str, **extra) -> object:
+    from vlmc.runtime.paged import PagedKV  # imported lazily: paged.py is only needed for paged packages
+
+    return PagedKV(kv, batch, dtype, **extra)
+
+
+LAYOUTS["paged"] = _paged
+
+
 def make(kv: dict, batch: int, dtype: str = "float32", **extra) -> object:
     return LAYOUTS[kv["layout"]](kv, batch, dtype, **extra)

@@ -22,6 +22,8 @@ from vlmc.runtime import tokenizer as tokmod
 
 logger = logging.getLogger(__name__)
 
+_FLOAT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16)}
+
 
 @dataclass
 class Inputs:
@@ -31,6 +33,12 @@ class Inputs:
     attention_mask: np.ndarray  # [batch, seq] int64
     vision: dict[str, np.ndarray] = field(default_factory=dict)  # pixel_values (+ image_grid_thw ...)
     image_counts: list[int] = field(default_factory=list)  # images per prompt
+    # Extra inputs only the source transformers model needs (verify passes them), e.g. the
+    # token-type ids named by the manifest's text.token_type_ids (1 on image placeholders, else 0).
+    extra: dict[str, np.ndarray] = field(default_factory=dict)
+    # Every output of the image chain once prefill ran it (e.g. a pruned package's image_token_indices,
+    # which M-RoPE positions need).
+    image_outputs: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -66,6 +74,10 @@ class Pipeline:
             if i.name not in available:
                 raise VlmcError(f"graph {name} needs input {i.name!r}, which the pipeline does not provide")
             feeds[i.name] = available[i.name]
+            # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs.
+            want = _FLOAT_TYPES.get(i.type)
+            if want is not None and feeds[i.name].dtype != want and feeds[i.name].dtype.kind == "f":
+                feeds[i.name] = feeds[i.name].astype(want)
         outs = sess.run(None, feeds)
         return dict(zip([o.name for o in sess.get_outputs()], outs))
 
@@ -89,9 +101,17 @@ class Pipeline:
     def tokens_for_images(self, vision: dict[str, np.ndarray], n_images: int) -> list[int]:
         """Placeholder count per image: fixed by the manifest, or derived from the image grid."""
         v = self.m["vision"]
-        if isinstance(v.get("tokens_per_image"), int):
-            return [int(v["tokens_per_image"])] * n_images
         grid = vision.get("image_grid_thw")
+        if isinstance(v.get("tokens_per_image"), int):
+            k = int(v["tokens_per_image"])
+            if grid is not None and v.get("pruning"):
+                # A pruned dynamic-resolution package keeps k of each image's tokens; it needs at least k.
+                merge = int(v.get("spatial_merge_size", 1))
+                for i, g in enumerate(grid):
+                    if int(np.prod(g)) // (merge * merge) < k:
+                        raise VlmcError(f"image {i} gives {int(np.prod(g)) // (merge * merge)} visual tokens, fewer than "
+                                        f"the {k} this pruned package keeps per image; use a larger image")
+            return [k] * n_images
         if grid is None:
             raise VlmcError("manifest gives no tokens_per_image and the preprocessing gives no image grid")
         merge = int(v.get("spatial_merge_size", 1))
@@ -115,7 +135,12 @@ class Pipeline:
             n_markers = prompt.count(marker)
             if n_markers != len(per):
                 raise VlmcError(f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(per)} image(s) were given")
-            ids = self.tokenizer.encode(prompt, add_bos=t.get("add_bos", True))
+            if t.get("image_tokens_first"):
+                # Placeholders for all images lead the sequence, ahead of BOS, where the source's processor puts them.
+                ids = [image_id] * n_markers + self.tokenizer.encode(prompt.replace(marker, ""),
+                                                                      add_bos=t.get("add_bos", True))
+            else:
+                ids = self.tokenizer.encode(prompt, add_bos=t.get("add_bos", True))
             expanded = []
             for tok in ids:
                 if tok == image_id:
@@ -127,20 +152,26 @@ class Pipeline:
         longest = max(len(s) for s in seqs)
         limit = int(t.get("max_positions", 1 << 30))
         if longest >= limit:
-            raise VlmcError(f"prompt is {longest} tokens (images included), longer than the model's context of {limit}")
+            raise VlmcError(f"prompt is {longest} tokens (images included), longer than the model's context of {limit}; shorten the prompt or give fewer images")
         pad = int(t.get("pad_token_id") or 0)
         ids = np.full((len(seqs), longest), pad, np.int64)
         mask = np.zeros((len(seqs), longest), np.int64)
         for b, s in enumerate(seqs):
             ids[b, longest - len(s):] = s
             mask[b, longest - len(s):] = 1
-        return Inputs(ids, mask, vision, [len(p) for p in images])
+        extra = {}
+        if t.get("token_type_ids"):
+            extra[t["token_type_ids"]] = (ids == image_id).astype(np.int64)
+        return Inputs(ids, mask, vision, [len(p) for p in images], extra)
 
     # ---- generation ------------------------------------------------------------------------
+    def image_outputs(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the image chain; all its outputs (image_features, plus e.g. image_token_indices)."""
+        return self.run_chain(self.m["pipeline"]["image"], vision)
+
     def image_features(self, vision: dict[str, np.ndarray]) -> np.ndarray:
         """Run the image chain; returns features flattened to [total_image_tokens, hidden]."""
-        out = self.run_chain(self.m["pipeline"]["image"], vision)
-        feats = out["image_features"]
+        feats = self.image_outputs(vision)["image_features"]
         return feats.reshape(-1, feats.shape[-1])
 
     def embed(self, input_ids: np.ndarray) -> np.ndarray:
@@ -151,7 +182,9 @@ class Pipeline:
         slots = inp.input_ids == int(self.m["vision"]["image_token_id"])
         n_slots = int(slots.sum())
         if inp.vision:
-            feats = self.image_features(inp.vision)
+            inp.image_outputs = self.image_outputs(inp.vision)
+            feats = inp.image_outputs["image_features"]
+            feats = feats.reshape(-1, feats.shape[-1])
             if feats.shape[0] != n_slots:
                 raise VlmcError(f"{n_slots} image placeholders but the vision graphs produced {feats.shape[0]} features")
             embeds = embeds.copy()
@@ -159,6 +192,13 @@ class Pipeline:
         elif n_slots:
             raise VlmcError(f"{n_slots} image placeholders but no images")
         return embeds
+
+    def _check_merged_slots(self, inp: Inputs) -> None:
+        """The merged graph cannot report a placeholder/feature mismatch itself; check it before running."""
+        n_slots = int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum())
+        expected = sum(self.tokens_for_images(inp.vision, sum(inp.image_counts)))
+        if n_slots != expected:
+            raise VlmcError(f"{n_slots} image placeholders but the images give {expected} features")
 
     def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20) -> GenerationResult:
         return self.generate_from(self.prepare(prompts, images), max_new_tokens)
@@ -171,8 +211,13 @@ class Pipeline:
         eos = t.get("eos_token_id")
         eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
         pad = int(t.get("pad_token_id") or 0)
-        embeds = self.prefill_embeds(inp)
-        ctx = {"manifest": self.m, "vision": inp.vision, "image_counts": inp.image_counts}
+        # A merged package (pipeline.vlm) prefills prompts that have images in one graph run: embedding,
+        # placeholder scatter and decoder all happen inside it. Text-only prefill and every decode step
+        # use the embed + decoder chain, which merged packages keep beside it.
+        merged = self.m["pipeline"].get("vlm") if inp.vision else None
+        embeds = self._check_merged_slots(inp) if merged else self.prefill_embeds(inp)
+        ctx = {"manifest": self.m, "vision": inp.vision, "image_counts": inp.image_counts,
+               "image_outputs": inp.image_outputs}
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
         mask = inp.attention_mask
         dtype = self.m["kv"].get("dtype", "float32")
@@ -183,9 +228,15 @@ class Pipeline:
         prefill_logits = None
         try:
             for step in range(max_new_tokens):
-                available = {"inputs_embeds": embeds, "attention_mask": mask, "position_ids": pos}
-                available.update(state.feeds({"attention_mask": mask, "new_tokens": embeds.shape[1]}))
-                out = self.run_chain(self.m["pipeline"]["decoder"], available)
+                available = {"attention_mask": mask, "position_ids": pos}
+                if embeds is None:
+                    available.update(inp.vision, input_ids=inp.input_ids)
+                    chain, new_tokens = [merged], inp.input_ids.shape[1]
+                else:
+                    available["inputs_embeds"] = embeds
+                    chain, new_tokens = self.m["pipeline"]["decoder"], embeds.shape[1]
+                available.update(state.feeds({"attention_mask": mask, "new_tokens": new_tokens}))
+                out = self.run_chain(chain, available)
                 state.update(out)
                 logits = out["logits"][:, -1, :]
                 if prefill_logits is None:

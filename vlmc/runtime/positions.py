@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from vlmc.runtime import mrope
+
 logger = logging.getLogger(__name__)
 
 
@@ -17,7 +19,7 @@ def positions_1d(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict) -
 
 
 # name -> fn(input_ids, attention_mask, ctx) -> position_ids; ctx carries the manifest and image grids.
-KINDS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {"1d": positions_1d}
+KINDS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {"1d": positions_1d, "mrope": mrope.positions_mrope}
 
 
 def prefill(kind: str, input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict) -> np.ndarray:

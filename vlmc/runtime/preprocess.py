@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc.errors import VlmcError
+from vlmc.runtime import patches
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ def load_image(ref) -> np.ndarray:
         return demo_image(seed=seed)
     path = Path(ref)
     if not path.is_file():
-        raise VlmcError(f"image {ref} does not exist")
+        what = "is not a file" if path.exists() else "does not exist"
+        raise VlmcError(f"image {ref} {what}; pass an image file (PNG, JPEG, ...) or 'demo'")
     try:
         from PIL import Image, UnidentifiedImageError
     except ModuleNotFoundError as exc:
@@ -45,7 +47,7 @@ def load_image(ref) -> np.ndarray:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise VlmcError(f"{ref} is not a readable image ({type(exc).__name__})") from exc
+        raise VlmcError(f"{ref} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file") from exc
 
 
 def _resample(name: str) -> int:
@@ -78,8 +80,21 @@ def clip(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     return {"pixel_values": np.stack(out).astype(np.float32)}
 
 
+def resize(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    """BLIP-style: resize straight to ``size`` [h, w] (aspect not kept, no crop), rescale, normalize -> NCHW."""
+    h, w = facts["size"]
+    mean, std = np.array(facts["mean"], np.float32), np.array(facts["std"], np.float32)
+    out = []
+    for img in images:
+        x = _resize(img, h, w, facts.get("resample", "bicubic")).astype(np.float32)
+        x = (x * np.float32(facts.get("rescale_factor", 1 / 255)) - mean) / std
+        out.append(x.transpose(2, 0, 1))
+    return {"pixel_values": np.stack(out).astype(np.float32)}
+
+
 # kind -> function(images, facts) -> (vision graph inputs); family modules may add kinds.
-KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {"clip": clip}
+KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {"clip": clip, "resize": resize,
+                                                                            "qwen2_vl": patches.qwen2_vl}
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:

@@ -1,0 +1,134 @@
+"""Calibration data for the quantize pass: graph feeds recorded from the FP32 package pipeline.
+
+Every graph is calibrated on the inputs it sees in real use: calibration images (or built-in demo
+images) and prompts go through the package's own FP32 pipeline, and the feeds of each graph (the
+prefill call for decoders) are recorded. Graphs the pipeline does not run fall back to the
+exporter's stored samples (vlmc.samples).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from onnxruntime.quantization import CalibrationDataReader
+
+from vlmc import samples
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+from vlmc.runtime import Pipeline
+
+logger = logging.getLogger(__name__)
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".gif", ".tif", ".tiff")
+
+
+def image_files(directory: str) -> list[Path]:
+    """Image files in a calibration directory (sorted), or a one-line VlmcError saying what is wrong."""
+    d = Path(directory).expanduser()
+    if not d.exists():
+        raise VlmcError(f"calibration images directory {d} does not exist; point calibration.images at a "
+                        "directory of images, or omit it to use built-in demo images")
+    if not d.is_dir():
+        raise VlmcError(f"calibration images {d} is not a directory")
+    try:
+        files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+    except OSError as exc:
+        raise VlmcError(f"calibration images directory {d} cannot be read ({exc.strerror})") from exc
+    if not files:
+        raise VlmcError(f"calibration images directory {d} has no images ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def image_refs(images: str | None, count: int, seed: int) -> list:
+    """``count`` image references: files from the directory (cycled) or demo:SEED pictures."""
+    if images is None:
+        return [f"demo:{seed + i}" for i in range(count)]
+    files = image_files(images)
+    return [str(files[i % len(files)]) for i in range(count)]
+
+
+@dataclass
+class Recorded:
+    """Feeds per graph (calibration), the FP32 outputs of the first few, and FP32 generations."""
+
+    feeds: dict[str, list[dict[str, np.ndarray]]] = field(default_factory=dict)
+    outputs: dict[str, list[dict[str, np.ndarray]]] = field(default_factory=dict)
+    inputs: list = field(default_factory=list)  # pipeline Inputs of the eval samples
+    generations: list = field(default_factory=list)  # fp32 GenerationResult per eval sample
+
+
+class _RecordingPipeline(Pipeline):
+    """A Pipeline that records each target graph's feeds on its first call per sample."""
+
+    def __init__(self, pkg: Package, targets: set[str], keep_outputs: bool) -> None:
+        super().__init__(pkg)
+        self.targets = targets
+        self.keep_outputs = keep_outputs
+        self.seen: set[str] = set()
+        self.rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
+
+    def run_graph(self, name, available):
+        out = super().run_graph(name, available)
+        if name in self.targets and name not in self.seen:
+            self.seen.add(name)
+            names = [i.name for i in self.session(name).get_inputs()]
+            self.rec.feeds[name].append({n: np.array(available[n]) for n in names})
+            if self.keep_outputs:
+                self.rec.outputs[name].append(out)
+        return out
+
+
+def record(pkg: Package, targets: set[str], images: list, prompts: list[str], eval_samples: int,
+           eval_tokens: int) -> Recorded:
+    """Run the FP32 pipeline on (prompt, image) pairs, one per sample, and record target feeds.
+
+    The first ``eval_samples`` samples also keep the targets' FP32 outputs and a greedy generation of
+    ``eval_tokens`` tokens, which the pass compares the quantized package against.
+    """
+    pipeline = pkg.manifest.get("pipeline", {})
+    in_pipeline = set(pipeline.get("image", [])) | set(pipeline.get("decoder", [])) | {pipeline.get("embed")}
+    runnable = {t for t in targets if t in in_pipeline}
+    rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
+    if runnable and pipeline.get("decoder"):
+        pipe = _RecordingPipeline(pkg, runnable, False)
+        pipe.rec = rec
+        for i, ref in enumerate(images):
+            keep = i < eval_samples
+            pipe.seen.clear()
+            pipe.keep_outputs = keep
+            inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
+            # Only a graph's first call per sample (the prefill) is recorded; decode steps add nothing.
+            gen = pipe.generate_from(inp, max_new_tokens=max(1, eval_tokens) if keep else 1)
+            if keep and eval_tokens > 0:
+                rec.inputs.append(inp)
+                rec.generations.append(gen)
+        # Sessions hold a copy of every graph's weights; free them before quantizing.
+        pipe._sessions.clear()
+    for t in sorted(targets - runnable):
+        logger.info("quantize: %s is not in the package pipeline; calibrating on stored/generated samples", t)
+        from vlmc import ortsession
+
+        sess = ortsession.for_graph(pkg, t)
+        for i in range(len(images)):
+            feeds = samples.inputs_for(pkg, t, seed=i) if i else samples.inputs_for(pkg, t)
+            rec.feeds[t].append(feeds)
+            if i < eval_samples:
+                rec.outputs[t].append(dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds))))
+    return rec
+
+
+class FeedReader(CalibrationDataReader):
+    """onnxruntime.quantization CalibrationDataReader over recorded feeds."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]) -> None:
+        self.feeds = feeds
+        self._it = iter(feeds)
+
+    def get_next(self):
+        return next(self._it, None)
+
+    def rewind(self) -> None:
+        self._it = iter(self.feeds)

@@ -1,0 +1,79 @@
+"""Fidelity of a quantized package vs its FP32 self: per-graph outputs and end-to-end generation."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from vlmc import ortsession
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    denom = np.linalg.norm(a) * np.linalg.norm(b)
+    return float(a @ b / denom) if denom > 0 else float(np.array_equal(a, b))
+
+
+def kl_divergence(ref_logits: np.ndarray, got_logits: np.ndarray) -> float:
+    """Mean KL(softmax(ref) || softmax(got)) over rows, in nats."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(ref_logits), log_softmax(got_logits)
+    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
+
+
+def graph_fidelity(pkg: Package, name: str, feeds: list[dict], refs: list[dict]) -> dict:
+    """Worst cosine and max |Δ| per float output of a graph over the recorded (feeds, FP32 outputs)."""
+    if not refs:
+        return {}
+    sess = ortsession.for_graph(pkg, name)
+    names = [o.name for o in sess.get_outputs()]
+    out: dict[str, dict] = {}
+    for feed, ref in zip(feeds, refs):
+        got = dict(zip(names, sess.run(None, _cast_feeds(sess, feed))))
+        for k, r in ref.items():
+            if k not in got or r.dtype.kind != "f" or r.size == 0:
+                continue
+            g = got[k]
+            c = cosine(r, g)
+            d = float(np.max(np.abs(r.astype(np.float64) - g.astype(np.float64))))
+            e = out.setdefault(k, {"cosine": c, "max_abs_diff": d})
+            e["cosine"], e["max_abs_diff"] = min(e["cosine"], c), max(e["max_abs_diff"], d)
+    return out
+
+
+def _cast_feeds(sess, feed: dict) -> dict:
+    # A graph converted to fp16 without keep_io_fp32 takes float16 inputs.
+    types = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
+    return {i.name: feed[i.name].astype(types.get(i.type, feed[i.name].dtype), copy=False)
+            for i in sess.get_inputs()}
+
+
+def end_to_end(pkg: Package, inputs: list, generations: list, tokens: int) -> dict:
+    """First-token logits KL/cosine/top-1 and greedy common prefix of the package vs the FP32 run."""
+    from vlmc.runtime import Pipeline
+    from vlmc.verify import compare
+
+    if not inputs:
+        return {}
+    pipe = Pipeline(pkg)
+    kls, coss, top1, prefixes, diffs = [], [], [], [], []
+    for inp, ref in zip(inputs, generations):
+        got = pipe.generate_from(inp, max_new_tokens=tokens)
+        c = compare(ref.prefill_logits, ref.tokens, got.prefill_logits, got.tokens)
+        kls.append(kl_divergence(ref.prefill_logits, got.prefill_logits))
+        coss.append(c["cosine"])
+        top1.append(c["top1"])
+        diffs.append(c["max_abs_diff"])
+        prefixes.extend(c["common_prefix"])
+    return {"samples": len(inputs), "new_tokens": tokens, "first_token_logits_kl": float(np.mean(kls)),
+            "first_token_logits_cosine": float(np.mean(coss)), "first_token_logits_max_abs_diff": float(max(diffs)),
+            "top1_agreement": float(np.mean(top1)), "greedy_common_prefix": prefixes,
+            "greedy_common_prefix_mean": float(np.mean(prefixes))}

@@ -1,0 +1,423 @@
+"""prune_visual_tokens: keep the k most useful visual tokens per image, as a static graph rewrite.
+
+The vision graph gains ``scores -> TopK(k) -> indices sorted ascending -> GatherElements`` on
+``image_features`` (after the projector) and a second output ``image_token_indices`` [images, k].
+k is fixed, so every shape stays static and only ops ATC parses are used. The manifest's
+``vision.tokens_per_image`` becomes k, so the runtime emits k placeholders per image and the LLM
+never computes the dropped tokens.
+
+Scores (``method``):
+- ``cls_attention``: the CLS token's attention to each patch at the feature layer, mean over heads
+  (FasterVLM); needs a CLS query (``vision.attention.query_index``).
+- ``attention_received``: the mean attention each patch receives at the recorded layer, averaged
+  over heads and queries and grouped by the spatial merge (encoders without CLS, e.g. Qwen2-VL).
+- ``uniform`` (bin centres, a fixed stride) and ``random`` (seeded): baselines with constant indices.
+
+Attention comes from the tensors the exporter recorded in ``vision.attention``: the Softmax output
+when the graph exposes it, else (or with ``recompute_attention``) a side branch recomputing that
+attention from the layer's Q and Kᵀ.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from vlmc import pruning
+from vlmc.errors import VlmcError
+from vlmc.pass_api import Option, Pass, PassResult, register
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("cls_attention", "attention_received", "uniform", "random")
+BASELINES = ("uniform", "random")
+FEATURES = "image_features"
+# The [images, 3] grid input that says how packed image tokens split into images (architecture interface).
+GRID_INPUT = "image_grid_thw"
+# Bound on tokens per image for the packed random baseline's score table (256 KiB of float32).
+MAX_PACKED_TOKENS = 1 << 16
+
+
+def uniform_indices(tokens: int, keep: int) -> np.ndarray:
+    """Bin centres: token floor((i + 0.5) · tokens / keep) for i < keep, in integer arithmetic."""
+    return ((2 * np.arange(keep, dtype=np.int64) + 1) * tokens) // (2 * keep)
+
+
+def random_indices(tokens: int, keep: int, seed: int) -> np.ndarray:
+    """The k tokens with the highest seeded random score, in ascending order.
+
+    The score of token j is ``random_table(seed)[j]``, so an image of any size gets a seeded subset
+    (what the packed layout computes in the graph) and batched images get the same one.
+    """
+    table = random_table(seed, tokens)
+    return np.sort(np.argsort(-table[:tokens], kind="stable")[:keep]).astype(np.int64)
+
+
+def keep_count(opts: dict, tokens: int) -> int:
+    """k from ``keep`` or ``ratio`` (rounded, at least 1)."""
+    if opts.get("keep") is not None:
+        return int(opts["keep"])
+    return max(1, int(round(float(opts["ratio"]) * tokens)))
+
+
+def random_table(seed: int, size: int) -> np.ndarray:
+    """Seeded per-position random scores in [0, 1)."""
+    return np.random.default_rng(seed).random(size).astype(np.float32)
+
+
+class _Builder:
+    """Small helpers over an onnx-graphsurgeon graph that respect the graph's opset."""
+
+    def __init__(self, graph: gs.Graph, prefix: str) -> None:
+        self.g = graph
+        self.prefix = prefix
+        self.opset = int(graph.opset)
+        self._n = 0
+
+    def _name(self, what: str) -> str:
+        self._n += 1
+        return f"{self.prefix}/{what}_{self._n}"
+
+    def const(self, value, dtype=np.int64) -> gs.Constant:
+        return gs.Constant(self._name("const"), np.asarray(value, dtype=dtype))
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, dtype=np.float32, outputs: int = 1,
+           out_dtypes: list | None = None) -> list[gs.Variable]:
+        name = self._name(op)
+        outs = [gs.Variable(f"{name}_out{i}", dtype=(out_dtypes[i] if out_dtypes else dtype)) for i in range(outputs)]
+        self.g.layer(op=op, name=name, inputs=inputs, outputs=outs, attrs=attrs or {})
+        return outs
+
+    def one(self, op: str, inputs: list, attrs: dict | None = None, dtype=np.float32) -> gs.Variable:
+        return self.op(op, inputs, attrs, dtype)[0]
+
+    def reduce(self, op: str, x, axes: list[int], keepdims: int = 0, dtype=np.float32) -> gs.Variable:
+        # Reduce* ops take axes as an attribute up to opset 17 and as an input from opset 18.
+        if self.opset >= 18:
+            return self.one(op, [x, self.const(axes)], {"keepdims": keepdims}, dtype=dtype)
+        return self.one(op, [x], {"axes": axes, "keepdims": keepdims}, dtype=dtype)
+
+    def reduce_mean(self, x, axes: list[int], keepdims: int = 0) -> gs.Variable:
+        return self.reduce("ReduceMean", x, axes, keepdims)
+
+    def unsqueeze(self, x, axes: list[int], dtype=np.int64) -> gs.Variable:
+        return self.one("Unsqueeze", [x, self.const(axes)], dtype=dtype)
+
+    def slice(self, x, start: int, end: int, axis: int, dtype=np.float32) -> gs.Variable:
+        return self.one("Slice", [x, self.const([start]), self.const([end]), self.const([axis])], dtype=dtype)
+
+
+def _attention(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[gs.Variable, str]:
+    """[batch, heads, keys] attention for scoring, and where it came from ('graph' or 'recomputed')."""
+    probs = tensors.get(att.get("probs") or "")
+    if probs is not None and not recompute:
+        if method == "cls_attention":
+            return b.one("Gather", [probs, b.const(int(att["query_index"]))], {"axis": -2}), "graph"
+        return b.reduce_mean(probs, [-2]), "graph"  # mean over queries
+    q, kt = tensors.get(att.get("query") or ""), tensors.get(att.get("key_t") or "")
+    if q is None or kt is None:
+        raise VlmcError("the vision graph exposes neither the attention probabilities nor the layer's Q and K named in "
+                        "vision.attention; re-export the package or use method uniform/random")
+    if method == "cls_attention":
+        qi = int(att["query_index"])
+        q = b.slice(q, qi, qi + 1, axis=-2)
+    elif att.get("masked"):
+        raise VlmcError("the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
+                        "keep the exported attention (recompute_attention: false)")
+    s = b.one("MatMul", [q, kt])
+    s = b.one("Mul", [s, b.const(np.float32(att.get("scale", 1.0)), np.float32)])
+    p = b.one("Softmax", [s], {"axis": -1})
+    if method == "cls_attention":
+        return b.one("Gather", [p, b.const(0)], {"axis": -2}), "recomputed"
+    return b.reduce_mean(p, [-2]), "recomputed"
+
+
+def _head_mean(b: _Builder, a: gs.Variable) -> gs.Variable:
+    # [.., heads, keys] -> [.., keys]: heads are axis -2 once the query axis is gone.
+    return b.reduce_mean(a, [-2])
+
+
+def _scores(b: _Builder, tensors: dict, att: dict, method: str, tokens: int, recompute: bool) -> tuple[gs.Variable, str]:
+    """Batched layout: [images, tokens] scores (per-image key columns of the feature tokens, merge-group mean)."""
+    a, source = _attention(b, tensors, att, method, recompute)
+    a = _head_mean(b, a)
+    keys = int(att["keys_per_image"])
+    group = int(att.get("merge_group", 1) or 1)
+    offset = int(att.get("token_offset", 0))
+    a = b.one("Reshape", [a, b.const([-1, keys])])
+    a = b.slice(a, offset, offset + tokens * group, axis=1)
+    if group > 1:
+        a = b.one("Reshape", [a, b.const([-1, tokens, group])])
+        a = b.reduce_mean(a, [2])
+    return a, source
+
+
+def _packed_scores(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[gs.Variable, str]:
+    """Packed layout: [all image tokens] scores (all images' patches on one axis, merge-group mean)."""
+    a, source = _attention(b, tensors, att, method, recompute)
+    a = b.one("Reshape", [_head_mean(b, a), b.const([-1])])
+    group = int(att.get("merge_group", 1) or 1)
+    if group > 1:
+        a = b.reduce_mean(b.one("Reshape", [a, b.const([-1, group])]), [1])
+    return a, source
+
+
+def _sorted_topk(b: _Builder, scores: gs.Variable, keep: int) -> gs.Variable:
+    """Indices of the k best scores per row, in ascending order (int64 [rows, k])."""
+    _, top = b.op("TopK", [scores, b.const([keep])], {"axis": 1, "largest": 1, "sorted": 1}, outputs=2,
+                  out_dtypes=[np.float32, np.int64])
+    # Sorting the k indices restores the original token order (what the LLM was trained on);
+    # int32 because TopK kernels on Ascend take int32, not int64.
+    top32 = b.one("Cast", [top], {"to": onnx.TensorProto.INT32}, dtype=np.int32)
+    ordered, _ = b.op("TopK", [top32, b.const([keep])], {"axis": 1, "largest": 0, "sorted": 1}, outputs=2,
+                      out_dtypes=[np.int32, np.int64])
+    return b.one("Cast", [ordered], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
+
+
+def _batched(b: _Builder, x, method, keep, tokens, attention, seed, recompute, tensors) -> tuple:
+    """x [images, tokens, hidden] -> (kept [images, k, hidden], indices [images, k], score source)."""
+    if method in BASELINES:
+        idx = uniform_indices(tokens, keep) if method == "uniform" else random_indices(tokens, keep, seed)
+        kept = b.one("Gather", [x, b.const(idx)], {"axis": 1})
+        n_img = b.one("Shape", [x], {"start": 0, "end": 1}, dtype=np.int64)
+        shape = b.one("Concat", [n_img, b.const([keep])], {"axis": 0}, dtype=np.int64)
+        return kept, b.one("Expand", [b.const(idx[None, :]), shape], dtype=np.int64), "constant"
+    scores, source = _scores(b, tensors, attention, method, tokens, recompute)
+    indices = _sorted_topk(b, scores, keep)
+    gidx = b.unsqueeze(indices, [2])
+    hid = b.one("Shape", [x], {"start": 2, "end": 3}, dtype=np.int64)
+    shape = b.one("Concat", [b.one("Shape", [indices], dtype=np.int64), hid], {"axis": 0}, dtype=np.int64)
+    gidx = b.one("Expand", [gidx, shape], dtype=np.int64)
+    return b.one("GatherElements", [x, gidx], {"axis": 1}), indices, source
+
+
+def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, tensors) -> tuple:
+    """x [all image tokens, hidden], images told apart by the grid input -> ([images*k, hidden], [images, k], source).
+
+    Each image's tokens are a contiguous run whose length is prod(grid)/group. Per image, scores
+    outside its run are masked to -1 (every score is >= 0), so one TopK over [images, all tokens]
+    keeps shapes static for any resolution and image count.
+    """
+    grid = tensors.get(packed["grid_input"])
+    if grid is None:
+        raise VlmcError(f"the vision graph has no {packed['grid_input']!r} input to split packed image tokens")
+    n = b.one("Div", [b.reduce("ReduceProd", grid, [1], dtype=np.int64),
+                      b.const(int(packed["group"]))], dtype=np.int64)  # tokens per image [images]
+    ends = b.one("CumSum", [n, b.const(0)], dtype=np.int64)
+    starts = b.unsqueeze(b.one("Sub", [ends, n], dtype=np.int64), [1])  # [images, 1]
+    if method == "uniform":
+        # floor((2i + 1) * n / 2k), exact in integers
+        centres = b.one("Mul", [b.unsqueeze(n, [1]), b.const((2 * np.arange(keep) + 1)[None, :])], dtype=np.int64)
+        local = b.one("Div", [centres, b.const(2 * keep)], dtype=np.int64)
+        return (b.one("Gather", [x, b.one("Reshape", [b.one("Add", [local, starts], dtype=np.int64), b.const([-1])],
+                                                   dtype=np.int64)], {"axis": 0}), local, "constant")
+    total = b.one("Shape", [x], {"start": 0, "end": 1}, dtype=np.int64)
+    pos = b.one("Range", [b.const(0), b.one("Squeeze", [total, b.const([0])], dtype=np.int64), b.const(1)], dtype=np.int64)
+    loc = b.one("Sub", [b.unsqueeze(pos, [0]), starts], dtype=np.int64)  # [images, all tokens]
+    inside = b.one("And", [b.one("GreaterOrEqual", [loc, b.const(0)], dtype=np.bool_),
+                           b.one("Less", [loc, b.unsqueeze(n, [1])], dtype=np.bool_)], dtype=np.bool_)
+    if method == "random":
+        size = int(packed["max_tokens"])
+        table = b.const(random_table(seed, size), np.float32)
+        clipped = b.one("Clip", [loc, b.const(0), b.const(size - 1)], dtype=np.int64)
+        scores, source = b.one("Gather", [table, clipped], {"axis": 0}), "constant"
+    else:
+        flat, source = _packed_scores(b, tensors, attention, method, recompute)
+        scores = b.unsqueeze(flat, [0], dtype=np.float32)
+    scores = b.one("Where", [inside, scores, b.const(np.float32(-1.0), np.float32)])
+    indices = _sorted_topk(b, scores, keep)  # positions on the packed axis
+    kept = b.one("Gather", [x, b.one("Reshape", [indices, b.const([-1])], dtype=np.int64)], {"axis": 0})
+    return kept, b.one("Sub", [indices, starts], dtype=np.int64), source
+
+
+def rewrite(model: onnx.ModelProto, method: str, keep: int, tokens: int | None, attention: dict | None = None,
+            seed: int = 0, recompute: bool = False, packed: dict | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Return a copy of a vision graph that outputs only ``keep`` feature tokens per image.
+
+    Args:
+        model: graph with an ``image_features`` output: [images, tokens, hidden] (batched), or
+            [all image tokens, hidden] with ``packed``.
+        method: one of METHODS.
+        keep: tokens kept per image (k).
+        tokens: feature tokens per image before pruning (batched layout).
+        attention: the manifest's ``vision.attention`` facts (attention methods only).
+        seed: seed for ``random``.
+        recompute: score from a side branch recomputing the attention from Q and Kᵀ.
+        packed: for packed features: ``grid_input`` (the [images, 3] grid input), ``group`` (patches
+            per token) and ``max_tokens`` (bound on tokens per image, for the random table).
+
+    Returns:
+        The new model and facts about the rewrite (score source, op types added).
+    """
+    graph = gs.import_onnx(model)
+    tensors = graph.tensors()
+    outs = [o for o in graph.outputs if o.name == FEATURES]
+    if not outs:
+        raise VlmcError(f"the vision graph has no {FEATURES!r} output")
+    feats = outs[0]
+    if method not in BASELINES and not attention:
+        raise VlmcError(f"method {method} needs vision.attention facts in the manifest")
+    shape = list(feats.shape) if feats.shape is not None else [None] * (2 if packed else 3)
+    feats.name = f"{FEATURES}_unpruned"
+    b = _Builder(graph, "prune_visual_tokens")
+    n_before = len(graph.nodes)
+    if packed:
+        kept, indices, source = _packed(b, feats, method, keep, packed, attention, seed, recompute, tensors)
+        kept_shape, idx_shape = ["image_tokens", shape[-1]], ["images", keep]
+    else:
+        kept, indices, source = _batched(b, feats, method, keep, tokens, attention, seed, recompute, tensors)
+        kept_shape, idx_shape = [shape[0], keep, shape[-1]], [shape[0], keep]
+    kept.name, indices.name = FEATURES, pruning.INDICES_OUTPUT
+    kept.dtype, indices.dtype = feats.dtype or np.float32, np.int64
+    kept.shape, indices.shape = kept_shape, idx_shape
+    graph.outputs = [kept if o is feats else o for o in graph.outputs] + [indices]
+    graph.cleanup()
+    new = gs.export_onnx(graph)
+    new.ir_version = model.ir_version
+    del new.opset_import[:]
+    new.opset_import.extend(model.opset_import)
+    return new, {"method": method, "score_source": source, "ops_added": sorted({n.op for n in graph.nodes[n_before:]})}
+
+
+@register
+class PruneVisualTokens(Pass):
+    """Keep k visual tokens per image (attention-ranked or baseline), fixed k, original order."""
+
+    name = "prune_visual_tokens"
+    summary = "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
+    lossy = True
+    options = (
+        Option("keep", int, None, "visual tokens kept per image (k); give keep or ratio", min=1),
+        Option("ratio", float, None, "fraction of visual tokens kept per image, in (0, 1]; give keep or ratio",
+               min=0.0, max=1.0),
+        Option("method", str, "cls_attention", "token score: CLS attention (FasterVLM), attention received "
+               "(no-CLS encoders), or the uniform/random baselines", choices=METHODS),
+        Option("seed", int, 0, "seed for method random", min=0),
+        Option("recompute_attention", bool, False, "score from a side branch recomputing the layer's attention "
+               "from Q and K even when the graph exposes it"),
+        Option("force", bool, False, "prune even image chains that end in a fusion graph (learned query tokens)"),
+        Option("calibration_images", int, 2, "demo images for the fidelity report (0 skips it)", min=0, max=64),
+        Option("calibration_prompt", str, pruning.DEFAULT_PROMPT, "prompt used for the fidelity report"),
+        Option("fidelity_tokens", int, 8, "greedy tokens compared for the common-prefix length", min=1, max=256),
+        Option("picture", bool, True, "store pruning.png (kept patches on the first calibration image)"),
+    )
+
+    @classmethod
+    def check_options(cls, opts: dict, where: str) -> None:
+        if (opts.get("keep") is None) == (opts.get("ratio") is None):
+            raise VlmcError(f"{where}: give exactly one of keep (tokens per image) or ratio (fraction kept)")
+        if opts.get("ratio") is not None and opts["ratio"] <= 0:
+            raise VlmcError(f"{where}: ratio={opts['ratio']} must be above 0")
+
+    # ---- refusal rules (manifest facts only) --------------------------------------------------
+    def _plan(self, pkg) -> dict:
+        m = pkg.manifest
+        v = m["vision"]
+        chain = m.get("pipeline", {}).get("image") or []
+        if not chain:
+            raise VlmcError("the package has no image chain (pipeline.image); nothing to prune")
+        target = chain[-1]
+        if v.get("pruning"):
+            raise VlmcError(f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "
+                            "prune the unpruned package instead")
+        method = self.opts["method"]
+        fused = pkg.info(target)["role"] == "fusion"
+        if fused and not self.opts["force"]:
+            raise VlmcError(f"the image chain ends in fusion graph {target!r}: its tokens are learned queries "
+                            "(e.g. BLIP-2's Q-Former), not image patches, so there is nothing to prune; "
+                            "set force: true to drop query tokens anyway (uniform or random)")
+        if fused and method not in BASELINES:
+            raise VlmcError(f"method {method} scores image patches, but {target!r} outputs query tokens; "
+                            "use method uniform or random with force: true")
+        tokens = v.get("tokens_per_image")
+        packed = None
+        if isinstance(tokens, int):
+            k = keep_count(self.opts, tokens)
+            if k >= tokens:
+                raise VlmcError(f"keep={k} is not below the {tokens} visual tokens per image; nothing to prune")
+        else:
+            inputs = [i["name"] for i in pkg.info(target)["inputs"]]
+            if not (v.get("packed_features") and GRID_INPUT in inputs):
+                raise VlmcError(f"the manifest gives no fixed vision.tokens_per_image and graph {target!r} has no "
+                                f"{GRID_INPUT} input to count tokens per image; cannot prune this package")
+            if self.opts["keep"] is None:
+                raise VlmcError("the token count per image depends on the image size here (dynamic resolution); "
+                                "give keep (tokens per image) instead of ratio")
+            k = int(self.opts["keep"])
+            packed = {"grid_input": GRID_INPUT, "group": int(v.get("spatial_merge_size", 1) or 1) ** 2,
+                      "max_tokens": MAX_PACKED_TOKENS}
+        att = v.get("attention")
+        if method not in BASELINES:
+            if not att:
+                raise VlmcError(f"method {method} needs the exporter's vision.attention facts, which this package lacks; "
+                                "use method uniform or random")
+            if att.get("graph") != target:
+                raise VlmcError(f"the scoring attention is in graph {att.get('graph')!r} but image_features come from "
+                                f"{target!r}; use method uniform or random")
+            if method == "cls_attention" and att.get("query_index") is None:
+                raise VlmcError("method cls_attention needs a CLS token, which this vision encoder lacks; "
+                                "use method attention_received")
+            if method == "attention_received" and att.get("masked") and self.opts["recompute_attention"]:
+                raise VlmcError("the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
+                                "keep the exported attention (recompute_attention: false)")
+        return {"target": target, "tokens": tokens, "keep": k, "attention": att, "packed": packed}
+
+    def check_package(self, package) -> None:
+        self._plan(package)
+
+    def run(self, package):
+        plan = self._plan(package)
+        target, tokens, k = plan["target"], plan["tokens"], plan["keep"]
+        original = package.graph(target)
+        original_vision = copy.deepcopy(package.manifest["vision"])
+        new, info = rewrite(original, self.opts["method"], k, tokens, plan["attention"], self.opts["seed"],
+                            self.opts["recompute_attention"], plan["packed"])
+        # tokens_before is None for dynamic resolution: each image had prod(grid)/merge² tokens.
+        facts = {"method": self.opts["method"], "keep": k, "tokens_before": tokens,
+                 "unpruned_tokens_per_image": original_vision.get("tokens_per_image"), "graph": target,
+                 "indices_output": pruning.INDICES_OUTPUT, "score_source": info["score_source"],
+                 "seed": self.opts["seed"] if self.opts["method"] == "random" else None,
+                 "positions": "original" if package.manifest["text"].get("position") == "mrope" else "contiguous"}
+        package.set_graph(target, new)
+        package.manifest["vision"]["tokens_per_image"] = k
+        package.manifest["vision"]["pruning"] = facts
+        report = {"method": facts["method"], "keep": k, "tokens_before": tokens, "score_source": info["score_source"],
+                  "ops_added": info["ops_added"]}
+        unpruned = pruning.variant(package, {target: original}, original_vision)
+        if self.opts["calibration_images"]:
+            report["fidelity"] = self._fidelity(package, unpruned, plan)
+        report["savings"] = self._savings(package, unpruned, k)
+        if tokens is None:  # dynamic resolution: report the count of the first calibration image
+            report["tokens_before"] = f"{report['savings']['visual_tokens_before']} (demo:0; depends on the image size)"
+        if self.opts["picture"]:
+            image = "demo:0"
+            package.files["pruning.png"] = pruning.picture(package, image)
+            report["picture"] = "pruning.png"
+        return PassResult(package, True, report)
+
+    def _fidelity(self, pruned, unpruned, plan) -> tuple[dict, int]:
+        """Fidelity of the chosen method and of the baselines at equal k, against the unpruned package."""
+        images = [f"demo:{i}" for i in range(self.opts["calibration_images"])]
+        variants = {self.opts["method"]: pruned}
+        original = unpruned.graph(plan["target"])
+        for base in BASELINES:
+            if base not in variants:
+                model, _ = rewrite(original, base, plan["keep"], plan["tokens"], seed=self.opts["seed"],
+                                   packed=plan["packed"])
+                variants[base] = pruning.variant(pruned, {plan["target"]: model})
+        result = pruning.fidelity(unpruned, variants, images, self.opts["calibration_prompt"],
+                                  self.opts["fidelity_tokens"])
+        result["calibration_images"] = len(images)
+        return result
+
+    def _savings(self, pruned, unpruned, keep: int) -> dict:
+        """KV bytes and FastV prefill FLOPs for the calibration prompt with the first demo image."""
+        from vlmc.runtime import Pipeline
+
+        inp = Pipeline(unpruned).prepare([self.opts["calibration_prompt"]], [["demo:0"]])
+        visual = int((inp.input_ids == int(unpruned.manifest["vision"]["image_token_id"])).sum())
+        return pruning.savings(pruned.manifest, visual, keep, int(inp.attention_mask.sum()) - visual)

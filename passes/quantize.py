@@ -1,0 +1,180 @@
+"""quantize: mixed precision per graph (FP16, INT8 static QDQ, INT8/INT4 weight-only) in a portable form.
+
+The result runs on onnxruntime at opset 17 (for parity checks) and is what the Ascend backend lowers
+to AscendQuant/AscendDequant/NPUWeightQuantBatchMatmulV2. Everything lowering needs — mode, weight
+dtype, per-channel axis, group size, activation scales and zero points by tensor, nodes kept in
+FP32, clamped scales — is recorded in ``graphs[name]["quantization"]`` so it is never re-derived.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vlmc import graphs as G
+from vlmc import manifest as M
+from vlmc.errors import VlmcError
+from vlmc.pass_api import Option, Pass, PassResult, register
+
+from . import _quant_plan as P
+
+logger = logging.getLogger(__name__)
+
+
+@register
+class Quantize(Pass):
+    """Quantize graphs by a per-graph plan; keys other than the options below are graph names or roles.
+
+    Example recipe step::
+
+        - quantize:
+            vision_encoder: {weights: int8, activations: int8,
+                             calibration: {images: samples/, count: 32, method: percentile}}
+            decoder: {weights: fp16}
+            keep_fp32: {op_types: [LayerNormalization, Softmax], nodes: ["/model/norm/*"]}
+    """
+
+    name = "quantize"
+    summary = ("mixed precision per graph: fp16, int8 static (QDQ), int8/int4 weight-only (rtn/awq); "
+               "portable opset-17 form with quantization facts in the manifest")
+    lossy = True
+    allow_extra_keys = True
+    options = (
+        Option("keep_fp32", dict, None, "ops/nodes kept in float32 in every graph: "
+               "{op_types: [...], nodes: [globs]}"),
+        Option("calibration", dict, None, "default calibration for all graphs: "
+               "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}"),
+        Option("eval_samples", int, 2, "calibration samples also used to measure fidelity vs FP32", min=0),
+        Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0),
+        Option("seed", int, 0, "seed for demo calibration images and sampling", min=0),
+    )
+
+    # ---- options --------------------------------------------------------------------------
+    @classmethod
+    def _plans(cls, opts: dict, where: str) -> dict[str, P.GraphPlan]:
+        calib = P.parse_calibration(opts.get("calibration"), f"{where}: calibration")
+        keep = P.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
+        known = {o.name for o in cls.options}
+        return {k: P.parse_graph(k, v, where, calib, keep) for k, v in opts.items() if k not in known}
+
+    @classmethod
+    def check_options(cls, opts: dict, where: str) -> None:
+        if not cls._plans(opts, where):
+            raise VlmcError(f"{where}: name at least one graph to quantize, e.g. "
+                            "vision_encoder: {weights: int8, activations: int8} or decoder: {weights: int4}; "
+                            f"other options: {', '.join(o.name for o in cls.options)}")
+
+    @classmethod
+    def json_schema(cls) -> dict:
+        schema = super().json_schema()
+        schema["additionalProperties"] = P.graph_schema()
+        for key, sub in (("keep_fp32", P.KEEP_KEYS), ("calibration", P.CALIB_KEYS)):
+            schema["properties"][key].update({"additionalProperties": False,
+                                              "properties": {k: s for k, (_, s) in sub.items()}})
+        return schema
+
+    def resolve(self, package) -> dict[str, P.GraphPlan]:
+        """Graph name -> plan. A key names a graph, or a role (all its graphs); graph names win."""
+        plans = self._plans(self.opts, self.name)
+        out: dict[str, P.GraphPlan] = {}
+        for key, plan in plans.items():
+            if key in package.manifest["graphs"]:
+                continue
+            names = package.graphs_with_role(key)
+            if not names:
+                raise VlmcError(f"quantize: the package has no graph or role {key!r}; graphs: "
+                                f"{', '.join(package.graph_names)}; roles: "
+                                f"{', '.join(r for r in M.ROLES if package.graphs_with_role(r))}")
+            out.update({n: plan for n in names})
+        out.update({k: p for k, p in plans.items() if k in package.manifest["graphs"]})
+        return out
+
+    def check_package(self, package) -> None:
+        from . import _quant_calib as C
+
+        for plan in self.resolve(package).values():
+            if plan.calibration.images is not None:
+                C.image_files(plan.calibration.images)
+
+    # ---- run ---------------------------------------------------------------------------------
+    def run(self, package):
+        from . import _quant_calib as C
+        from . import _quant_eval as E
+
+        plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
+        eval_samples, eval_tokens, seed = self.opts["eval_samples"], self.opts["eval_tokens"], self.opts["seed"]
+        # One FP32 pipeline run per distinct calibration set, before any graph changes.
+        groups: dict[tuple, list[str]] = {}
+        for n, p in plans.items():
+            c = p.calibration
+            groups.setdefault((c.images, c.prompts), []).append(n)
+        recorded: dict[str, C.Recorded] = {}
+        e2e_source = None
+        for (images, prompts), names in groups.items():
+            count = max([plans[n].calibration.count for n in names if plans[n].needs_calibration] or [0])
+            count = max(count, eval_samples)
+            if not count:
+                continue
+            refs = C.image_refs(images, count, seed)
+            rec = C.record(package, set(names), refs, list(prompts), eval_samples,
+                           eval_tokens if e2e_source is None else 0)
+            if e2e_source is None and rec.generations:
+                e2e_source = rec
+            for n in names:
+                recorded[n] = rec
+
+        report: dict = {"graphs": {}}
+        modified = False
+        for name, plan in plans.items():
+            rec = recorded.get(name)
+            feeds = rec.feeds.get(name, []) if rec else []
+            model = package.graph(name)
+            before_fp = G.fingerprint(model)
+            bytes_before = G.initializer_bytes(model)
+            model, facts = self._apply(model, plan, feeds, seed)
+            weight_bytes = facts.pop("_weight_bytes", None)
+            quantized = facts.get("nodes_quantized") or facts.get("nodes_converted")
+            if not quantized or G.fingerprint(model) == before_fp:
+                logger.warning("quantize: nothing to quantize in %s (%s); left unchanged", name, plan.mode)
+                report["graphs"][name] = {"mode": plan.mode, "modified": False,
+                                          "reason": "no eligible nodes", **_counts(facts)}
+                continue
+            if plan.needs_calibration or plan.mode == "int8":
+                c = plan.calibration
+                facts["calibration"] = {"method": c.method if plan.mode == "int8" else "awq", "samples": len(feeds),
+                                        "images": c.images or "demo"}
+            package.set_graph(name, model, precision=plan.mode, quantization=facts)
+            modified = True
+            bytes_after = G.initializer_bytes(model)
+            entry = {"mode": plan.mode, "modified": True, "bytes_before": bytes_before, "bytes_after": bytes_after,
+                     "bytes_ratio": round(bytes_after / max(bytes_before, 1), 4), **_counts(facts)}
+            if weight_bytes:
+                entry["matmul_weight_bytes_before"], entry["matmul_weight_bytes_after"] = weight_bytes
+                entry["matmul_weight_bytes_ratio"] = round(weight_bytes[1] / max(weight_bytes[0], 1), 4)
+            if rec is not None and eval_samples:
+                entry["fidelity"] = E.graph_fidelity(package, name, feeds[:eval_samples], rec.outputs.get(name, []))
+            report["graphs"][name] = entry
+            del model
+        if modified and e2e_source is not None and eval_tokens:
+            report["end_to_end"] = E.end_to_end(package, e2e_source.inputs, e2e_source.generations, eval_tokens)
+        return PassResult(package, modified, report)
+
+    @staticmethod
+    def _apply(model, plan: P.GraphPlan, feeds: list, seed: int):
+        from . import _quant_calib as C
+        from . import _quant_static as S
+        from . import _quant_weight_only as W
+
+        if plan.mode == "fp16":
+            return S.convert_fp16(model, plan)
+        if plan.mode == "int8":
+            if not feeds:
+                raise VlmcError(f"quantize: no calibration data for {plan.key}; give calibration.count ≥ 1")
+            return S.quantize_int8(model, C.FeedReader(feeds), plan, seed)
+        return W.quantize_weight_only(model, plan, feeds)
+
+
+def _counts(facts: dict) -> dict:
+    q = facts.get("nodes_quantized")
+    return {"nodes_quantized": len(q) if isinstance(q, list) else int(facts.get("nodes_converted") or 0),
+            "nodes_kept_fp32": len(facts.get("nodes_kept_fp32", [])),
+            "clamped_scales": len(facts.get("clamped_scales", []))}

@@ -1,0 +1,538 @@
+"""`compile` for Ascend: every emitted command obeys atc-reference.md, every lowered graph parses, and the
+precheck stops bad graphs (naming the node) before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+from vlmc import manifest as M
+from vlmc.backends import ascend
+from vlmc.backends.ascend import atc, ops, precheck
+from vlmc.backends.ascend import soc as S
+from vlmc.errors import CheckFailed, VlmcError
+from vlmc.package import Package
+
+HIDDEN, HEADS, HEAD_DIM, LAYERS, VOCAB = 8, 2, 4, 2, 32
+OPSET = 17
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=OPSET, extra_opsets=()) -> onnx.ModelProto:
+    g = h.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return h.make_model(g, opset_imports=[h.make_opsetid("", opset), *extra_opsets])
+
+
+def _vi(name, shape, dtype=T.FLOAT):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def _vision(qwen: bool) -> onnx.ModelProto:
+    w = nh.from_array(
+        np.random.default_rng(0).standard_normal((12 if qwen else 16, HIDDEN)).astype(np.float32), "proj"
+    )
+    if qwen:
+        nodes = [
+            h.make_node("MatMul", ["pixel_values", "proj"], ["f"], name="patch_proj"),
+            h.make_node("Unsqueeze", ["f", "ax0"], ["image_features"], name="add_images"),
+        ]
+        return _model(
+            nodes,
+            [_vi("pixel_values", ["patches", 12]), _vi("image_grid_thw", ["images", 3], T.INT64)],
+            [_vi("image_features", [1, "patches", HIDDEN])],
+            [w, nh.from_array(np.array([0], np.int64), "ax0")],
+        )
+    nodes = [
+        h.make_node("Reshape", ["pixel_values", "shape"], ["p"], name="patchify"),
+        h.make_node("MatMul", ["p", "proj"], ["image_features"], name="patch_proj"),
+    ]
+    return _model(
+        nodes,
+        [_vi("pixel_values", ["images", 3, 8, 8])],
+        [_vi("image_features", ["images", 12, HIDDEN])],
+        [w, nh.from_array(np.array([0, 12, 16], np.int64), "shape")],
+    )
+
+
+def _embed() -> onnx.ModelProto:
+    table = nh.from_array(
+        np.random.default_rng(1).standard_normal((VOCAB, HIDDEN)).astype(np.float32), "table"
+    )
+    return _model(
+        [h.make_node("Gather", ["table", "input_ids"], ["inputs_embeds"], name="lookup")],
+        [_vi("input_ids", ["batch", "sequence"], T.INT64)],
+        [_vi("inputs_embeds", ["batch", "sequence", HIDDEN])],
+        [table],
+    )
+
+
+def _decoder(
+    mrope: bool = False, extra_nodes=(), lm_head_qdq: onnx.ModelProto | None = None
+) -> onnx.ModelProto:
+    rng = np.random.default_rng(2)
+    inits = [
+        nh.from_array(rng.standard_normal((HIDDEN, VOCAB)).astype(np.float32), "lm_head"),
+        nh.from_array(np.array([0, 0, HEADS, HEAD_DIM], np.int64), "kv_shape"),
+        nh.from_array(np.array([0, 2, 1, 3], np.int64), "perm_unused"),
+    ]
+    nodes = [
+        h.make_node("MatMul", ["inputs_embeds", "lm_head"], ["logits"], name="lm_head_mm"),
+        h.make_node("Reshape", ["inputs_embeds", "kv_shape"], ["kv_bshd"], name="split_heads"),
+        h.make_node("Transpose", ["kv_bshd"], ["kv"], name="to_bhsd", perm=[0, 2, 1, 3]),
+    ]
+    outputs = [_vi("logits", ["batch", "sequence", VOCAB])]
+    inputs = [
+        _vi("inputs_embeds", ["batch", "sequence", HIDDEN]),
+        _vi("attention_mask", ["batch", "total_sequence"], T.INT64),
+        _vi("position_ids", [3, "batch", "sequence"] if mrope else ["batch", "sequence"], T.INT64),
+    ]
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            inputs.append(_vi(f"past_key_values.{i}.{kind}", ["batch", HEADS, "past_sequence", HEAD_DIM]))
+            nodes.append(
+                h.make_node(
+                    "Concat",
+                    [f"past_key_values.{i}.{kind}", "kv"],
+                    [f"present.{i}.{kind}"],
+                    name=f"cat_{i}_{kind}",
+                    axis=2,
+                )
+            )
+            outputs.append(_vi(f"present.{i}.{kind}", ["batch", HEADS, "total_sequence", HEAD_DIM]))
+    return _model(nodes + list(extra_nodes), inputs, outputs, inits)
+
+
+def _paged_decoder() -> onnx.ModelProto:
+    rng = np.random.default_rng(3)
+    inputs = [
+        _vi("inputs_embeds", ["batch", "sequence", HIDDEN]),
+        _vi("position_ids", ["batch", "sequence"], T.INT64),
+        _vi("block_tables", ["batch", "max_blocks"], T.INT32),
+        _vi("slot_mapping", ["batch", "sequence"], T.INT32),
+        _vi("context_lens", ["batch"], T.INT32),
+    ]
+    nodes = [h.make_node("MatMul", ["inputs_embeds", "lm_head"], ["logits"], name="lm_head_mm")]
+    outputs = [_vi("logits", ["batch", "sequence", VOCAB])]
+    for i in range(LAYERS):
+        for kind in ("key", "value"):
+            inputs.append(_vi(f"{kind}_cache.{i}", ["num_blocks", 16, HEADS, HEAD_DIM]))
+            nodes.append(
+                h.make_node(
+                    "Identity", [f"{kind}_cache.{i}"], [f"{kind}_cache_out.{i}"], name=f"keep_{kind}_{i}"
+                )
+            )
+            outputs.append(_vi(f"{kind}_cache_out.{i}", ["num_blocks", 16, HEADS, HEAD_DIM]))
+    return _model(
+        nodes,
+        inputs,
+        outputs,
+        [nh.from_array(rng.standard_normal((HIDDEN, VOCAB)).astype(np.float32), "lm_head")],
+    )
+
+
+def _manifest(family: str, paged: bool = False) -> dict:
+    m = M.new(family, "Test", "test", "0")
+    m["vision"] = {"image_size": [8, 8], "tokens_per_image": 12, "image_token_id": 31, "preprocess": {}}
+    m["text"] = {"vocab_size": VOCAB, "eos_token_id": 2, "max_positions": 4096}
+    m["kv"] = {
+        "layers": LAYERS,
+        "kv_heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "layout": "paged" if paged else "contiguous",
+        "block_size": 16 if paged else None,
+    }
+    return m
+
+
+def _package(kind: str, decoder: onnx.ModelProto | None = None, precision: str = "fp32") -> Package:
+    pkg = Package(_manifest(kind, paged=kind == "paged"))
+    qwen = kind == "qwen2_vl"
+    if qwen:
+        pkg.manifest["vision"]["preprocess"] = {"patch_size": 2}
+    pkg.set_graph("vision_encoder", _vision(qwen), role="vision")
+    if kind == "blip2":
+        qformer = _model(
+            [h.make_node("ReduceMean", ["image_features"], ["query_features"], name="pool", axes=[1])],
+            [_vi("image_features", ["images", 12, HIDDEN])],
+            [_vi("query_features", ["images", 1, HIDDEN])],
+        )
+        pkg.set_graph("qformer", qformer, role="fusion")
+    pkg.set_graph("embed_tokens", _embed(), role="embed")
+    if decoder is None:
+        decoder = _paged_decoder() if kind == "paged" else _decoder(mrope=qwen)
+    pkg.set_graph("decoder", decoder, role="decoder", precision=precision)
+    pkg.manifest["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
+    return pkg
+
+
+def _qdq_decoder() -> onnx.ModelProto:
+    """The decoder with lm_head quantized the way onnxruntime's QDQ quantize_static writes it."""
+    model = _decoder()
+    rng = np.random.default_rng(4)
+    w = nh.to_array(next(t for t in model.graph.initializer if t.name == "lm_head"))
+    s_w = np.float32(np.abs(w).max() / 127)
+    inits = [
+        nh.from_array(np.clip(np.rint(w / s_w), -127, 127).astype(np.int8), "lm_head_q"),
+        nh.from_array(s_w, "lm_head_scale"),
+        nh.from_array(np.int8(0), "lm_head_zp"),
+        nh.from_array(np.float32(0.02), "x_scale"),
+        nh.from_array(np.uint8(128), "x_zp"),
+        nh.from_array(rng.standard_normal(VOCAB).astype(np.float32), "lm_bias"),
+        nh.from_array(rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float32), "kept_w"),
+    ]
+    nodes = [
+        h.make_node("QuantizeLinear", ["inputs_embeds", "x_scale", "x_zp"], ["xq"], name="x_q"),
+        h.make_node("DequantizeLinear", ["xq", "x_scale", "x_zp"], ["xdq"], name="x_dq"),
+        h.make_node("DequantizeLinear", ["lm_head_q", "lm_head_scale", "lm_head_zp"], ["w"], name="w_dq"),
+        h.make_node("MatMul", ["xdq", "w"], ["acc"], name="lm_head_mm"),
+        h.make_node("Add", ["acc", "lm_bias"], ["logits_pre"], name="lm_bias_add"),
+        h.make_node("MatMul", ["inputs_embeds", "kept_w"], ["side"], name="sensitive_mm"),
+        h.make_node("ReduceSum", ["side"], ["side_sum"], name="side_sum", keepdims=1),
+        h.make_node("Add", ["logits_pre", "side_sum"], ["logits"], name="mix"),
+    ]
+    kept = [n for n in model.graph.node if n.name != "lm_head_mm"]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes + kept)
+    model.graph.initializer.extend(inits)
+    return model
+
+
+FAMILIES = ["llava", "qwen2_vl", "blip2", "paged"]
+
+
+def _compile(pkg: Package, out: Path, **target) -> dict:
+    return ascend.compile(pkg, out, {"soc": "Ascend910B", "soc_variant": "Ascend910B2", **target})
+
+
+def _assert_obeys_rules(out: Path, summary: dict) -> None:
+    """The rules of atc-reference.md, checked on what was written, independently of how it was built."""
+    assert summary["soc_version"] in S.VARIANTS_910B
+    for b in summary["builds"]:
+        argv = (out / b["workdir"] / "atc.cmd").read_text().split("\n")[0]
+        import shlex
+
+        opts = atc.parse_argv(shlex.split(argv))
+        assert atc.problems(opts, quantized=b["quantized"], sequence=opts.get("input_format") == "ND") == []
+        assert "input_shape_range" not in opts and all(f in atc.FLAGS for f in opts)
+        model_path = (out / b["workdir"] / opts["model"]).resolve()
+        model = onnx.load(str(model_path), load_external_data=False)
+        assert precheck.check_ops(model, b["name"], lowered=True) == []
+        assert all(ops.supported(n.op_type, n.domain, {"": OPSET}) for n in model.graph.node)
+        declared = dict(atc.parse_input_shape(opts["input_shape"]))
+        inits = {t.name for t in model.graph.initializer}
+        graph_inputs = [i.name for i in model.graph.input if i.name not in inits]
+        assert list(declared) == graph_inputs  # every input gets an entry, or ATC goes fully dynamic
+        n_dyn = sum(d == "-1" for dims in declared.values() for d in dims)
+        if n_dyn:
+            profiles = opts["dynamic_dims"].split(";")
+            assert 2 <= len(profiles) <= 100 and all(len(p.split(",")) == n_dyn for p in profiles)
+        else:
+            assert not any(g in opts for g in atc.GEAR_FLAGS)
+        if b["variant"] != "full" or "sequence" in json.dumps(b["bindings"]):
+            assert opts["input_format"] == "ND"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_compiles_to_commands_atc_accepts(tmp_path, family):
+    out = tmp_path / "build"
+    summary = _compile(_package(family), out, sequence_buckets=[128, 256, 512])
+    _assert_obeys_rules(out, summary)
+    assert json.loads((out / "compile.json").read_text()) == summary
+    assert (out / "vlmc-build.json").is_file()
+    names = [b["name"] for b in summary["builds"]]
+    assert "decoder_prefill" in names and "decoder_decode" in names
+
+
+def test_contiguous_decoder_prefill_and_decode_builds(tmp_path):
+    summary = _compile(
+        _package("llava"), tmp_path / "b", sequence_buckets=[128, 256], past_buckets=[256, 512, 1024]
+    )
+    by = {b["name"]: b for b in summary["builds"]}
+    prefill, decode = by["decoder_prefill"], by["decoder_decode"]
+    assert "past_key_values" not in prefill["input_shape"]
+    assert prefill["input_shape"].startswith("inputs_embeds:1,-1,8;attention_mask:1,-1;position_ids:1,-1")
+    assert prefill["dynamic_dims"] == "128,128,128;256,256,256"
+    assert (
+        "inputs_embeds:1,1,8" in decode["input_shape"]
+        and "past_key_values.0.key:1,2,-1,4" in decode["input_shape"]
+    )
+    # attention_mask covers past + the new token: 257 for a 256 past.
+    assert decode["dynamic_dims"].split(";")[0] == "257,256,256,256,256"
+    assert by["embed_tokens"]["dynamic_dims"] == "1;128;256"
+    assert (
+        by["vision_encoder"]["dynamic_dims"] is None
+        and "pixel_values:1,3,8,8" in by["vision_encoder"]["input_shape"]
+    )
+
+
+def test_prefill_graph_shares_weights_and_runs(tmp_path):
+    out = tmp_path / "b"
+    _compile(_package("llava"), out)
+    assert not (out / "graphs" / "decoder_prefill.onnx.data").exists()
+    sess = ort.InferenceSession(
+        str(out / "graphs" / "decoder_prefill.onnx"), providers=["CPUExecutionProvider"]
+    )
+    x = np.random.default_rng(0).standard_normal((1, 5, HIDDEN)).astype(np.float32)
+    outs = sess.run(
+        None,
+        {"inputs_embeds": x, "attention_mask": np.ones((1, 5), np.int64), "position_ids": np.arange(5)[None]},
+    )
+    assert outs[0].shape == (1, 5, VOCAB) and outs[1].shape == (1, HEADS, 5, HEAD_DIM)
+
+
+def test_paged_decoder_has_static_pool_and_batch_gears(tmp_path):
+    summary = _compile(_package("paged"), tmp_path / "b", sequence_buckets=[128, 256], batch_sizes=[1, 2, 4])
+    decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
+    # max context 257 with 16-token blocks -> 17 blocks per sequence, 4 sequences -> a pool of 68 blocks.
+    assert "key_cache.0:68,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
+    assert decode["profiles"] == 3 and decode["bindings"]["sequence"] == [1]
+
+
+def test_gear_plan_over_100_profiles_is_an_error(tmp_path):
+    with pytest.raises(VlmcError, match="at most 100.*paged_kv"):
+        _compile(
+            _package("llava"),
+            tmp_path / "b",
+            batch_sizes=list(range(1, 12)),
+            past_buckets=[64 * i for i in range(1, 11)],
+        )
+    assert not (tmp_path / "b").exists()
+
+
+def test_ort_only_op_fails_precheck_naming_node_and_writes_nothing(tmp_path):
+    gqa = h.make_node(
+        "GroupQueryAttention", ["inputs_embeds"], ["unused"], name="gqa_0", domain="com.microsoft"
+    )
+    decoder = _decoder(extra_nodes=[gqa])
+    decoder.opset_import.append(h.make_opsetid("com.microsoft", 1))
+    with pytest.raises(CheckFailed, match=r"node 'gqa_0'.*com\.microsoft::GroupQueryAttention.*onnxruntime"):
+        _compile(_package("llava", decoder), tmp_path / "b")
+    assert not (tmp_path / "b").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_opset_19_fails_precheck_with_export_suggestion(tmp_path):
+    decoder = _decoder()
+    decoder.opset_import[0].version = 19
+    with pytest.raises(CheckFailed, match=r"opset 19.*export at opset 17.*'lm_head_mm'"):
+        _compile(_package("llava", decoder), tmp_path / "b")
+
+
+@pytest.mark.parametrize("opset,ok", [(16, False), (17, True), (18, True)])
+def test_layer_normalization_only_at_17_and_18(opset, ok):
+    model = _model(
+        [h.make_node("LayerNormalization", ["x", "g"], ["y"], name="ln")],
+        [_vi("x", [2, 4])],
+        [_vi("y", [2, 4])],
+        [nh.from_array(np.ones(4, np.float32), "g")],
+        opset=opset,
+    )
+    found = precheck.check_ops(model, "g", lowered=True)
+    assert (found == []) is ok
+    if not ok:
+        assert "'ln'" in str(found[0]) and "opset 17" in found[0].message
+
+
+def test_portable_qdq_is_left_to_lowering_but_not_allowed_after():
+    q = _model(
+        [h.make_node("QuantizeLinear", ["x", "s"], ["y"], name="q")],
+        [_vi("x", [2])],
+        [_vi("y", [2], T.UINT8)],
+        [nh.from_array(np.float32(0.1), "s")],
+    )
+    assert precheck.check_ops(q, "g", lowered=False) == []
+    assert "run the quantize lowering" in str(precheck.check_ops(q, "g", lowered=True)[0])
+
+
+def test_int8_package_lowers_and_obeys_quantized_rules(tmp_path):
+    out = tmp_path / "b"
+    summary = _compile(_package("llava", _qdq_decoder(), precision="int8"), out)
+    _assert_obeys_rules(out, summary)
+    lowering = summary["graphs"]["decoder"]["lowering"]
+    assert lowering["quantized_layers"] == ["lm_head_mm"] and lowering["kept_fp32"] == ["sensitive_mm"]
+    decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
+    assert (
+        decode["quantized"]
+        and decode["precision_mode_v2"] == "fp16"
+        and decode["config_files"] == ["keep_dtype.cfg"]
+    )
+    assert (out / "builds" / "decoder_decode" / "keep_dtype.cfg").read_text() == "sensitive_mm\n"
+    ops_ = [n.op_type for n in onnx.load(str(out / "graphs" / "decoder.onnx")).graph.node]
+    assert {"AscendQuant", "AscendDequant"} <= set(ops_) and "QuantizeLinear" not in ops_
+    with pytest.raises(VlmcError, match="origin"):
+        _compile(_package("llava", _qdq_decoder(), precision="int8"), tmp_path / "c", precision="origin")
+
+
+def test_mixed_precision_gets_mixlist(tmp_path):
+    out = tmp_path / "b"
+    summary = _compile(
+        _package("llava", precision="mixed"), out, precision="mixed_float16", keep_fp32_ops=["SoftmaxV2"]
+    )
+    decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
+    assert decode["precision_mode_v2"] == "mixed_float16" and "modify_mixlist.json" in decode["config_files"]
+    mix = json.loads((out / "builds" / "decoder_decode" / "modify_mixlist.json").read_text())
+    assert mix == {"black-list": {"to-add": ["SoftmaxV2"]}}
+    auto = _compile(_package("llava", precision="mixed"), tmp_path / "c")
+    assert {b["precision_mode_v2"] for b in auto["builds"] if b["graph"] == "decoder"} == {"mixed_float16"}
+
+
+def test_build_script_and_makefile(tmp_path):
+    out = tmp_path / "b"
+    summary = _compile(_package("llava"), out)
+    script = (out / "build.sh").read_text()
+    assert "set -euo pipefail" in script and "logs/$name.log" in script
+    assert os.stat(out / "build.sh").st_mode & stat.S_IXUSR
+    for b in summary["builds"]:
+        assert f"build {b['name']} " in script
+    mk = (out / "atc.mk").read_text()
+    assert "vlmc-om:" in mk and all(f"om/{b['name']}.om:" in mk for b in summary["builds"])
+
+
+def test_run_without_atc_writes_everything_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    summary = _compile(_package("llava"), tmp_path / "b", run=True)
+    assert summary["run"]["status"] == "skipped" and "atc is not on PATH" in summary["run"]["message"]
+    assert (tmp_path / "b" / "build.sh").is_file()
+
+
+def _fake_atc(bindir: Path, body: str) -> None:
+    bindir.mkdir()
+    exe = bindir / "atc"
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+
+
+def test_run_with_atc_collects_om_including_dynamic_suffix(tmp_path, monkeypatch):
+    # The fake ATC writes the dynamic-shape name, <output>_linux_x86_64.om.
+    _fake_atc(
+        tmp_path / "bin",
+        'for a in "$@"; do case "$a" in --output=*) o="${a#--output=}";; esac; done\n'
+        'mkdir -p "$(dirname "$o")"; : > "${o}_linux_x86_64.om"; echo "ATC run success, welcome to the next use."\n',
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    summary = _compile(_package("llava"), tmp_path / "b", run=True)
+    assert summary["run"]["status"] == "ok"
+    for name, r in summary["run"]["builds"].items():
+        assert r["om"] == [str(tmp_path / "b" / "om" / f"{name}_linux_x86_64.om")]
+        assert (tmp_path / "b" / "logs" / f"{name}.log").is_file()
+
+
+def test_run_with_failing_atc_explains_error_code(tmp_path, monkeypatch):
+    _fake_atc(
+        tmp_path / "bin",
+        'echo "ATC run failed, Please check the detail log"\n'
+        'echo "E16002: No parser is registered for Op [x]"\nexit 1\n',
+    )
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+    with pytest.raises(CheckFailed, match="E16002: the ONNX parser has no plugin"):
+        _compile(_package("llava"), tmp_path / "b", run=True)
+    assert json.loads((tmp_path / "b" / "compile.json").read_text())["run"]["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    "target,match",
+    [
+        ({"soc": "Ascend910B9"}, "Ascend910B1"),
+        ({"soc_variant": "B7"}, "not a Ascend910B variant"),
+        ({"keep_fp32_ops": ["SoftmaxV2"]}, "mixed"),
+        ({"sequence_buckets": []}, "at least one"),
+        ({"enable_fusion": True}, "unknown option"),
+        ({"precision": "fp32"}, "not one of"),
+    ],
+)
+def test_bad_targets_are_rejected(target, match):
+    with pytest.raises(VlmcError, match=match):
+        ascend.options({"backend": "ascend", **target})
+
+
+def test_registry_validates_targets():
+    from vlmc import backends
+
+    t = backends.validate_target({"backend": "ascend", "soc": "Ascend910B4"})
+    assert t["sequence_buckets"] == [128, 256, 512, 1024, 2048] and t["precision"] == "auto"
+
+
+def test_missing_external_data_fails_precheck(tmp_path):
+    pkg = _package("llava")
+    pkg.save(tmp_path / "pkg")
+    loaded = Package.load(tmp_path / "pkg")
+    (tmp_path / "pkg" / "embed_tokens.onnx.data").unlink()  # lost after the package was opened
+    with pytest.raises(CheckFailed, match="embed_tokens.onnx.data.*missing"):
+        _compile(loaded, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
+
+
+def test_existing_output_needs_force(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("x")
+    with pytest.raises(VlmcError, match="already exists"):
+        _compile(_package("llava"), tmp_path / "b")
+    _compile(_package("llava"), tmp_path / "c")
+    ascend.compile(_package("llava"), tmp_path / "c", {"soc": "Ascend910B1"}, force=True)
+    assert json.loads((tmp_path / "c" / "compile.json").read_text())["soc_version"] == "Ascend910B1"
+
+
+def test_builtin_tiny_llava_compiles(tiny_llava, tmp_path):
+    out = tmp_path / "b"
+    summary = _compile(Package.load(tiny_llava), out, sequence_buckets=[64, 128, 256])
+    _assert_obeys_rules(out, summary)
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe_path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_recipe_compiles_for_ascend(recipe_path, exported, tmp_path):
+    """Each recipe's passes, then its ascend target (or the default 910B target for other backends)."""
+    from vlmc import manager, recipe
+    from vlmc.exporters import zoo
+
+    r = recipe.load(recipe_path)
+    if r.model not in zoo.BUILTINS:
+        pytest.skip(f"{r.model} is not a built-in model; exporting it needs the Hugging Face hub")
+    pkg = manager.run(Package.load(exported(r.model)), r.steps)
+    target = r.target if r.target and r.target["backend"] == "ascend" else {"backend": "ascend"}
+    out = tmp_path / "b"
+    summary = ascend.compile(pkg, out, {**target, "soc_variant": target.get("soc_variant") or "Ascend910B4"})
+    _assert_obeys_rules(out, summary)
+
+
+def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_path):
+    """The real quantize pass (int8 static decoder, int8 weight-only vision) -> lowering -> references."""
+    from vlmc import manager, recipe, samples
+    from vlmc.backends.ascend import lower, reference
+
+    steps = recipe.parse(
+        "passes:\n  - quantize:\n"
+        "      decoder: {weights: int8, activations: int8, calibration: {count: 2}}\n"
+        "      vision_encoder: {weights: int8}\n"
+    ).steps
+    pkg = manager.run(Package.load(tiny_llava), steps)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    for name, kind in (("decoder", "quantized_layers"), ("vision_encoder", "weight_only_layers")):
+        model = pkg.graph(name)
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        low, report = lower.lower(copy, name, pkg.info(name))
+        assert getattr(report, kind), f"{name}: nothing was lowered"
+        feeds = samples.inputs_for(pkg, name)
+        expected = ort.InferenceSession(
+            model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+        ).run(None, feeds)
+        got = reference.run(low, feeds, fp16=False)
+        for out, e in zip(low.graph.output, expected):
+            np.testing.assert_allclose(
+                got[out.name], e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max()))
+            )
+    out = tmp_path / "b"
+    _assert_obeys_rules(out, _compile(pkg, out, sequence_buckets=[64, 128]))

@@ -1,0 +1,35 @@
+"""The ort backend: the compiled package runs here with the reference runtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vlmc import backends
+from vlmc.backends import ort as ort_backend
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+
+
+def test_ort_compile_writes_a_runnable_package(tiny_llava, tmp_path):
+    from vlmc.runtime import Pipeline
+
+    pkg = Package.load(tiny_llava)
+    out = tmp_path / "build"
+    summary = backends.get("ort").compile(pkg, out, {"backend": "ort"})
+    assert pkg.root == tiny_llava  # the caller's package still points at its own directory
+    assert json.loads((out / "compile.json").read_text()) == summary
+    assert (out / "vlmc-build.json").is_file() and set(summary["graphs"]) == set(pkg.graph_names)
+    compiled = Package.load(out / "package")
+    expected = Pipeline(pkg).generate(["Describe the image."], [["demo"]], max_new_tokens=4).tokens
+    got = Pipeline(compiled).generate(["Describe the image."], [["demo"]], max_new_tokens=4).tokens
+    assert got == expected and len(got[0]) > 0
+
+
+def test_ort_target_has_no_options(tmp_path, tiny_llava):
+    assert ort_backend.TARGET_OPTIONS == ()
+    with pytest.raises(VlmcError, match="unknown option 'soc'"):
+        backends.validate_target({"backend": "ort", "soc": "Ascend910B3"})
+    with pytest.raises(VlmcError, match="no options"):
+        ort_backend.compile(Package.load(tiny_llava), tmp_path / "b", {"backend": "ort", "soc": "x"})

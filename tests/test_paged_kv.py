@@ -1,0 +1,343 @@
+"""paged_kv pass, the block allocator and paged generation: exact against the contiguous package on every built-in."""
+
+from __future__ import annotations
+
+import copy
+import csv
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from vlmc import exporters, manager, ortsession, pass_api
+from vlmc.errors import PassFailed, VlmcError
+from vlmc.exporters import zoo
+from vlmc.package import Package
+from vlmc.recipe import Step
+from vlmc.runtime import Pipeline
+from vlmc.runtime import kv as kvmod
+from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV
+
+REPO = Path(__file__).resolve().parents[1]
+BLOCK = 16
+exporters.families()  # family modules register their built-ins on import
+BUILTINS = sorted(zoo.BUILTINS)
+PROMPTS = ["Describe the image.", "Hi", "Tell me everything about this picture, in great detail please."]
+IMAGES = [["demo:1"], [], ["demo:2"]]
+
+
+def _paged(path: Path, **opts) -> tuple[Package, pass_api.PassResult]:
+    pkg = Package.load(path)
+    result = pass_api.get("paged_kv")(block_size=BLOCK, **opts).run(pkg)
+    return pkg, result
+
+
+class RecordingAllocator(BlockAllocator):
+    """A shuffled allocator that remembers each sequence's final block table and length."""
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.finished: list[tuple[list[int], int]] = []
+
+    def release(self, seq) -> None:
+        self.finished.append((self.table(seq), self.length(seq)))
+        super().release(seq)
+
+
+@pytest.fixture
+def use_allocator(monkeypatch):
+    """Route paged generation through a given allocator (the runtime's default makes its own)."""
+
+    def install(alloc: BlockAllocator) -> None:
+        monkeypatch.setitem(kvmod.LAYOUTS, "paged",
+                            lambda kv, batch, dtype, **ex: PagedKV(kv, batch, dtype, allocator=alloc, **ex))
+
+    return install
+
+
+# ---- end to end: paged generation == contiguous generation, every built-in ------------------------
+@pytest.mark.parametrize("builtin", BUILTINS)
+def test_paged_generation_is_token_exact(builtin, exported, use_allocator):
+    path = exported(builtin)
+    contiguous = Pipeline(Package.load(path))
+    paged_pkg, _ = _paged(path)
+    inputs = contiguous.prepare(PROMPTS, IMAGES)
+    lengths = inputs.attention_mask.sum(axis=1)
+    assert len(set(lengths.tolist())) == 3  # three different prompt lengths, left padded in one batch
+    ref = contiguous.generate_from(inputs, max_new_tokens=6)
+
+    alloc = RecordingAllocator(256, BLOCK, seed=7)
+    use_allocator(alloc)
+    got = Pipeline(paged_pkg).generate_from(inputs, max_new_tokens=6)
+
+    assert got.tokens == ref.tokens
+    for a, b in zip(ref.step_logits, got.step_logits):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+    # One shared pool: tables are disjoint, shuffled and non-contiguous, and all blocks come back.
+    tables = [t for t, _ in alloc.finished]
+    assert len(tables) == 3
+    flat = [b for t in tables for b in t]
+    assert len(flat) == len(set(flat)) and NULL_BLOCK not in flat
+    assert any(np.any(np.diff(t) != 1) for t in tables if len(t) > 1)
+    for (table, length), prompt_len in zip(alloc.finished, lengths):
+        assert length >= prompt_len + 1 and len(table) == -(-length // BLOCK)
+    assert alloc.num_free == 255 and not alloc.sequences
+
+
+def test_default_runtime_grows_a_symbolic_pool(exported):
+    # No allocator given: the runtime sizes the pool from the prompts and grows it while decoding.
+    path = exported("tiny-llava")
+    paged_pkg, _ = _paged(path)
+    ref = Pipeline(Package.load(path)).generate(PROMPTS, IMAGES, max_new_tokens=40)
+    got = Pipeline(paged_pkg).generate(PROMPTS, IMAGES, max_new_tokens=40)
+    assert got.tokens == ref.tokens
+
+
+def test_fixed_pool_runs_and_reports_out_of_blocks(exported):
+    path = exported("tiny-llava")
+    pkg, _ = _paged(path, num_blocks=64)
+    assert pkg.manifest["kv"]["num_blocks"] == 64
+    assert pkg.info("decoder")["inputs"][2]["shape"][0] == 64
+    ref = Pipeline(Package.load(path)).generate(PROMPTS[:2], IMAGES[:2], max_new_tokens=4)
+    assert Pipeline(pkg).generate(PROMPTS[:2], IMAGES[:2], max_new_tokens=4).tokens == ref.tokens
+    small, _ = _paged(path, num_blocks=3)
+    with pytest.raises(OutOfBlocks, match="out of blocks"):
+        Pipeline(small).generate(PROMPTS[:2], IMAGES[:2], max_new_tokens=4)
+
+
+def test_merged_package_is_rewritten_too(exported, use_allocator):
+    # The merged prefill graph (role vlm) has the same KV interface; both it and the decode path go paged.
+    path = exported("tiny-llava")
+    merged = manager.run(Package.load(path), [Step("merge", {}, 1)])
+    paged = manager.run(Package.load(path), [Step("merge", {}, 1), Step("paged_kv", {"block_size": BLOCK}, 2)])
+    assert set(paged.manifest["history"][-1]["report"]["graphs"]) == {"vlm", "decoder"}
+    assert "block_tables" in [i["name"] for i in paged.info("vlm")["inputs"]]
+    images = [["demo:1"], ["demo:3"], ["demo:2"]]
+    ref = Pipeline(merged).generate(PROMPTS, images, max_new_tokens=5)
+    use_allocator(BlockAllocator(128, BLOCK, seed=11))
+    assert Pipeline(paged).generate(PROMPTS, images, max_new_tokens=5).tokens == ref.tokens
+
+
+# ---- the graph, driven directly through its interface -------------------------------------------
+def _positions(spec: dict, rows: np.ndarray) -> np.ndarray:
+    return np.broadcast_to(rows, [3, *rows.shape] if len(spec["shape"]) == 3 else rows.shape).astype(np.int64)
+
+
+@pytest.mark.parametrize("builtin", BUILTINS)
+def test_graph_interface_matches_contiguous_decoder(builtin, exported):
+    """Prefill (left padded) then one decode step through key_cache/block_tables/slot_mapping/context_lens."""
+    path = exported(builtin)
+    cont = Package.load(path)
+    pkg, _ = _paged(path)
+    kv = pkg.manifest["kv"]
+    decoder = pkg.manifest["pipeline"]["decoder"][0]
+    specs = {i["name"]: i for i in pkg.info(decoder)["inputs"]}
+    s_cont, s_paged = ortsession.for_graph(cont, decoder), ortsession.for_graph(pkg, decoder)
+    rng = np.random.default_rng(0)
+    layers, heads, dim = kv["layers"], kv["kv_heads"], kv["head_dim"]
+    hidden = specs["inputs_embeds"]["shape"][2]
+    batch, seq, real = 2, 20, [20, 13]  # row 1 has 7 padding positions (left padding)
+    nb = 12
+    tables = np.array([[5, 2], [9, 7]], np.int32)  # non-contiguous, out of order
+    mask = np.zeros((batch, seq), np.int64)
+    slots = np.zeros((batch, seq), np.int32)
+    pos = np.ones((batch, seq), np.int64)
+    for b in range(batch):
+        mask[b, seq - real[b]:] = 1
+        p = np.arange(real[b])
+        slots[b, seq - real[b]:] = tables[b][p // BLOCK] * BLOCK + p % BLOCK
+        pos[b, seq - real[b]:] = p
+    slots[1, :seq - real[1]] = -1 - np.arange(seq - real[1])  # padding -> scratch slots 0..6 of block 0
+    pools = {f"{k}_cache.{i}": (100 * rng.standard_normal((nb, BLOCK, heads, dim))).astype(np.float32)
+             for i in range(layers) for k in ("key", "value")}
+    embeds = rng.standard_normal((batch, seq, hidden)).astype(np.float32)
+    empty = {f"past_key_values.{i}.{k}": np.zeros((batch, heads, 0, dim), np.float32)
+             for i in range(layers) for k in ("key", "value")}
+    ref = dict(zip([o.name for o in s_cont.get_outputs()],
+                   s_cont.run(None, {"inputs_embeds": embeds, "attention_mask": mask,
+                                     "position_ids": _positions(specs["position_ids"], pos), **empty})))
+    feeds = {"inputs_embeds": embeds, "position_ids": _positions(specs["position_ids"], pos), **pools,
+             "block_tables": tables, "slot_mapping": slots, "context_lens": np.array(real, np.int32)}
+    got = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, feeds)))
+    assert sorted(got) == sorted(["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")])
+    for b in range(batch):  # logits of real positions only (padding rows are garbage in both)
+        np.testing.assert_allclose(got["logits"][b, seq - real[b]:], ref["logits"][b, seq - real[b]:],
+                                   rtol=1e-4, atol=1e-4)
+    written = set()
+    for i in range(layers):
+        for k in ("key", "value"):
+            pool_in, pool_out = pools[f"{k}_cache.{i}"], got[f"{k}_cache_out.{i}"]
+            present = ref[f"present.{i}.{k}"]  # [B, H, seq, D]
+            flat_out = pool_out.reshape(-1, heads, dim)
+            for b in range(batch):
+                for s in range(seq - real[b], seq):
+                    np.testing.assert_allclose(flat_out[slots[b, s]], present[b, :, s], rtol=1e-5, atol=1e-5)
+                    written.add(int(slots[b, s]))
+            # Every live slot this step did not write, and every other block, is bit-identical.
+            touched = written | set(range(seq - real[1]))
+            untouched = np.setdiff1d(np.arange(nb * BLOCK), sorted(touched))
+            np.testing.assert_array_equal(flat_out[untouched], pool_in.reshape(-1, heads, dim)[untouched])
+    assert not written & set(range(BLOCK))  # padding only ever lands in the unowned block 0
+
+    # Decode: one token per row, attending to the pool just written (holes past each context length).
+    step = rng.standard_normal((batch, 1, hidden)).astype(np.float32)
+    nxt = np.array([[real[0]], [real[1]]], np.int64)
+    new_slots = np.array([[tables[b][real[b] // BLOCK] * BLOCK + real[b] % BLOCK] for b in range(batch)], np.int32)
+    pools2 = {n.replace("_out", ""): v for n, v in got.items() if n != "logits"}
+    got2 = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, {
+        "inputs_embeds": step, "position_ids": _positions(specs["position_ids"], nxt), **pools2,
+        "block_tables": tables, "slot_mapping": new_slots, "context_lens": np.array(real, np.int32) + 1})))
+    past = {f"past_key_values.{i}.{k}": ref[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")}
+    ref2 = s_cont.run(None, {"inputs_embeds": step, "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
+                             "position_ids": _positions(specs["position_ids"], nxt), **past})
+    np.testing.assert_allclose(got2["logits"], ref2[0], rtol=1e-4, atol=1e-4)
+
+
+def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
+    path = exported("tiny-llava")
+    before = Package.load(path).graph("decoder")
+    old_ops = {n.op_type for n in before.graph.node}
+    pkg, result = _paged(path)
+    assert result.modified and result.report["graphs"]["decoder"]["layers"] == [0, 1]
+    model = pkg.graph("decoder")
+    onnx.checker.check_model(model, full_check=True)
+    added = [n.op_type for n in model.graph.node if n.name.startswith("paged_kv/")]
+    layers = pkg.manifest["kv"]["layers"]
+    # Exactly: per K/V pool a Gather+Reshape+Transpose read and a Slice+Transpose+3 Reshape+ScatterND write.
+    assert added.count("ScatterND") == 2 * layers
+    assert added.count("Gather") == 2 * layers + 1
+    assert set(added) == {"Shape", "Gather", "Mul", "Squeeze", "Cast", "GreaterOrEqual", "ReduceSum", "Unsqueeze",
+                          "Sub", "Range", "Less", "Concat", "Where", "Reshape", "Transpose", "Slice", "ScatterND"}
+    assert all(not a.name == "reduction" for n in model.graph.node if n.op_type == "ScatterND" for a in n.attribute)
+    assert len(model.graph.node) == len(before.graph.node) + len(added)
+    with open(REPO / "vlmc/backends/ascend/data/onnx_ops.tsv") as f:
+        atc = {row[0] for row in csv.reader((ln for ln in f if not ln.startswith("#")), delimiter="\t")}
+    # Constant nodes are converted by the ATC parser itself at any opset (onnx_ops.tsv header).
+    assert (old_ops | set(added)) - {"Constant"} <= atc
+    sig = pkg.info("decoder")
+    names = [i["name"] for i in sig["inputs"]]
+    assert names == ["inputs_embeds", "position_ids"] + [f"{k}_cache.{i}" for i in range(layers)
+                                                         for k in ("key", "value")] + ["block_tables", "slot_mapping", "context_lens"]
+    by = {i["name"]: i for i in sig["inputs"]}
+    kv = pkg.manifest["kv"]
+    assert by["key_cache.0"]["shape"] == ["num_blocks", BLOCK, kv["kv_heads"], kv["head_dim"]]
+    assert by["block_tables"] == {"name": "block_tables", "dtype": "int32", "shape": ["batch", "max_blocks"]}
+    assert by["slot_mapping"]["dtype"] == by["context_lens"]["dtype"] == "int32"
+    assert [o["name"] for o in sig["outputs"]] == ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers)
+                                                                for k in ("key", "value")]
+    assert {k: kv[k] for k in ("layout", "block_size", "num_blocks")} == {"layout": "paged", "block_size": BLOCK,
+                                                                         "num_blocks": "num_blocks"}
+
+
+def test_manager_runs_the_pass_and_saves_a_loadable_package(exported, tmp_path):
+    pkg = manager.run(Package.load(exported("tiny-llava")), [Step("paged_kv", {"block_size": 32}, 1)])
+    assert pkg.manifest["history"][-1]["modified"] is True
+    out = pkg.save(tmp_path / "paged")
+    again = Package.load(out)
+    assert again.manifest["kv"]["block_size"] == 32
+    res = Pipeline(again).generate(PROMPTS[:1], IMAGES[:1], max_new_tokens=3)
+    assert len(res.tokens[0]) >= 1
+    # Stored samples are consistent paged inputs (distinct scatter slots), so checks can run the graph.
+    from vlmc import samples
+
+    feeds = samples.inputs_for(again, "decoder")
+    assert len(set(feeds["slot_mapping"].ravel().tolist())) == feeds["slot_mapping"].size
+    ortsession.for_graph(again, "decoder").run(None, feeds)
+
+
+# ---- negative cases and options ------------------------------------------------------------------
+def test_already_paged_and_no_decoder_are_unchanged(exported):
+    pkg, _ = _paged(exported("tiny-llava"))
+    again = pass_api.get("paged_kv")(block_size=BLOCK).run(pkg)
+    assert again.modified is False
+    only_embed = Package.load(exported("tiny-llava"))
+    for name in list(only_embed.graph_names):
+        if only_embed.info(name)["role"] == "decoder":
+            only_embed.remove_graph(name)
+    only_embed.manifest["pipeline"]["decoder"] = []
+    manifest_before = copy.deepcopy(only_embed.manifest)
+    out = manager.run(only_embed, [Step("paged_kv", {}, 1)])
+    assert out.manifest["history"][-1]["modified"] is False
+    assert {k: v for k, v in out.manifest.items() if k != "history"} == \
+        {k: v for k, v in manifest_before.items() if k != "history"}
+
+
+@pytest.mark.parametrize("value, message", [(100, "block_size=100 must be a multiple of 16"),
+                                            (528, "block_size=528 is above the maximum 512"),
+                                            (0, "block_size=0 is below the minimum 16"),
+                                            ("128", "block_size must be integer")])
+def test_block_size_validation(value, message):
+    with pytest.raises(VlmcError, match=message):
+        pass_api.get("paged_kv")(block_size=value)
+
+
+def test_unknown_option_and_bad_num_blocks():
+    with pytest.raises(VlmcError, match="valid options: block_size, num_blocks"):
+        pass_api.get("paged_kv")(blocks=4)
+    with pytest.raises(VlmcError, match="num_blocks=0 is below the minimum"):
+        pass_api.get("paged_kv")(num_blocks=0)
+
+
+def test_graph_without_attention_mask_is_refused(exported):
+    pkg = Package.load(exported("tiny-llava"))
+    model = pkg.graph("decoder")
+    # Make attention_mask an internal constant-like tensor: the graph no longer has the decoder interface.
+    mask_in = next(i for i in model.graph.input if i.name == "attention_mask")
+    model.graph.input.remove(mask_in)
+    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["inputs_embeds"], ["attention_mask"]))
+    pkg.set_graph("decoder", model)
+    with pytest.raises(PassFailed, match="no attention_mask input"):
+        manager.run(pkg, [Step("paged_kv", {}, 1)])
+
+
+# ---- allocator -----------------------------------------------------------------------------------
+def test_allocator_free_list_tables_and_release():
+    a = BlockAllocator(6, 4)
+    assert a.num_free == 5  # block 0 is reserved
+    s1 = a.allocate("a", 5)
+    assert a.table("a") == [1, 2] and s1.tolist() == [4, 5, 6, 7, 8]
+    s2 = a.allocate("b", 3)
+    assert a.table("b") == [3] and s2.tolist() == [12, 13, 14]
+    assert a.allocate("a", 3).tolist() == [9, 10, 11] and a.table("a") == [1, 2]
+    assert a.allocate("a", 1).tolist() == [16] and a.table("a") == [1, 2, 4]
+    assert a.length("a") == 9 and a.num_free == 1
+    bt = a.block_tables(["a", "b"])
+    assert bt.dtype == np.int32 and bt.tolist() == [[1, 2, 4], [3, NULL_BLOCK, NULL_BLOCK]]
+    a.release("a")
+    assert a.num_free == 4 and a.table("a") == [] and a.length("a") == 0
+    assert a.allocate("c", 4).tolist() == [4 * a.table("c")[0] + i for i in range(4)]
+
+
+def test_allocator_out_of_blocks_is_atomic():
+    a = BlockAllocator(3, 16)
+    a.allocate("a", 20)
+    with pytest.raises(OutOfBlocks, match="out of blocks: sequence 'b' needs 1 more block"):
+        a.allocate("b", 1)
+    assert a.table("b") == [] and a.length("b") == 0 and a.num_free == 0
+    with pytest.raises(OutOfBlocks):
+        a.allocate("a", 13)
+    assert a.length("a") == 20 and a.table("a") == [1, 2]
+    with pytest.raises(VlmcError, match="at least 2 blocks"):
+        BlockAllocator(1, 16)
+
+
+def test_allocator_scratch_slots_never_touch_live_blocks():
+    a = BlockAllocator(8, 4, seed=1)
+    a.allocate("a", 9)
+    live = {b * 4 + o for b in a.table("a") for o in range(4)}
+    for n in (1, 4, 5, 17):
+        slots = a.scratch_slots(n)
+        assert len(slots) == n and len(set(slots.tolist())) == n and not live & set(slots.tolist())
+        assert slots[: min(n, 4)].tolist() == list(range(min(n, 4)))  # the null block first
+    with pytest.raises(OutOfBlocks):
+        a.scratch_slots(4 * 8)
+
+
+def test_allocator_shuffles_with_a_seed_and_grows_when_allowed():
+    a = BlockAllocator(40, 16, seed=3)
+    a.allocate("x", 16 * 10)
+    assert np.any(np.diff(a.table("x")) != 1)
+    g = BlockAllocator(2, 16, growable=True)
+    g.allocate("x", 16 * 5)
+    assert g.num_blocks >= 6 and len(g.table("x")) == 5 and len(set(g.table("x"))) == 5

@@ -1,0 +1,221 @@
+"""Gear planning: turn each graph's symbolic dims into ATC --input_shape and --dynamic_dims profiles.
+
+A graph is built the way it runs. The decoder gets a prefill build (no past, sequence gears) and a
+decode build (sequence 1, past-length gears; for paged KV a static block pool with batch gears).
+Each symbolic dim is bound to a list of values; the profiles are the product of the free symbols'
+values, and dims derived from them (``total_sequence = past_sequence + sequence``) follow. A symbol
+with one value becomes a static dimension; a build whose symbols all have one value is static.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vlmc.backends.ascend import atc
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+SEQUENCE_DIMS = ("sequence", "past_sequence", "total_sequence")
+
+
+@dataclass
+class Build:
+    """One ATC build of one graph: its static-or--1 input shapes and its gear profiles."""
+
+    name: str
+    graph: str
+    variant: str  # "full" | "prefill" | "decode"
+    input_shape: list[tuple[str, list[int]]]
+    symbols: list[str] = field(default_factory=list)  # the symbol behind each -1, in input_shape order
+    profiles: list[list[int]] = field(default_factory=list)  # --dynamic_dims, one value per -1
+    bindings: dict[str, list[int]] = field(default_factory=dict)  # every symbol's values, for compile.json
+    sequence: bool = False  # takes token sequences -> --input_format=ND
+    file: str = ""  # the lowered ONNX file (under graphs/) the build reads
+
+    @property
+    def input_format(self) -> str:
+        """ND for sequence graphs and any non-image input; NCHW only when every input is 4-D."""
+        if self.sequence or any(len(dims) != 4 for _, dims in self.input_shape):
+            return "ND"
+        return "NCHW"
+
+    def input_shape_text(self) -> str:
+        return ";".join(f"{n}:{','.join(str(d) for d in dims)}" for n, dims in self.input_shape)
+
+    def dynamic_dims_text(self) -> str:
+        return ";".join(",".join(str(v) for v in p) for p in self.profiles)
+
+
+@dataclass
+class DimContext:
+    """What the planner knows about dims beyond the target options: manifest facts and samples."""
+
+    fixed: dict[str, int | list[int]] = field(default_factory=dict)  # target option `dims`
+    sample_shapes: dict[str, list[int]] = field(default_factory=dict)  # input name -> traced shape
+    block_size: int | None = None
+    patches: int | None = None  # patches per image, from the manifest's preprocessing facts
+    max_positions: int | None = None
+
+
+def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[str, list[int]]:
+    """Values of the symbols that vary independently in a build (before derived ones)."""
+    seq = _buckets(opts["sequence_buckets"], ctx.max_positions, "sequence_buckets")
+    past = _buckets(opts.get("past_buckets") or opts["sequence_buckets"], ctx.max_positions, "past_buckets")
+    vals: dict[str, list[int]] = {
+        "batch": sorted(set(opts["batch_sizes"])),
+        "images": sorted(set(opts.get("images") or [1])),
+    }
+    if variant == "decode":
+        vals["sequence"] = [1]
+        vals["past_sequence"] = past
+    elif role == "embed":
+        # One embedding build serves prefill and decode, so decode's single token is a gear too.
+        vals["sequence"] = sorted({1, *seq})
+    else:
+        vals["sequence"] = seq
+    vals["past_sequence"] = vals.get("past_sequence", [0])
+    max_context = max(max(seq), max(past) + 1)
+    if ctx.block_size:
+        max_blocks = math.ceil(max_context / ctx.block_size)
+        vals["max_blocks"] = [max_blocks]
+        vals["num_blocks"] = [max_blocks * max(vals["batch"])]
+    for name, v in ctx.fixed.items():
+        vals[name] = sorted(set(v)) if isinstance(v, list) else [int(v)]
+    return vals
+
+
+def _buckets(values: list[int], max_positions: int | None, what: str) -> list[int]:
+    vals = sorted(set(values))
+    if max_positions:
+        kept = [v for v in vals if v <= max_positions]
+        if len(kept) < len(vals):
+            logger.warning(
+                "%s above the model's max_positions %d are dropped: %s",
+                what,
+                max_positions,
+                [v for v in vals if v > max_positions],
+            )
+        vals = kept or [max_positions]
+    return vals
+
+
+def _derived(variant: str, ctx: DimContext) -> dict[str, Callable[[dict[str, int]], int]]:
+    out: dict[str, Callable[[dict[str, int]], int]] = {
+        "total_sequence": lambda p: p.get("past_sequence", 0) + p["sequence"],
+    }
+    if ctx.patches:
+        out["patches"] = lambda p: p["images"] * ctx.patches  # type: ignore[operator]
+    return out
+
+
+def plan(
+    name: str, graph: str, variant: str, role: str, inputs: list[dict], opts: dict, ctx: DimContext
+) -> Build:
+    """Plan one build.
+
+    Args:
+        name: the build's name (``decoder_prefill`` ...), used for file names.
+        graph: the package graph it builds.
+        variant: "full", "prefill" or "decode".
+        role: the graph's manifest role.
+        inputs: the (lowered) graph's inputs: ``{"name", "dtype", "shape"}`` with symbolic dims.
+        opts: the validated target options.
+        ctx: manifest facts and sample shapes.
+
+    Raises:
+        VlmcError: a dim cannot be resolved, or the plan needs more than 100 profiles.
+    """
+    free = free_values(variant, role, opts, ctx)
+    derived = _derived(variant, ctx)
+    used: list[str] = []
+    for inp in inputs:
+        for i, d in enumerate(inp["shape"]):
+            if isinstance(d, int):
+                continue
+            sym = d if d != "?" else f"{inp['name']}[{i}]"
+            if sym in ctx.fixed or (sym in free and sym not in derived) or sym in derived:
+                if sym not in used:
+                    used.append(sym)
+                continue
+            sample = ctx.sample_shapes.get(inp["name"])
+            if sample is not None and i < len(sample):
+                free[sym] = [int(sample[i])]
+                used.append(sym)
+                logger.info(
+                    "%s: dim %s of %s taken from the package's sample inputs (%d)",
+                    name,
+                    sym,
+                    inp["name"],
+                    sample[i],
+                )
+                continue
+            raise VlmcError(
+                f"{name}: input {inp['name']} has dim {d!r} that vlmc cannot size; give it in the "
+                f"target's dims option, e.g. dims: {{{sym!r}: N}}"
+            )
+    # Derived symbols depend on their sources, which must be enumerated even if no input names them.
+    sources = {"total_sequence": ["past_sequence", "sequence"], "patches": ["images"]}
+    axes = [s for s in used if s not in derived or s in ctx.fixed]
+    for s in used:
+        if s in derived and s not in ctx.fixed:
+            axes += [src for src in sources.get(s, []) if src not in axes]
+    axes = [a for a in axes if a in free]
+    combos = list(itertools.product(*(free[a] for a in axes)))
+    points = []
+    for combo in combos:
+        p = dict(zip(axes, combo))
+        for s in used:
+            if s in derived and s not in ctx.fixed:
+                p[s] = derived[s](p)
+        points.append(p)
+    bindings = {s: sorted({p[s] for p in points}) for s in used}
+    shape: list[tuple[str, list[int]]] = []
+    symbols: list[str] = []
+    for inp in inputs:
+        dims = []
+        for i, d in enumerate(inp["shape"]):
+            if isinstance(d, int):
+                dims.append(d)
+                continue
+            sym = d if d != "?" else f"{inp['name']}[{i}]"
+            if len(bindings[sym]) == 1:
+                dims.append(bindings[sym][0])
+            else:
+                dims.append(-1)
+                symbols.append(sym)
+        shape.append((inp["name"], dims))
+    profiles: list[list[int]] = []
+    if symbols:
+        seen = set()
+        for p in points:
+            prof = tuple(p[s] for s in symbols)
+            if prof not in seen:
+                seen.add(prof)
+                profiles.append(list(prof))
+    if len(profiles) > atc.MAX_PROFILES:
+        sizes = " x ".join(f"{len(free[a])} {a}" for a in axes if len(free[a]) > 1)
+        hint = "use coarser sequence/past buckets or fewer batch sizes" + (
+            ", or run the paged_kv pass so decode needs only batch gears" if variant == "decode" else ""
+        )
+        raise VlmcError(
+            f"{name}: the gear plan needs {len(profiles)} profiles ({sizes}) but ATC allows at most "
+            f"{atc.MAX_PROFILES}; {hint}"
+        )
+    if any(v <= 0 for p in profiles for v in p) or any(d == 0 for _, dims in shape for d in dims):
+        raise VlmcError(f"{name}: a gear or static dim is 0; ATC needs positive sizes")
+    is_sequence = any(isinstance(d, str) and d in SEQUENCE_DIMS for inp in inputs for d in inp["shape"])
+    return Build(
+        name=name,
+        graph=graph,
+        variant=variant,
+        input_shape=shape,
+        symbols=symbols,
+        profiles=profiles,
+        bindings=bindings,
+        sequence=is_sequence,
+    )

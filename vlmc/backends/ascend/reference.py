@@ -1,0 +1,193 @@
+"""numpy references of the Ascend ops vlmc emits, and an executor that runs a lowered graph with them.
+
+The lowered graph is what ATC reads, so onnxruntime cannot load it (Ascend ops, int8 MatMul). The
+executor is ``onnx.reference.ReferenceEvaluator`` with these ops added and MatMul/Conv taught to
+accumulate int8 in int32, which is what the AMCT deploy form means by an int8 MatMul.
+
+Numerics follow atc-reference.md: AscendQuant computes in fp16 on 910B and rounds ties to even;
+AscendDequant and the antiquant ops produce fp16 on 910B. With ``fp16=True`` (the default) these
+roundings are emulated; results are returned as float32 so downstream fp32 ops keep their dtypes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+from onnx.reference import ReferenceEvaluator
+from onnx.reference.op_run import OpRun
+from onnx.reference.ops.op_conv import Conv as _OnnxConv
+
+logger = logging.getLogger(__name__)
+
+# NPUWeightQuantBatchMatmulV2 dequantizes as (weight + antiquant_offset) * antiquant_scale
+# (torch_npu's npu_weight_quant_batchmatmul documentation), so a zero point z is passed as offset -z.
+# The ATC reference does not state the sign; lower.py and this module both read this constant.
+ANTIQUANT_OFFSET_SIGN = 1.0
+
+INT8_MIN, INT8_MAX = -128, 127
+
+
+def _f16(a: np.ndarray | float) -> np.ndarray:
+    return np.asarray(a, dtype=np.float32).astype(np.float16)
+
+
+def pack_deq_scale(values: np.ndarray) -> np.ndarray:
+    """fp32 values -> the UINT64 AscendDequant deq_scale (value bits in 31..0, shift/offset bits 0)."""
+    return np.asarray(values, dtype=np.float32).reshape(-1).view(np.uint32).astype(np.uint64)
+
+
+def unpack_deq_scale(deq: np.ndarray) -> np.ndarray:
+    """The fp32 scales packed in a UINT64 deq_scale."""
+    return (np.asarray(deq, dtype=np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
+
+
+def ascend_quant(x: np.ndarray, scale: float, offset: float, fp16: bool = True) -> np.ndarray:
+    """AscendQuant: ``clip(rint(x*scale + offset), -128, 127)`` as int8 (scale is 1/s)."""
+    if fp16:
+        with np.errstate(over="ignore"):
+            y = _f16(x) * _f16(scale) + _f16(offset)
+    else:
+        y = np.asarray(x, dtype=np.float32) * np.float32(scale) + np.float32(offset)
+    return np.clip(np.rint(y.astype(np.float32)), INT8_MIN, INT8_MAX).astype(np.int8)
+
+
+def ascend_dequant(
+    acc: np.ndarray, deq_scale: np.ndarray, fp16: bool = True, channel_axis: int | None = None
+) -> np.ndarray:
+    """AscendDequant: int32 accumulator times the unpacked scale (per tensor or per channel)."""
+    s = unpack_deq_scale(deq_scale)
+    acc = np.asarray(acc)
+    if s.size > 1:
+        axis = channel_axis if channel_axis is not None else acc.ndim - 1
+        shape = [1] * acc.ndim
+        shape[axis] = s.size
+        s = s.reshape(shape)
+    y = acc.astype(np.float32) * s
+    return y.astype(np.float16).astype(np.float32) if fp16 else y
+
+
+def ascend_antiquant(x: np.ndarray, scale: float, offset: float, fp16: bool = True) -> np.ndarray:
+    """AscendAntiQuant: ``(x - offset) * scale``."""
+    y = (np.asarray(x, dtype=np.float32) - np.float32(offset)) * np.float32(scale)
+    return y.astype(np.float16).astype(np.float32) if fp16 else y
+
+
+def dequant_weight(
+    weight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group_size: int
+) -> np.ndarray:
+    """The float (k, n) weight NPUWeightQuantBatchMatmulV2 computes with."""
+    w = weight.astype(np.float32)
+    k = w.shape[0]
+    scale = np.asarray(scale, dtype=np.float32)
+    off = np.zeros_like(scale) if offset is None else np.asarray(offset, dtype=np.float32)
+    if group_size and scale.ndim == 2:
+        scale = np.repeat(scale, group_size, axis=0)[:k]
+        off = np.repeat(off, group_size, axis=0)[:k]
+    return (w + ANTIQUANT_OFFSET_SIGN * off) * scale
+
+
+def weight_quant_batch_matmul(
+    x: np.ndarray,
+    weight: np.ndarray,
+    scale: np.ndarray,
+    offset: np.ndarray | None,
+    group_size: int = 0,
+    bias: np.ndarray | None = None,
+    fp16: bool = True,
+) -> np.ndarray:
+    """NPUWeightQuantBatchMatmulV2: ``x @ antiquant(weight)`` (+ bias), weight laid out (k, n)."""
+    w = dequant_weight(weight, scale, offset, group_size)
+    if fp16:
+        y = np.matmul(_f16(x).astype(np.float32), w.astype(np.float16).astype(np.float32))
+    else:
+        y = np.matmul(np.asarray(x, dtype=np.float32), w)
+    if bias is not None:
+        y = y + bias.astype(np.float32)
+    return y.astype(np.float16).astype(np.float32) if fp16 else y.astype(np.float32)
+
+
+def _ops(fp16: bool) -> list[type[OpRun]]:
+    class AscendQuant(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale=None, offset=None, dst_type=None, round_mode=None, sqrt_mode=None):
+            if dst_type not in (None, "INT8", b"INT8"):
+                raise ValueError(f"AscendQuant dst_type {dst_type!r} is not emulated")
+            return (ascend_quant(x, scale, offset or 0.0, fp16),)
+
+    class AscendDequant(OpRun):
+        op_domain = ""
+
+        def _run(self, x, deq_scale, dtype=None, sqrt_mode=None, relu_flag=None):
+            axis = 1 if x.ndim == 4 else None  # Conv outputs are NCHW; MatMul outputs have channels last
+            return (ascend_dequant(x, deq_scale, fp16, axis),)
+
+    class AscendAntiQuant(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale=None, offset=None, dtype=None, sqrt_mode=None):
+            return (ascend_antiquant(x, scale, offset or 0.0, fp16),)
+
+    class NPUWeightQuantBatchMatmulV2(OpRun):
+        op_domain = ""
+
+        def _run(
+            self,
+            x,
+            weight,
+            antiquant_scale,
+            antiquant_offset=None,
+            quant_scale=None,
+            quant_offset=None,
+            bias=None,
+            antiquant_group_size=0,
+            transpose_x=0,
+            transpose_weight=0,
+            inner_precise=None,
+        ):
+            if transpose_x or transpose_weight:
+                raise ValueError("NPUWeightQuantBatchMatmulV2 transposes must be off")
+            return (
+                weight_quant_batch_matmul(
+                    x, weight, antiquant_scale, antiquant_offset, antiquant_group_size or 0, bias, fp16
+                ),
+            )
+
+    class MatMul(OpRun):
+        op_domain = ""
+
+        def _run(self, a, b):
+            if a.dtype == np.int8 or b.dtype == np.int8:
+                return (np.matmul(a.astype(np.int32), b.astype(np.int32)),)
+            return (np.matmul(a, b),)
+
+    class Conv(_OnnxConv):
+        op_domain = ""
+
+        def _run(self, x, w, b=None, **kwargs):
+            if x.dtype != np.int8:
+                return super()._run(x, w, b, **kwargs)
+            (y,) = super()._run(
+                x.astype(np.float64),
+                w.astype(np.float64),
+                None if b is None else b.astype(np.float64),
+                **kwargs,
+            )
+            return (np.rint(y).astype(np.int32),)
+
+    return [AscendQuant, AscendDequant, AscendAntiQuant, NPUWeightQuantBatchMatmulV2, MatMul, Conv]
+
+
+def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True) -> dict[str, np.ndarray]:
+    """Execute a lowered graph with the references; returns every graph output by name.
+
+    Args:
+        model: a lowered graph (may contain Ascend ops and int8 MatMul/Conv).
+        feeds: input arrays.
+        fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
+    """
+    sess = ReferenceEvaluator(model, new_ops=_ops(fp16))
+    outs = sess.run(None, feeds)
+    return {o.name: v for o, v in zip(model.graph.output, outs)}

@@ -1,0 +1,387 @@
+"""Device-memory planning: weights, KV per token/block, image token cost and activation headroom -> what fits.
+
+Pure arithmetic over a :class:`Spec`, which comes from a package (weight bytes read from its graphs,
+facts from vlmc.json) or from a model description without weights: a Hugging Face config.json of a
+family vlmc exports (parameters counted on the meta device) or a neutral sizing spec (JSON/YAML
+with ``"vlmc_spec": 1``, for models whose code is not in transformers). See docs/paged_kv.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+# Bytes per weight element by manifest precision ("mixed" is counted as fp16, its usual bulk).
+WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "mixed": 2.0, "int8": 1.0, "int8_weight_only": 1.0,
+                "int4_weight_only": 0.5}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | int | float) -> int:
+    """'16GiB' -> 17179869184, '16GB' -> 16000000000, plain numbers are bytes.
+
+    Raises:
+        VlmcError: the text is not a number with one of the units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB.
+    """
+    if isinstance(text, (int, float)):
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m[2].lower() not in _UNITS:
+        raise VlmcError(f"cannot read size {text!r}; write e.g. 16GiB (2^30 bytes) or 16GB (10^9 bytes)")
+    return int(float(m[1]) * _UNITS[m[2].lower()])
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes as GiB/MiB/KiB with the decimal GB alongside for large values."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    if n >= 2**30:
+        return f"{sign}{n / 2**30:.2f} GiB ({sign}{n / 1e9:.2f} GB)"
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{sign}{n / scale:.1f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+@dataclass
+class GraphWeights:
+    name: str
+    role: str
+    precision: str
+    params: int | None  # None when the bytes were read from a graph
+    bytes: int
+
+
+@dataclass
+class Spec:
+    """What planning needs to know about a model; every field is a plain number or string."""
+
+    name: str
+    graphs: list[GraphWeights]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    tokens_per_image: int
+    tokens_per_image_unpruned: int
+    max_positions: int
+    hidden: int
+    heads: int
+    intermediate: int
+    vocab: int
+    act_dtype: str = "float16"
+    block_size: int | None = None  # set for paged packages
+    vision: dict = field(default_factory=dict)  # patches, width, intermediate, heads (activation estimate)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(g.bytes for g in self.graphs)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+
+@dataclass
+class Plan:
+    """The answer for one device and one request mix (all sizes in bytes)."""
+
+    spec: str
+    device_memory: int
+    cards: int
+    weights: list[dict]
+    weight_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    kv_bytes_per_block: int
+    images: int
+    tokens_per_image: int
+    tokens_per_image_unpruned: int
+    image_tokens: int
+    text_tokens: int
+    sequence_tokens: int
+    batch: int
+    activation_bytes: int
+    reserve_bytes: int
+    free_for_kv: int
+    max_context: int
+    paged_reservation: int
+    contiguous_reservation: int
+    paged_saving: int
+    fits_paged: bool
+    fits_contiguous: bool
+    max_sequences_paged: int
+    max_sequences_contiguous: int
+    max_context_one_sequence: int
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def rows(self) -> list[list[str]]:
+        """Label/value rows for a table."""
+        w = [[f"weights: {g['name']} ({g['role']}, {g['precision']})", fmt_bytes(g["bytes"])] for g in self.weights]
+        prune = (f" (pruned from {self.tokens_per_image_unpruned})"
+                 if self.tokens_per_image != self.tokens_per_image_unpruned else "")
+        return [
+            ["device memory", f"{fmt_bytes(self.device_memory)}" + (f" x {self.cards} cards" if self.cards > 1 else "")],
+            *w,
+            ["weights total", fmt_bytes(self.weight_bytes)],
+            ["KV per token", fmt_bytes(self.kv_bytes_per_token)],
+            [f"KV per block ({self.block_size} tokens)", fmt_bytes(self.kv_bytes_per_block)],
+            ["image tokens", f"{self.images} x {self.tokens_per_image}{prune} = {self.image_tokens}"],
+            ["tokens per sequence", f"{self.image_tokens} image + {self.text_tokens} text = {self.sequence_tokens}"],
+            ["activation headroom (prefill peak)", fmt_bytes(self.activation_bytes)],
+            ["runtime reserve", fmt_bytes(self.reserve_bytes)],
+            ["left for KV", fmt_bytes(self.free_for_kv)],
+            [f"paged KV for {self.batch} sequence(s)", fmt_bytes(self.paged_reservation)],
+            [f"contiguous KV for {self.batch} (worst case {self.max_context} tokens each)",
+             fmt_bytes(self.contiguous_reservation)],
+            ["paged saves", fmt_bytes(self.paged_saving)],
+            ["fits (paged / contiguous)", f"{'yes' if self.fits_paged else 'NO'} / {'yes' if self.fits_contiguous else 'NO'}"],
+            ["max concurrent sequences (paged / contiguous)",
+             f"{self.max_sequences_paged} / {self.max_sequences_contiguous}"],
+            ["max context of one sequence", str(self.max_context_one_sequence)],
+        ]
+
+
+def plan(spec: Spec, device_memory: int | str, images: int = 1, text_tokens: int = 512, batch: int = 1,
+         cards: int = 1, block_size: int | None = None, max_context: int | None = None,
+         reserve: int | str = 0) -> Plan:
+    """How a request mix fits in device memory, paged and contiguous.
+
+    Args:
+        spec: the model.
+        device_memory: bytes per card (or a size string such as "16GiB").
+        images: images per sequence; text_tokens: text tokens per sequence (prompt + generated).
+        batch: concurrent sequences of that shape.
+        cards: cards sharing the model by tensor parallelism (weights and KV split across them;
+            activation headroom and reserve are counted per card).
+        block_size: paged block size (default: the package's, else 128).
+        max_context: what a contiguous cache reserves per sequence (default: the model's max positions).
+        reserve: memory the runtime keeps for itself per card.
+    """
+    mem = parse_size(device_memory)
+    res = parse_size(reserve)
+    if min(images, text_tokens) < 0 or batch < 1 or cards < 1:
+        raise VlmcError("images and text tokens must be >= 0, batch and cards >= 1")
+    bs = block_size or spec.block_size or 128
+    ctx_max = max_context or spec.max_positions
+    per_tok = spec.kv_bytes_per_token
+    per_block = per_tok * bs
+    img_tokens = images * spec.tokens_per_image
+    seq = img_tokens + text_tokens
+    notes = []
+    if seq > spec.max_positions:
+        notes.append(f"{seq} tokens per sequence exceed the model's {spec.max_positions} positions")
+    if seq > ctx_max:
+        ctx_max = seq
+        notes.append("max context raised to the sequence length")
+    act = activation_bytes(spec, seq, images)
+    free = cards * (mem - act - res) - spec.weight_bytes
+    paged = batch * math.ceil(seq / bs) * per_block
+    contiguous = batch * ctx_max * per_tok
+    seq_paged = math.ceil(seq / bs) * per_block
+    return Plan(
+        spec=spec.name, device_memory=mem, cards=cards,
+        weights=[asdict(g) for g in spec.graphs], weight_bytes=spec.weight_bytes,
+        kv_bytes_per_token=per_tok, block_size=bs, kv_bytes_per_block=per_block,
+        images=images, tokens_per_image=spec.tokens_per_image, tokens_per_image_unpruned=spec.tokens_per_image_unpruned,
+        image_tokens=img_tokens, text_tokens=text_tokens, sequence_tokens=seq, batch=batch,
+        activation_bytes=act, reserve_bytes=res, free_for_kv=free, max_context=ctx_max,
+        paged_reservation=paged, contiguous_reservation=contiguous, paged_saving=contiguous - paged,
+        fits_paged=free >= paged, fits_contiguous=free >= contiguous,
+        max_sequences_paged=max(0, free // seq_paged) if seq_paged else 0,
+        max_sequences_contiguous=max(0, free // (ctx_max * per_tok)),
+        max_context_one_sequence=max(0, min(free // per_tok, spec.max_positions)),
+        notes=notes,
+    )
+
+
+def activation_bytes(spec: Spec, seq: int, images: int) -> int:
+    """Peak activation memory of one prefill: the larger of the decoder and vision stages.
+
+    An estimate, not a measurement: the decoder keeps ~4 hidden-sized and 3 MLP-sized tensors per
+    token for the layer being run, eager attention's scores and probabilities (2 x heads x seq²),
+    and the logits of every position (the decoder interface returns [batch, seq, vocab]). The
+    vision stage is the same count over its patches, for all images at once.
+    """
+    a = DTYPE_BYTES[spec.act_dtype]
+    dec = seq * (4 * spec.hidden + 3 * spec.intermediate) + 2 * spec.heads * seq * seq + seq * spec.vocab
+    v = spec.vision
+    vis = 0
+    if v and images:
+        p = int(v["patches"])
+        vis = images * (p * (4 * int(v["width"]) + 2 * int(v["intermediate"])) + 2 * int(v["heads"]) * p * p)
+    return a * max(dec, vis)
+
+
+# ---- specs -----------------------------------------------------------------------------------
+def spec_from_package(pkg) -> Spec:
+    """Facts from vlmc.json and weight bytes from the package's graphs."""
+    from vlmc import graphs as G
+
+    m = pkg.manifest
+    kv, t, v = m["kv"], m["text"], m["vision"]
+    ws = [GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
+          for n, g in m["graphs"].items()]
+    tpi = v.get("tokens_per_image")
+    if not isinstance(tpi, int):
+        raise VlmcError("the package has no fixed vision.tokens_per_image (dynamic resolution); "
+                        "plan needs it: export with a fixed image size")
+    unpruned = int((v.get("pruning") or {}).get("tokens_before", tpi))
+    hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
+    decoder = next(iter(m["pipeline"].get("decoder", [])), None)
+    inter = _widest_inner(pkg.graph(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
+    precisions = {g["precision"] for g in m["graphs"].values() if g["role"] in ("decoder", "vlm")}
+    return Spec(name=m["model"]["source"], graphs=ws, layers=int(kv["layers"]), kv_heads=int(kv["kv_heads"]),
+                head_dim=int(kv["head_dim"]), kv_dtype=kv.get("dtype", "float32"), tokens_per_image=tpi,
+                tokens_per_image_unpruned=unpruned, max_positions=int(t.get("max_positions", 4096)), hidden=hidden,
+                heads=max(1, hidden // int(kv["head_dim"])), intermediate=inter, vocab=int(t["vocab_size"]),
+                act_dtype="float32" if precisions <= {"fp32"} else "float16",
+                block_size=kv.get("block_size") if kv.get("layout") == "paged" else None)
+
+
+def _widest_inner(model, hidden: int, vocab: int) -> int:
+    # The MLP width is the largest weight dimension that is neither the hidden size nor the vocabulary.
+    dims = {int(d) for init in model.graph.initializer if len(init.dims) == 2 for d in init.dims}
+    inner = [d for d in dims if d not in (hidden, vocab)]
+    return max(inner) if inner else 4 * hidden
+
+
+def spec_from_dict(d: dict, name: str = "spec") -> Spec:
+    """A neutral sizing spec (``"vlmc_spec": 1``): transformer dimensions and precisions, no weights.
+
+    Parameters are counted from the dimensions (attention with kv_heads, gated or plain MLP, norms,
+    embeddings, untied lm_head unless ``tied``); ``extra_params`` adds what the formula does not
+    model (e.g. a resampler).
+    """
+    try:
+        llm, vis, prec = d["llm"], d["vision"], d.get("precision", {})
+        h, layers = int(llm["hidden"]), int(llm["layers"])
+        heads = int(llm["heads"])
+        kv_heads = int(llm.get("kv_heads", heads))
+        head_dim = int(llm.get("head_dim", h // heads))
+        inter, vocab = int(llm["intermediate"]), int(llm["vocab"])
+        mlp_mats = 3 if llm.get("gated_mlp", True) else 2
+        attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+        if llm.get("qkv_bias"):
+            attn += (heads + 2 * kv_heads) * head_dim
+        block = attn + mlp_mats * h * inter + 2 * h
+        dec = layers * block + h + (0 if llm.get("tied") else vocab * h)
+        emb = vocab * h
+        w, vl, vi = int(vis["width"]), int(vis["layers"]), int(vis["intermediate"])
+        patches = (int(vis["image_size"]) // int(vis["patch_size"])) ** 2
+        vblock = 4 * w * w + 4 * w + 2 * w * vi + vi + w + 4 * w
+        # Patch embedding, positions, class token and pre/post LayerNorm of a ViT.
+        stem = 3 * int(vis["patch_size"]) ** 2 * w + (patches + 1) * w + 5 * w
+        vparams = vl * vblock + stem + int(vis.get("extra_params", 0))
+        graphs = []
+        for gname, role, params in (("vision_encoder", "vision", vparams), ("embed_tokens", "embed", emb),
+                                    ("decoder", "decoder", dec)):
+            p = prec.get(role, "fp16")
+            if p not in WEIGHT_BYTES:
+                raise VlmcError(f"{name}: precision.{role}={p!r} is not one of {', '.join(WEIGHT_BYTES)}")
+            graphs.append(GraphWeights(gname, role, p, params, int(params * WEIGHT_BYTES[p])))
+        tpi = int(vis["tokens_per_image"])
+        return Spec(name=d.get("name", name), graphs=graphs, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                    kv_dtype=d.get("kv_dtype", "float16"), tokens_per_image=tpi,
+                    tokens_per_image_unpruned=int(vis.get("tokens_per_image_unpruned", tpi)),
+                    max_positions=int(llm["max_positions"]), hidden=h, heads=heads, intermediate=inter, vocab=vocab,
+                    act_dtype=d.get("act_dtype", "float16"),
+                    vision={"patches": patches + 1, "width": w, "intermediate": vi, "heads": int(vis["heads"])})
+    except KeyError as exc:
+        raise VlmcError(f"{name}: sizing spec lacks {exc.args[0]!r} (see docs/paged_kv.md for the format)") from None
+
+
+def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "config") -> Spec:
+    """Count parameters of a Hugging Face config of a family vlmc exports, on the meta device (no weights).
+
+    The decoder's parameters are those of ``get_decoder()`` (minus its input embeddings) plus
+    ``lm_head``; the embedding table is its own graph; everything else is the image side.
+    """
+    import torch
+    from transformers import AutoConfig
+
+    from vlmc import exporters
+
+    d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
+    try:
+        config = AutoConfig.for_model(**d)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise VlmcError(f"{name}: transformers cannot read this config ({str(exc).splitlines()[0]}); "
+                        "describe the model with a vlmc sizing spec instead (docs/paged_kv.md)") from exc
+    family = exporters._family_for_config(config, name)
+    mod = exporters.families()[family]
+    with torch.device("meta"):
+        model = mod.model_class()._from_config(config)
+    prec = {"vision": "fp16", "embed": "fp16", "decoder": "fp16", **(precision or {})}
+    emb = model.get_input_embeddings()
+    dec = model.get_decoder()
+    emb_ids = {id(p) for p in emb.parameters()}
+    dec_ids = {id(p) for p in dec.parameters()} - emb_ids
+    head_ids = {id(p) for p in model.get_output_embeddings().parameters()} - emb_ids
+    count = {"embed": 0, "decoder": 0, "vision": 0}
+    for p in model.parameters():
+        role = "embed" if id(p) in emb_ids else ("decoder" if id(p) in dec_ids | head_ids else "vision")
+        count[role] += p.numel()
+    if getattr(config, "tie_word_embeddings", False) or config.get_text_config().tie_word_embeddings:
+        count["decoder"] += emb.weight.numel()  # the decoder graph holds its own copy of a tied head
+    graphs = [GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))
+              for g, r in (("vision_encoder", "vision"), ("embed_tokens", "embed"), ("decoder", "decoder"))]
+    t = config.get_text_config()
+    v = getattr(config, "vision_config", None)
+    heads = int(t.num_attention_heads)
+    head_dim = int(getattr(t, "head_dim", None) or t.hidden_size // heads)
+    tpi = _tokens_per_image(mod, config)
+    vision = {}
+    if v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
+        vision = {"patches": (int(v.image_size) // int(v.patch_size)) ** 2 + 1, "width": int(v.hidden_size),
+                  "intermediate": int(v.intermediate_size), "heads": int(v.num_attention_heads)}
+    return Spec(name=name, graphs=graphs, layers=int(t.num_hidden_layers),
+                kv_heads=int(getattr(t, "num_key_value_heads", None) or heads), head_dim=head_dim,
+                kv_dtype="float16", tokens_per_image=tpi, tokens_per_image_unpruned=tpi,
+                max_positions=int(t.max_position_embeddings), hidden=int(t.hidden_size), heads=heads,
+                intermediate=int(t.intermediate_size), vocab=int(t.vocab_size), vision=vision)
+
+
+def _tokens_per_image(mod, config) -> int:
+    fn = getattr(mod, "tokens_per_image", None)
+    if fn is None:
+        raise VlmcError(f"the {mod.__name__} exporter does not state tokens per image for a config; "
+                        "use a vlmc sizing spec")
+    return int(fn(config))
+
+
+def load_spec(path: str | Path, precision: dict | None = None) -> Spec:
+    """A Spec from a file: a vlmc sizing spec (JSON or YAML) or a Hugging Face config.json."""
+    p = Path(path)
+    if not p.is_file():
+        raise VlmcError(f"config {p} does not exist")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            d = yaml.safe_load(text)
+        else:
+            d = json.loads(text)
+    except Exception as exc:
+        raise VlmcError(f"{p}: cannot parse ({str(exc).splitlines()[0]})") from exc
+    if not isinstance(d, dict):
+        raise VlmcError(f"{p}: expected a mapping")
+    if d.get("vlmc_spec"):
+        if precision:
+            d = dict(d, precision={**d.get("precision", {}), **precision})
+        return spec_from_dict(d, name=str(p))
+    name = p.parent.name if p.name == "config.json" else p.stem
+    return spec_from_hf_config(d, precision, name=name)
