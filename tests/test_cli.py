@@ -144,3 +144,28 @@ def test_readme_commands_run_as_written(tmp_path):
 def test_global_flags(tiny_llava, flag):
     res = invoke(flag, "inspect", str(tiny_llava), "--json")
     assert res.exit_code == 0
+
+
+@pytest.mark.parametrize("args, backend, soc", [
+    ([], "ascend", None),
+    (["-r", "{recipe}"], "ascend", "Ascend910B1"),
+    (["--target=ort", "-r", "{recipe}"], "ort", None),
+    (["--target", "ort", "--recipe", "{recipe}"], "ort", None),
+    (["--soc", "Ascend910B4"], "ascend", "Ascend910B4"),
+])
+def test_compile_picks_backend_from_flags_then_recipe(tiny_llava, tmp_path, args, backend, soc):
+    recipe = tmp_path / "asc.yaml"
+    recipe.write_text("target: {backend: ascend, soc: Ascend910B1}\n")
+    out = tmp_path / "build"
+    res = invoke("compile", str(tiny_llava), "-o", str(out), *[a.format(recipe=recipe) for a in args])
+    assert res.exit_code == 0, res.stderr
+    summary = json.loads((out / "compile.json").read_text())
+    assert summary["backend"] == backend
+    if soc:
+        assert summary["soc_version"] == soc
+
+
+def test_compile_rejects_ascend_flags_for_ort(tiny_llava, tmp_path):
+    res = invoke("compile", str(tiny_llava), "-o", str(tmp_path / "b"), "--target", "ort", "--soc", "Ascend910B1")
+    assert res.exit_code == 2 and "apply to --target ascend only" in res.stderr
+    assert not (tmp_path / "b").exists()

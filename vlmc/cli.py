@@ -177,7 +177,8 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 @click.argument("package", type=click.Path(path_type=Path))
 @click.option("--image", "images", multiple=True, help="Image file (repeatable), or 'demo' for a built-in picture.")
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable: a batch).")
-@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096),
+              help="Tokens to generate per prompt (fewer if every prompt reaches end-of-sequence).")
 @click.option("--json", "as_json", is_flag=True, help="Print tokens and text as JSON.")
 def run(package, images, prompts, max_new_tokens, as_json):
     """Generate text for prompts (and images) with the package on onnxruntime CPU.
@@ -217,7 +218,8 @@ def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
-@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096))
+@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096),
+              help="Greedy tokens compared between transformers and the package.")
 @click.option("--image", "images", multiple=True, help="Image file(s); default: built-in demo pictures.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt(s); default: 'Describe the image.'")
 @click.option("--max-logit-diff", type=float, help="Fail above this prefill logits max |diff| (default 1e-4 for exact packages).")
@@ -373,7 +375,8 @@ def passes(schema):
               help="Backend: ascend (ATC builds) or ort (a package runnable here).")
 @click.option("--soc", default=None, help="Ascend SoC: an exact variant (Ascend910B1…B4-1) or the family Ascend910B.")
 @click.option("--soc-variant", default=None, help="910B variant to use when --soc is the family and npu-smi is absent.")
-@click.option("--recipe", "recipe_path", type=click.Path(path_type=Path), help="Take target options from a recipe's target.")
+@click.option("-r", "--recipe", "recipe_path", type=click.Path(path_type=Path),
+              help="Take the backend and its options from a recipe's target (explicit flags win).")
 @click.option("--run", "run_atc", is_flag=True, help="Run atc when it is on PATH and collect the .om files.")
 @click.option("--force", is_flag=True, help="Replace an existing vlmc build at the output.")
 def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, force):
@@ -386,12 +389,17 @@ def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, f
 
         vlmc compile out/demo/package --soc Ascend910B -o out/demo-910b
     """
+    from click.core import ParameterSource
+
     from vlmc import backends
     from vlmc import recipe as R
     from vlmc.package import Package
 
     target = dict(R.load(recipe_path).target or {}) if recipe_path else {}
-    if target and target.get("backend") != backend and "--target" not in sys.argv:
+    explicit = click.get_current_context().get_parameter_source("backend") is not ParameterSource.DEFAULT
+    if explicit and target.get("backend", backend) != backend:
+        target = {}  # the recipe's options belong to another backend
+    elif target:
         backend = target["backend"]
     target["backend"] = backend
     if backend == "ascend":
@@ -405,7 +413,8 @@ def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, f
     target = backends.validate_target(target, where="compile target")
     pkg = Package.load(package)
     summary = backends.get(backend).compile(pkg, output, target, force=force)
-    rows = [[name, g.get("role", ""), g.get("precision", "")] for name, g in summary.get("graphs", {}).items()]
+    rows = [[name, pkg.info(name)["role"] if name in pkg.manifest["graphs"] else "", g.get("precision", "")]
+            for name, g in summary.get("graphs", {}).items()]
     ui.show(ui.table(f"compiled for {backend}" + (f" ({summary.get('soc_version')})" if summary.get("soc_version") else ""),
                      ["graph", "role", "precision"], rows))
     ui.info(f"wrote {output}")
