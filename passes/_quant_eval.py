@@ -6,27 +6,10 @@ import logging
 
 import numpy as np
 
-from vlmc import ortsession
+from vlmc import metrics, ortsession
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
-
-
-def cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    denom = np.linalg.norm(a) * np.linalg.norm(b)
-    return float(a @ b / denom) if denom > 0 else float(np.array_equal(a, b))
-
-
-def kl_divergence(ref_logits: np.ndarray, got_logits: np.ndarray) -> float:
-    """Mean KL(softmax(ref) || softmax(got)) over rows, in nats."""
-    def log_softmax(x):
-        x = x.astype(np.float64)
-        x = x - x.max(-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-    lp, lq = log_softmax(ref_logits), log_softmax(got_logits)
-    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1)))
 
 
 def graph_fidelity(pkg: Package, name: str, feeds: list[dict], refs: list[dict]) -> dict:
@@ -42,7 +25,7 @@ def graph_fidelity(pkg: Package, name: str, feeds: list[dict], refs: list[dict])
             if k not in got or r.dtype.kind != "f" or r.size == 0:
                 continue
             g = got[k]
-            c = cosine(r, g)
+            c = metrics.cosine(r, g)
             d = float(np.max(np.abs(r.astype(np.float64) - g.astype(np.float64))))
             e = out.setdefault(k, {"cosine": c, "max_abs_diff": d})
             e["cosine"], e["max_abs_diff"] = min(e["cosine"], c), max(e["max_abs_diff"], d)
@@ -59,7 +42,6 @@ def _cast_feeds(sess, feed: dict) -> dict:
 def end_to_end(pkg: Package, inputs: list, generations: list, tokens: int) -> dict:
     """First-token logits KL/cosine/top-1 and greedy common prefix of the package vs the FP32 run."""
     from vlmc.runtime import Pipeline
-    from vlmc.verify import compare
 
     if not inputs:
         return {}
@@ -67,8 +49,8 @@ def end_to_end(pkg: Package, inputs: list, generations: list, tokens: int) -> di
     kls, coss, top1, prefixes, diffs = [], [], [], [], []
     for inp, ref in zip(inputs, generations):
         got = pipe.generate_from(inp, max_new_tokens=tokens)
-        c = compare(ref.prefill_logits, ref.tokens, got.prefill_logits, got.tokens)
-        kls.append(kl_divergence(ref.prefill_logits, got.prefill_logits))
+        c = metrics.generation_agreement(ref.prefill_logits, ref.tokens, got.prefill_logits, got.tokens)
+        kls.append(c["kl"])
         coss.append(c["cosine"])
         top1.append(c["top1"])
         diffs.append(c["max_abs_diff"])

@@ -76,12 +76,10 @@ class KeepFp32:
         return KeepFp32(tuple(dict.fromkeys(self.op_types + other.op_types)),
                         tuple(dict.fromkeys(self.nodes + other.nodes)))
 
-    def matches(self, node) -> bool:
-        """True if a NodeProto is kept in float32 by op type or by a name glob."""
-        return node.op_type in self.op_types or any(fnmatch.fnmatchcase(node.name, p) for p in self.nodes)
-
-    def node_names(self, model) -> list[str]:
-        return [n.name for n in model.graph.node if self.matches(n)]
+    def matches(self, node, name: str | None = None) -> bool:
+        """True if a NodeProto is kept in float32 by op type or by a name glob (``name`` stands for its own)."""
+        name = node.name if name is None else name
+        return node.op_type in self.op_types or any(fnmatch.fnmatchcase(name, p) for p in self.nodes)
 
     def to_dict(self) -> dict:
         return {"op_types": list(self.op_types), "nodes": list(self.nodes)}

@@ -31,18 +31,22 @@ while 1.0 / np.float32(MIN_ACT_SCALE) > FP16_MAX:
 _WEIGHT_INPUT = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
-def weighted_nodes(model: onnx.ModelProto, op_types, keep) -> tuple[list[str], list[str]]:
-    """Names of nodes with a constant weight to quantize, and of such nodes kept in float32."""
+def weighted_nodes(model: onnx.ModelProto, op_types, keep, names: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """Names of nodes with a constant weight to quantize, and of such nodes kept in float32.
+
+    ``names`` gives every node's name (see :func:`node_names`); default: the names in the graph.
+    """
     inits = {t.name: t for t in model.graph.initializer}
+    names = names if names is not None else [n.name for n in model.graph.node]
     take, kept = [], []
-    for node in model.graph.node:
+    for node, name in zip(model.graph.node, names):
         idx = _WEIGHT_INPUT.get(node.op_type)
         if node.op_type not in op_types or idx is None or len(node.input) <= idx:
             continue
         w = inits.get(node.input[idx])
         if w is None or w.data_type != onnx.TensorProto.FLOAT:
             continue
-        (kept if keep.matches(node) else take).append(node.name)
+        (kept if keep.matches(node, name) else take).append(name)
     return take, kept
 
 
@@ -52,17 +56,17 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
 
     import vlmc.ortsession  # noqa: F401  (quiets onnxruntime's logger)
 
-    nodes, kept = weighted_nodes(model, plan.op_types, plan.keep_fp32)
+    names = node_names(model)
+    nodes, kept = weighted_nodes(model, plan.op_types, plan.keep_fp32, names)
     if not nodes:
         return model, {"mode": "int8", "nodes_kept_fp32": kept, "nodes_quantized": []}
-    _name_nodes(model)
-    nodes, kept = weighted_nodes(model, plan.op_types, plan.keep_fp32)
     facts = {"mode": "int8", "nodes_kept_fp32": kept}
     method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
               "entropy": CalibrationMethod.Entropy}[plan.calibration.method]
     with tempfile.TemporaryDirectory(prefix="vlmc-quant-") as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         G.save(model, src)
+        _name_saved_nodes(src, names)
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
         with _quiet_root_logger():
             quantize_static(
@@ -100,16 +104,40 @@ def _quiet_root_logger():
         root.removeFilter(f)
 
 
-def _name_nodes(model: onnx.ModelProto) -> None:
-    # quantize_static selects and keeps nodes by name; unnamed nodes would be ambiguous.
+def node_names(model: onnx.ModelProto) -> list[str]:
+    """Every node's name, with a unique made-up one for unnamed nodes; the model is not changed.
+
+    quantize_static and the fp16 converter select nodes by name, so unnamed nodes would be ambiguous.
+    The names are applied to the copy the tools work on, never to the package's graph.
+    """
     used = {n.name for n in model.graph.node if n.name}
+    names = []
     for i, node in enumerate(model.graph.node):
-        if not node.name:
+        name = node.name
+        if not name:
             name = f"{node.op_type}_{i}"
             while name in used:
                 name += "_"
-            node.name = name
             used.add(name)
+        names.append(name)
+    return names
+
+
+def _apply_names(model: onnx.ModelProto, names: list[str]) -> bool:
+    """Name the nodes as :func:`node_names` listed them; True if any name changed."""
+    changed = False
+    for node, name in zip(model.graph.node, names):
+        if node.name != name:
+            node.name = name
+            changed = True
+    return changed
+
+
+def _name_saved_nodes(path: Path, names: list[str]) -> None:
+    # Only the protobuf is rewritten: its weights stay in the external data file beside it.
+    skeleton = G.load(path, load_weights=False)
+    if _apply_names(skeleton, names):
+        path.write_bytes(skeleton.SerializeToString())
 
 
 def clamp_activation_scales(model: onnx.ModelProto) -> list[dict]:
@@ -162,9 +190,7 @@ def int32_matmul_bias(model: onnx.ModelProto) -> int:
             continue
         add = users[0]
         bias_name = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        src = prod.get(bias_name)
-        # The TorchScript exporter routes some biases through Identity(initializer).
-        b = inits.get(src.input[0]) if src is not None and src.op_type == "Identity" else inits.get(bias_name)
+        b = inits.get(bias_name)
         sx, sw = inits.get(dqs[0].input[1]), inits.get(dqs[1].input[1])
         if b is None or sx is None or sw is None or b.data_type != onnx.TensorProto.FLOAT or len(b.dims) != 1:
             continue
@@ -186,7 +212,7 @@ def int32_matmul_bias(model: onnx.ModelProto) -> int:
     for add, dq in new_nodes:  # keep topological order: the DQ goes right before its Add
         idx = list(g.node).index(add)
         g.node.insert(idx, dq)
-    if count:  # the float biases (and Identity nodes that fed them) are now unused
+    if count:  # the float biases are now unused
         from .simplify import remove_dead_nodes
 
         remove_dead_nodes(model)
@@ -227,17 +253,31 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
 
 
 def convert_fp16(model: onnx.ModelProto, plan) -> tuple[onnx.ModelProto, dict]:
-    """FP16 conversion with onnxruntime's float16 tool; keep_fp32 ops/nodes stay float32."""
+    """FP16 conversion with onnxruntime's float16 tool; keep_fp32 ops/nodes stay float32.
+
+    ``model`` is left as it is when no node would be converted; otherwise the result replaces it.
+    """
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    _name_nodes(model)
-    kept = plan.keep_fp32.node_names(model)
+    names = node_names(model)
+    kept = [name for node, name in zip(model.graph.node, names) if plan.keep_fp32.matches(node, name)]
     op_block = list(DEFAULT_OP_BLOCK_LIST) + [t for t in plan.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST]
-    out = convert_float_to_float16(model, keep_io_types=plan.keep_io_fp32, op_block_list=op_block,
-                                   node_block_list=kept, disable_shape_infer=model.ByteSize() > 1_800_000_000)
+    facts = {"mode": "fp16", "keep_io_fp32": plan.keep_io_fp32, "nodes_kept_fp32": kept}
+    blocked = set(kept)
+    if all(name in blocked or node.op_type in op_block for node, name in zip(model.graph.node, names)):
+        return model, {**facts, "nodes_converted": 0}
+    if model.ByteSize() > 1_800_000_000:
+        # Too large to serialize for shape inference: the converter works in place. Something is
+        # converted, so the package replaces this graph anyway, and a copy would double the memory.
+        work = model
+    else:
+        # The copy the converter's own shape inference would make, made here so the names go on it.
+        work = onnx.shape_inference.infer_shapes(model)
+    _apply_names(work, names)
+    out = convert_float_to_float16(work, keep_io_types=plan.keep_io_fp32, op_block_list=op_block,
+                                   node_block_list=kept, disable_shape_infer=True)
     toposort(out)
-    return out, {"mode": "fp16", "keep_io_fp32": plan.keep_io_fp32, "nodes_kept_fp32": kept,
-                 "nodes_converted": len(model.graph.node) - len(kept)}
+    return out, {**facts, "nodes_converted": len(names) - len(kept)}
 
 
 def toposort(model: onnx.ModelProto) -> None:

@@ -132,15 +132,10 @@ def collect_inputs(model: onnx.ModelProto, names: list[str], feeds: list[dict], 
     """For each tensor name: (mean |x| per last-axis channel, up to ``rows`` sampled rows) over all feeds."""
     import vlmc.ortsession as S
 
-    g = model.graph
-    present = {o.name for o in g.output}
-    extra = [n for n in dict.fromkeys(names) if n not in present]
-    g.output.extend([helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in extra])
-    try:
-        sess = S.from_model(model)
-    finally:
-        for _ in extra:
-            g.output.pop()
+    present = {o.name for o in model.graph.output}
+    extra = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in dict.fromkeys(names)
+             if n not in present]
+    sess = S.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}

@@ -62,9 +62,15 @@ class Merge(Pass):
         if self.opts["graph"] in package.manifest["graphs"]:
             raise VlmcError(f"merge: the package already has a graph named {self.opts['graph']!r}; "
                             "choose another name with the graph option")
+        pruned = package.manifest["vision"].get("pruning") or {}
+        if pruned.get("positions") == "original":
+            # The kept tokens' positions come from the vision graph's indices output, which is internal
+            # to the merged graph, so every run of the merged package would fail.
+            raise VlmcError(f"merge: this pruned package computes {package.manifest['text'].get('position')} "
+                            f"positions from the vision graph's {pruned.get('indices_output')!r} output, which "
+                            "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned")
 
     def run(self, package: Package) -> PassResult:
-        self.check_package(package)
         m = package.manifest
         pipeline = dict(m["pipeline"])
         image, embed, decoder = list(pipeline["image"]), pipeline["embed"], list(pipeline["decoder"])

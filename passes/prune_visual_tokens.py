@@ -367,10 +367,13 @@ class PruneVisualTokens(Pass):
         return {"target": target, "tokens": tokens, "keep": k, "attention": att, "packed": packed}
 
     def check_package(self, package) -> None:
-        self._plan(package)
+        self._checked = (package, self._plan(package))
 
     def run(self, package):
-        plan = self._plan(package)
+        # The manager calls check_package right before run: its plan is reused (and not kept afterwards).
+        checked, plan = self.__dict__.pop("_checked", (None, None))
+        if checked is not package:  # run directly, without check_package
+            plan = self._plan(package)
         target, tokens, k = plan["target"], plan["tokens"], plan["keep"]
         original = package.graph(target)
         original_vision = copy.deepcopy(package.manifest["vision"])
@@ -399,7 +402,7 @@ class PruneVisualTokens(Pass):
             report["picture"] = "pruning.png"
         return PassResult(package, True, report)
 
-    def _fidelity(self, pruned, unpruned, plan) -> tuple[dict, int]:
+    def _fidelity(self, pruned, unpruned, plan) -> dict:
         """Fidelity of the chosen method and of the baselines at equal k, against the unpruned package."""
         images = [f"demo:{i}" for i in range(self.opts["calibration_images"])]
         variants = {self.opts["method"]: pruned}

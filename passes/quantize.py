@@ -153,7 +153,6 @@ class Quantize(Pass):
             if rec is not None and eval_samples:
                 entry["fidelity"] = E.graph_fidelity(package, name, feeds[:eval_samples], rec.outputs.get(name, []))
             report["graphs"][name] = entry
-            del model
         if modified and e2e_source is not None and eval_tokens:
             report["end_to_end"] = E.end_to_end(package, e2e_source.inputs, e2e_source.generations, eval_tokens)
         return PassResult(package, modified, report)

@@ -70,6 +70,8 @@ class Simplify(Pass):
                 package.set_graph(name, model)
                 modified = True
             report[name] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node)}
+            del model  # one graph resident at a time in a staged package (release is a no-op otherwise)
+            package.release(name)
         return PassResult(package, modified, report)
 
 

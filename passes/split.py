@@ -14,6 +14,7 @@ import re
 
 import onnx
 
+from vlmc import graphs as G
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import Option, Pass, PassResult, register
@@ -71,7 +72,6 @@ class Split(Pass):
                             f"use at most {layers} ranges and boundaries below {layers}")
 
     def run(self, package: Package) -> PassResult:
-        self.check_package(package)
         report: dict = {}
         merged = is_merged(package)
         if merged:
@@ -119,23 +119,11 @@ def _unmerge(pkg: Package, name: str) -> list[str]:
 def _shape_facts(model: onnx.ModelProto, names: set[str]) -> dict[str, onnx.ValueInfoProto]:
     """Inferred types of some internal tensors, without copying the weights.
 
-    Large initializers become typed graph inputs in a skeleton copy: shape inference needs their
-    shapes, not their bytes, and serializing the weights would break on models over 2 GB.
+    Shape inference needs the weights' shapes, not their bytes, and serializing the weights would
+    break on models over 2 GB: it runs on a weightless copy.
     """
-    g = model.graph
-    skel = onnx.ModelProto()
-    skel.ir_version = model.ir_version
-    skel.opset_import.extend(model.opset_import)
-    sg = skel.graph
-    sg.node.extend(g.node)
-    sg.input.extend(g.input)
-    sg.output.extend(g.output)
-    for t in g.initializer:
-        if len(t.raw_data) >= 1024:
-            sg.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-        else:
-            sg.initializer.append(t)
-    inferred = onnx.shape_inference.infer_shapes(skel, data_prop=True)
+    skeleton, _ = G.weightless_copy(model)
+    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
     return {v.name: v for v in inferred.graph.value_info if v.name in names}
 
 

@@ -73,9 +73,9 @@ def run(rows: list, quick: bool = False) -> list:
     """
     from vlmc import graphs as G
     from vlmc import ortsession
+    from vlmc.metrics import cosine
     from vlmc.package import Package
     from vlmc.pass_api import get
-    from vlmc.passes._quant_eval import cosine
 
     vision = QUICK if quick else FULL
     repeats = 5 if quick else 7

@@ -480,10 +480,37 @@ def test_existing_output_needs_force(tmp_path):
     assert json.loads((tmp_path / "c" / "compile.json").read_text())["soc_version"] == "Ascend910B1"
 
 
-def test_builtin_tiny_llava_compiles(tiny_llava, tmp_path):
+def _builtins() -> list[str]:
+    from vlmc import exporters
+    from vlmc.exporters import zoo
+
+    exporters.families()  # family modules register their built-ins on import
+    return sorted(zoo.BUILTINS)
+
+
+_BUILTINS = _builtins()
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp32", "int8-vision-int4-decoder"])
+@pytest.mark.parametrize("name", _BUILTINS)
+def test_every_builtin_compiles(name, quantized, exported, tmp_path):
+    """Real exports of every built-in family (and their quantized forms) obey every ATC rule."""
+    from vlmc import manager, recipe
+
+    pkg = Package.load(exported(name))
+    if quantized:
+        vision = pkg.manifest["pipeline"]["image"][0]
+        steps = recipe.parse(
+            "passes:\n  - quantize:\n"
+            f"      {vision}: {{weights: int8, activations: int8, calibration: {{count: 2}}}}\n"
+            "      decoder: {weights: int4, group_size: 32}\n"
+        ).steps
+        pkg = manager.run(pkg, steps)
     out = tmp_path / "b"
-    summary = _compile(Package.load(tiny_llava), out, sequence_buckets=[64, 128, 256])
+    summary = _compile(pkg, out, sequence_buckets=[64, 128, 256])
     _assert_obeys_rules(out, summary)
+    if quantized:
+        assert any(b["quantized"] for b in summary["builds"])
 
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))

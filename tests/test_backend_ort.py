@@ -27,9 +27,9 @@ def test_ort_compile_writes_a_runnable_package(tiny_llava, tmp_path):
     assert got == expected and len(got[0]) > 0
 
 
-def test_ort_target_has_no_options(tmp_path, tiny_llava):
+def test_ort_target_has_no_options():
+    # Targets are validated (recipe load, `vlmc compile`) before any backend's compile sees them.
     assert ort_backend.TARGET_OPTIONS == ()
-    with pytest.raises(VlmcError, match="unknown option 'soc'"):
+    with pytest.raises(VlmcError, match=r"unknown option 'soc'; valid options: \(none\)"):
         backends.validate_target({"backend": "ort", "soc": "Ascend910B3"})
-    with pytest.raises(VlmcError, match="no options"):
-        ort_backend.compile(Package.load(tiny_llava), tmp_path / "b", {"backend": "ort", "soc": "x"})
+    assert backends.validate_target({"backend": "ort"}) == {"backend": "ort"}

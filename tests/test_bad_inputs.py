@@ -155,6 +155,18 @@ def graph_file_swapped(work, pkg):
     return ["run", str(p), "--prompt", "hi"]
 
 
+def unknown_preprocess_kind(work, pkg):
+    p = _copy(pkg, work)
+    _edit_manifest(p, lambda m: m["vision"]["preprocess"].update(kind="from_the_future"))
+    return ["run", str(p), "--image", "demo", "--prompt", "<image> hi"]
+
+
+def unknown_position_kind(work, pkg):
+    p = _copy(pkg, work)
+    _edit_manifest(p, lambda m: m["text"].update(position="from_the_future"))
+    return ["run", str(p), "--prompt", "hi"]
+
+
 def not_a_package(work, pkg):
     d = work / "plain"
     d.mkdir()
@@ -263,6 +275,10 @@ CASES = [
     Case("pipeline-names-missing-graph", pipeline_names_missing_graph, ("pipeline.embed", "no_such_graph")),
     Case("signature-edited-by-hand", signature_edited, ("graphs.decoder.inputs do not match decoder.onnx", "re-export")),
     Case("graph-file-swapped", graph_file_swapped, ("graphs.decoder.inputs do not match embed_tokens.onnx",)),
+    Case("unknown-preprocess-kind", unknown_preprocess_kind,
+         ("unknown preprocessing kind 'from_the_future'", "known kinds: clip, resize, packed_patches", "upgrade vlmc")),
+    Case("unknown-position-kind", unknown_position_kind,
+         ("unknown position kind 'from_the_future'", "known kinds: 1d, mrope", "upgrade vlmc")),
     Case("not-a-package", not_a_package, ("is not a vlmc package", "vlmc export")),
     Case("recipe-bad-yaml", recipe_bad_yaml, ("YAML error at line 3",)),
     Case("recipe-unknown-pass", recipe_unknown_pass, ("unknown pass 'simplfy'", "valid passes:", "simplify")),
@@ -395,3 +411,14 @@ def test_external_data_outside_the_package_is_refused(tiny_llava, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith("vlmc: error: ") and "outside" in result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_unknown_kv_layout_is_a_one_line_error():
+    # The manifest check refuses such a package on load; a manifest built in memory reaches the runtime.
+    from vlmc.errors import VlmcError
+    from vlmc.runtime import kv
+
+    with pytest.raises(VlmcError, match=r"unknown KV layout 'ring' \(kv.layout\); known layouts: contiguous, paged"):
+        kv.make({"layout": "ring", "layers": 1, "kv_heads": 1, "head_dim": 4}, batch=1)
+    assert isinstance(kv.make({"layout": "contiguous", "layers": 1, "kv_heads": 1, "head_dim": 4}, batch=1),
+                      kv.ContiguousKV)

@@ -280,6 +280,20 @@ def test_lossy_pass_after_merge_is_refused(step, merged, source, tmp_path):
     assert "vlm" not in pkg.manifest["graphs"]
 
 
+def test_merge_refuses_a_pruned_package_whose_positions_need_the_kept_indices(source):
+    pruned = _run(source("tiny-qwen2-vl"), [PRUNE])
+    assert pruned.manifest["vision"]["pruning"]["positions"] == "original"
+    with pytest.raises(PassFailed, match=r"merge: this pruned package computes mrope positions from the vision "
+                                         r"graph's 'image_token_indices' output, which a merged graph hides; deploy "
+                                         r"the pruned package unmerged, or merge it unpruned"):
+        manager.run(pruned, recipe.from_dict({"passes": [{"merge": {}}]}).steps)
+    assert _generate(pruned).prefill_logits.shape[0] == len(PROMPTS)  # unmerged, it runs
+    # Why: merged anyway (run without the check), no run of the package can compute its positions.
+    forced = get("merge")().run(pruned).package
+    with pytest.raises(VlmcError, match="needs the vision graph's kept token indices"):
+        _generate(forced)
+
+
 def test_split_then_quantize_equals_quantize_then_split(source, tmp_path):
     first = _run(source("tiny-llava"), [{"split": {"decoder_ranges": 2}}, QUANTIZE])
     assert {first.info(g)["precision"] for g in first.manifest["pipeline"]["decoder"]} == {"int8_weight_only"}

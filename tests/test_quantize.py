@@ -300,6 +300,94 @@ def test_int4_awq_decoder_on_builtin(tiny_llava):
     assert set(res.report["end_to_end"]) >= {"first_token_logits_kl", "top1_agreement", "greedy_common_prefix"}
 
 
+# ---- the package's graph is only replaced, never edited in place ---------------------------------
+def _unnamed_mlp() -> onnx.ModelProto:
+    """x [4, 16] -> MatMul -> Add -> Relu -> y, every node unnamed (names are what the tools select by)."""
+    rng = np.random.default_rng(3)
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["z"]),
+         helper.make_node("Relu", ["z"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 16])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])],
+        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
+         numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    import vlmc.ortsession as O
+
+    return O.from_model(model).run(None, {"x": x})[0]
+
+
+def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
+    model = _unnamed_mlp()
+    before = model.SerializeToString()
+    x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
+    out, facts = S.convert_fp16(model, P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",))))
+    assert model.SerializeToString() == before  # the input graph, unnamed nodes included, is untouched
+    onnx.checker.check_model(out, full_check=True)
+    assert [n.name for n in out.graph.node if n.op_type in ("MatMul", "Add", "Relu")] == ["MatMul_0", "Add_1", "Relu_2"]
+    assert facts["nodes_kept_fp32"] == ["Add_1"] and facts["nodes_converted"] == 2
+    types = {t.name: t.data_type for t in out.graph.initializer}
+    assert types["b"] == onnx.TensorProto.FLOAT and onnx.TensorProto.FLOAT16 in types.values()
+    np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=1e-2, atol=1e-2)
+    # every node kept: nothing converts, and the graph that comes back is the input, unchanged
+    keep_all = P.KeepFp32(op_types=("MatMul", "Add", "Relu"))
+    same, facts = S.convert_fp16(model, P.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all))
+    assert same is model and model.SerializeToString() == before and facts["nodes_converted"] == 0
+
+
+def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava):
+    from vlmc import manager
+
+    pkg = Package.load(tiny_llava)
+    before = G.fingerprint(pkg.graph("embed_tokens"))
+    steps = recipe.from_dict({"passes": [{"quantize": {"embed_tokens": {"weights": "fp16"}, "eval_samples": 0,
+                                                       "eval_tokens": 0, "keep_fp32": {"op_types": ["Gather"]}}}]}).steps
+    out = manager.run(pkg, steps)  # the manager fails a pass whose modified flag is not exact
+    assert out.manifest["history"][-1]["modified"] is False
+    assert G.fingerprint(out.graph("embed_tokens")) == before
+
+
+def test_int8_names_nodes_in_the_copy_it_quantizes():
+    model = _unnamed_mlp()
+    before = model.SerializeToString()
+    rng = np.random.default_rng(5)
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)]
+    plan = P.GraphPlan(key="g", weights="int8", activations="int8", calibration=P.Calibration(count=2))
+    out, facts = S.quantize_int8(model, FeedReader(feeds), plan)
+    assert model.SerializeToString() == before
+    assert facts["nodes_quantized"] == ["MatMul_0"] and list(facts["weights"]["nodes"]) == ["MatMul_0"]
+    mm = next(n for n in out.graph.node if n.op_type == "MatMul")
+    assert mm.name == "MatMul_0"
+    producers = {o: n.op_type for n in out.graph.node for o in n.output}
+    assert [producers[i] for i in mm.input] == ["DequantizeLinear", "DequantizeLinear"]
+    x = feeds[0]["x"]
+    np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("through_file", [False, True], ids=["in-memory", "temp-file"])
+def test_awq_activation_capture_does_not_touch_the_graph(through_file, monkeypatch):
+    import vlmc.ortsession as O
+
+    if through_file:  # the path models over the protobuf limit take
+        monkeypatch.setattr(O, "MAX_IN_MEMORY_BYTES", 0)
+    model = _unnamed_mlp()
+    before = model.SerializeToString()
+    rng = np.random.default_rng(6)
+    feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
+    got = W.collect_inputs(model, ["z", "x"], feeds, rows=6)
+    assert model.SerializeToString() == before
+    w, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
+    z = np.concatenate([f["x"] @ w + b for f in feeds])
+    x = np.concatenate([f["x"] for f in feeds])
+    np.testing.assert_allclose(got["z"][0], np.abs(z).mean(0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["x"][0], np.abs(x).mean(0), rtol=1e-6)
+    assert got["z"][1].shape == (6, 8) and got["x"][1].shape == (6, 16)
+    assert all(any(np.allclose(r, row, atol=1e-5) for row in z) for r in got["z"][1])  # sampled real rows
+
+
 # ---- activation scale clamp -------------------------------------------------------------------
 def test_activation_scales_are_clamped_for_fp16_reciprocal():
     rng = np.random.default_rng(0)

@@ -41,7 +41,7 @@ def test_graphs_follow_the_interfaces(builtin):
     dec = pkg.info("decoder")
     assert dec["inputs"][2]["name"] == "position_ids" and dec["inputs"][2]["shape"] == [3, "batch", "sequence"]
     assert m["text"]["position"] == "mrope" and m["vision"]["tokens_per_image"] is None
-    assert m["vision"]["spatial_merge_size"] == 2 and m["vision"]["preprocess"]["kind"] == "qwen2_vl"
+    assert m["vision"]["spatial_merge_size"] == 2 and m["vision"]["preprocess"]["kind"] == "packed_patches"
     assert (m["vision"]["window_attention"] is not None) == (name == "tiny-qwen2.5-vl")
     for g in pkg.graph_names:
         onnx.checker.check_model(str(pkg.root / pkg.info(g)["file"]), full_check=True)
@@ -101,7 +101,7 @@ def test_preprocess_matches_the_transformers_image_processor():
     proc = _processor(cfg, facts["min_pixels"], facts["max_pixels"])
     images = [_image(70, 130, 1), _image(96, 96, 2)]
     ref = proc(images=images, return_tensors="np")
-    got = patches.qwen2_vl(images, facts)
+    got = patches.packed_patches(images, facts)
     np.testing.assert_array_equal(got["image_grid_thw"], ref["image_grid_thw"])
     np.testing.assert_allclose(got["pixel_values"], ref["pixel_values"], rtol=1e-5, atol=1e-5)
 

@@ -19,13 +19,11 @@ from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
 REPO = Path(__file__).resolve().parents[1]
-# Shared code that must stay family-agnostic: the generation loop, positions and KV state, the pass
-# manager, the passes and the backends. (Preprocessing kinds are named after the processor they
-# reproduce, so preprocess.py and its helpers are not listed.)
-_RUNTIME = ("pipeline.py", "kv.py", "paged.py", "positions.py")
-SHARED = [p for p in (REPO / "vlmc/runtime" / n for n in _RUNTIME) if p.is_file()] + [
-    REPO / "vlmc/manager.py", *sorted((REPO / "passes").glob("*.py")),
-    *sorted((REPO / "vlmc/backends").rglob("*.py"))]
+# Shared code that must stay family-agnostic: all of the runtime (generation loop, preprocessing,
+# positions, KV state), the pass manager, the passes and the backends. Manifest kinds name what they
+# do (e.g. preprocessing kind "packed_patches"), never the family that writes them.
+SHARED = [*sorted((REPO / "vlmc/runtime").glob("*.py")), REPO / "vlmc/manager.py",
+          *sorted((REPO / "passes").glob("*.py")), *sorted((REPO / "vlmc/backends").rglob("*.py"))]
 
 
 def _builtin_per_family() -> dict[str, str]:
@@ -212,5 +210,6 @@ def test_unsupported_architecture_fails_with_one_line(tmp_path, make, arch, mode
 
 def test_shared_list_covers_the_generation_loop_and_manager():
     names = {str(p.relative_to(REPO)) for p in SHARED}
-    assert {"vlmc/runtime/pipeline.py", "vlmc/runtime/kv.py", "vlmc/manager.py"} <= names
+    assert {"vlmc/runtime/pipeline.py", "vlmc/runtime/kv.py", "vlmc/runtime/preprocess.py",
+            "vlmc/runtime/patches.py", "vlmc/manager.py"} <= names
     assert any(n.startswith("passes/") for n in names)

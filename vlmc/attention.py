@@ -8,6 +8,7 @@ then read tensor names from the manifest instead of matching node names themselv
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 import onnx
@@ -21,16 +22,24 @@ logger = logging.getLogger(__name__)
 _BETWEEN = ("Mul", "Div", "Add", "Cast", "Where")
 
 
-def _constants(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    out = {t.name: t for t in model.graph.initializer}
-    consts = {}
+def _constants(model: onnx.ModelProto) -> tuple[set[str], dict[str, np.ndarray]]:
+    """Names of the graph's constant tensors, and the values of the one-element ones.
+
+    Only one-element values are needed (scale factors); converting every initializer to numpy would
+    copy all the weights.
+    """
+    names: set[str] = set()
+    scalars: dict[str, np.ndarray] = {}
     for node in model.graph.node:
         if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    for name, t in out.items():
-        if t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data:
-            consts[name] = numpy_helper.to_array(t)
-    return consts
+            names.add(node.output[0])
+            if math.prod(node.attribute[0].t.dims) == 1:
+                scalars[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    for t in model.graph.initializer:
+        names.add(t.name)
+        if math.prod(t.dims) == 1 and (t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data):
+            scalars[t.name] = numpy_helper.to_array(t)
+    return names, scalars
 
 
 def softmax_nodes(model: onnx.ModelProto, scope: str | None = None) -> list[onnx.NodeProto]:
@@ -49,7 +58,7 @@ def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
         VlmcError: the Softmax is not fed by a Q·Kᵀ MatMul (e.g. a fused attention kernel).
     """
     producers = {o: n for n in model.graph.node for o in n.output}
-    consts = _constants(model)
+    consts, scalars = _constants(model)
     scale, masked = 1.0, False
     tensor = softmax.input[0]
     for _ in range(8):
@@ -62,8 +71,8 @@ def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
         if node.op_type not in _BETWEEN:
             break
         dynamic = [i for i in node.input if i and i not in consts]
-        const = [consts[i] for i in node.input if i in consts]
-        if node.op_type in ("Mul", "Div") and len(const) == 1 and const[0].size == 1:
+        const = [scalars.get(i) for i in node.input if i in consts]
+        if node.op_type in ("Mul", "Div") and len(const) == 1 and const[0] is not None:
             factor = float(const[0].reshape(()))
             scale = scale * factor if node.op_type == "Mul" else scale / factor
         elif node.op_type in ("Add", "Where"):

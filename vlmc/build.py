@@ -11,12 +11,12 @@ from pathlib import Path
 
 from vlmc import exporters, manager
 from vlmc import package as P
+from vlmc.backends import BUILD_MARKER
 from vlmc.errors import VlmcError
 from vlmc.recipe import Recipe
 
 logger = logging.getLogger(__name__)
 
-BUILD_MARKER = "vlmc-build.json"
 
 
 @dataclass
@@ -36,14 +36,18 @@ def build(recipe: Recipe, output: str | Path, check: bool = False, force: bool =
     source = exporters.load_source(recipe.model, trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
                                    allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
                                    revision=recipe.export.get("revision"))
-    pkg = exporters.export(source)
-    del source
-    pkg = manager.run(pkg, recipe.steps, check=check)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
+        # Graphs wait on disk between steps (export stages, passes, save, compile), so only the graph
+        # being worked on is resident, never all of them beside the source model or each other.
+        pkg = exporters.export(source, staging=tmp / "staging")
+        del source  # frees the torch model: nothing else refers to it
+        pkg = manager.run(pkg, recipe.steps, check=check)
         pkg.save(tmp / "package")
+        pkg.unstage()  # the saved package holds every graph now: read them from there
+        shutil.rmtree(tmp / "staging")
         compiled = None
         if recipe.target:
             from vlmc import backends

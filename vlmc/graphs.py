@@ -127,9 +127,10 @@ def detached_weights(*models: onnx.ModelProto) -> Iterator[list[tuple[onnx.Tenso
     """Temporarily take the bytes of every large tensor out of the models (marking them external).
 
     The caller fills in ``external_data`` entries for what it needs (a file to write, or a placeholder
-    for checking); on exit the bytes go back and the markers are removed. The protobuf left behind is
-    small, so serializing, checking and shape inference stay cheap at any model size and no copy of
-    the weights is ever made.
+    for checking); on exit the bytes go back and the markers are removed. Putting the bytes back
+    copies them into the model's protobuf arena (upb never frees inside an arena), so every use
+    leaves one more copy of the weights alive for as long as the model is: prefer
+    :func:`weightless_copy`, which never touches the model.
     """
     moved: list[tuple[onnx.TensorProto, bytes]] = []
     try:
@@ -149,6 +150,63 @@ def detached_weights(*models: onnx.ModelProto) -> Iterator[list[tuple[onnx.Tenso
             tensor.raw_data = raw
 
 
+def _copy_fields(src, dst, skip: str = "") -> None:
+    """Copy every set field of a message except ``skip`` (CopyFrom cannot leave one field out)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if fd.is_repeated:
+            getattr(dst, fd.name).extend(value)
+        elif fd.type == fd.TYPE_MESSAGE:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[onnx.TensorProto, object]]]:
+    """A copy of a graph without the bytes of its large tensors; the model itself is not touched.
+
+    Returns the copy and ``(tensor in the copy, source)`` pairs for every tensor whose bytes were
+    left out (marked external, with no location yet): ``source`` is the original initializer (read
+    its ``raw_data`` when the bytes are needed) or, for tensors inside node attributes, the bytes.
+    Initializer bytes are never copied, so checking or saving a multi-GB graph costs no extra
+    copy of its weights, and (unlike taking the bytes out and putting them back) nothing is added
+    to the model's protobuf arena.
+    """
+    copy = onnx.ModelProto()
+    _copy_fields(model, copy, skip="graph")
+    _copy_fields(model.graph, copy.graph, skip="initializer")
+    moved: list[tuple[onnx.TensorProto, object]] = []
+    for tensor in model.graph.initializer:
+        large = (tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.HasField("raw_data")
+                 and _tensor_nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
+        if not large:
+            copy.graph.initializer.add().CopyFrom(tensor)
+            continue
+        out = copy.graph.initializer.add()
+        _copy_fields(tensor, out, skip="raw_data")
+        out.data_location = onnx.TensorProto.EXTERNAL
+        moved.append((out, tensor))
+    # Tensors in node attributes and subgraphs were copied with the nodes (they are rarely large);
+    # their bytes move out of the copy, which is private, so nothing needs to go back.
+    for tensor in _all_tensors(copy):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD:
+            continue
+        raw = tensor.raw_data
+        tensor.ClearField("raw_data")
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        moved.append((tensor, raw))
+    return copy, moved
+
+
+def _source_bytes(source: object) -> bytes:
+    return source.raw_data if isinstance(source, onnx.TensorProto) else source
+
+
+def _source_nbytes(source: object) -> int:
+    return _tensor_nbytes(source) if isinstance(source, onnx.TensorProto) else len(source)
+
+
 def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
@@ -159,7 +217,8 @@ def save(model: onnx.ModelProto, path: str | Path) -> None:
     """Save a graph with its large tensors in one external data file named ``<file>.data``.
 
     onnx.save_model's external-data writer strips the weights from the in-memory model, and copying
-    the model first doubles peak memory; detaching the bytes around the write does neither.
+    the model first doubles peak memory; writing a weightless copy (see :func:`weightless_copy`)
+    does neither.
     """
     save_shared({Path(path): model}, Path(str(path) + ".data"), dedupe=False)
 
@@ -173,9 +232,13 @@ def save_shared(models: dict[Path, onnx.ModelProto], data_path: Path, dedupe: bo
     data_path = Path(data_path)
     written: dict[str, tuple[int, int]] = {}
     offset = 0
-    with detached_weights(*models.values()) as moved:
-        with open(data_path, "wb") as data:
-            for tensor, raw in moved:
+    copies = {path: weightless_copy(model) for path, model in models.items()}
+    any_moved = False
+    with open(data_path, "wb") as data:
+        for _, moved in copies.values():
+            for tensor, source in moved:
+                any_moved = True
+                raw = _source_bytes(source)  # one tensor's bytes at a time
                 key = (hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode() + raw).hexdigest()
                        if dedupe else str(len(written)))
                 if key not in written:
@@ -186,11 +249,12 @@ def save_shared(models: dict[Path, onnx.ModelProto], data_path: Path, dedupe: bo
                     written[key] = (offset, len(raw))
                     offset += len(raw)
                 _point_at(tensor, data_path.name, *written[key])
-        for path, model in models.items():
-            with open(path, "wb") as f:
-                f.write(model.SerializeToString(deterministic=True))
-        if not moved:
-            data_path.unlink(missing_ok=True)
+                del raw
+    for path, (copy, _) in copies.items():
+        with open(path, "wb") as f:
+            f.write(copy.SerializeToString(deterministic=True))
+    if not any_moved:
+        data_path.unlink(missing_ok=True)
 
 
 def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str, int]:
@@ -260,22 +324,32 @@ def fingerprint(model: onnx.ModelProto) -> str:
 def check(model: onnx.ModelProto, name: str = "graph") -> None:
     """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
 
-    The weights are detached first (the checker and shape inference need only dtypes and shapes),
-    so this works for models over the protobuf limit and never copies the weights.
+    A weightless copy is checked (the checker and shape inference need only dtypes and shapes), so
+    this works for models over the protobuf limit and never copies the weights.
     """
+    copy, moved = weightless_copy(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        # The checker insists that external data is a regular file inside the model's directory:
+        # a sparse file of the right size stands in for the weights (no bytes are written).
+        size = 0
+        for tensor, source in moved:
+            n = _source_nbytes(source)
+            _point_at(tensor, "weights", size, n)
+            size += n
+        with open(os.path.join(tmp, "weights"), "wb") as f:
+            f.truncate(size)
+        path = os.path.join(tmp, "graph.onnx")
+        with open(path, "wb") as f:
+            f.write(copy.SerializeToString(deterministic=True))
+        del copy
+        check_path(path, name)
+
+
+def check_path(path: str | Path, name: str = "graph") -> None:
+    """:func:`check` on a graph file; its external data is only located, never read."""
+    path = str(path)
     try:
-        with detached_weights(model) as moved, tempfile.TemporaryDirectory() as tmp:
-            # The checker insists that external data is a regular file inside the model's directory:
-            # a sparse file of the right size stands in for the weights (no bytes are written).
-            size = 0
-            for tensor, raw in moved:
-                _point_at(tensor, "weights", size, len(raw))
-                size += len(raw)
-            with open(os.path.join(tmp, "weights"), "wb") as f:
-                f.truncate(size)
-            path = os.path.join(tmp, "graph.onnx")
-            with open(path, "wb") as f:
-                f.write(model.SerializeToString(deterministic=True))
+        with tempfile.TemporaryDirectory() as tmp:
             onnx.checker.check_model(path, full_check=True)
             onnx.shape_inference.infer_shapes_path(path, os.path.join(tmp, "inferred.onnx"), check_type=True,
                                                    strict_mode=True, data_prop=True)
@@ -295,14 +369,20 @@ def initializer_bytes(model: onnx.ModelProto) -> int:
     return total
 
 
+# 4-bit types store two values per byte in raw_data.
+_PACKED_4BIT = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n)}
+
+
 def _tensor_nbytes(t: onnx.TensorProto) -> int:
-    if t.raw_data:
-        return len(t.raw_data)
+    # From dims and dtype, not len(t.raw_data): reading raw_data copies the bytes (upb returns a new
+    # bytes object), which costs a full copy of the weights per call on a large graph.
     n = int(np.prod(t.dims)) if len(t.dims) else 1
+    if t.data_type in _PACKED_4BIT:
+        return (n + 1) // 2
     try:
         return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
     except Exception:
-        return 0
+        return len(t.raw_data) if t.HasField("raw_data") else 0
 
 
 def op_histogram(model: onnx.ModelProto) -> dict[str, int]:

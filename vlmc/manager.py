@@ -71,15 +71,21 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     f"{label} reported modified={bool(result.modified)} but it {what}; "
                     f"a pass must report modified exactly{after_txt}"
                 )
+            out.release()  # a staged package (vlmc build) keeps graphs on disk between passes
             for name in changed:
-                if name in out.manifest["graphs"] and out.is_loaded(name):
-                    try:
+                if name not in out.manifest["graphs"]:
+                    continue
+                try:
+                    if out.is_loaded(name):
                         G.check(out.graph(name), name=f"{name} after {step.name}")
-                    except VlmcError as exc:
-                        raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
+                    elif out.is_staged(name):
+                        G.check_path(out.path_of(name), name=f"{name} after {step.name}")
+                except VlmcError as exc:
+                    raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
             report = dict(result.report or {})
             if check and p.preserves_numerics and actual:
                 report["numerics_check"] = _numerics(before, out, changed, label)
+            out.purge_staging()  # the before-state (--check) no longer needs replaced files
             out.manifest["history"].append(
                 {"pass": step.name, "index": step.index, "options": step.options, "modified": actual, "report": report}
             )

@@ -1,21 +1,40 @@
 """The vlmc.json manifest: the single source of truth about a package, and its validation.
 
-Layout (format version 1)::
+Layout (format version 1; ``?`` marks keys only some packages have)::
 
     {
       "format_version": 1,
       "vlmc_version": "0.1.0",
       "model":  {"family", "architecture", "source", "config_hash"},
-      "vision": {"image_size": [h, w], "tokens_per_image": int | null, "image_token_id": int,
-                 "preprocess": {...}, "position": "1d" | "mrope", ...},
+      "vision": {"image_size": [h, w] | null, "tokens_per_image": int | null (the image grid decides),
+                 "image_token_id": int,
+                 "preprocess": {"kind": "clip" | "resize" | "packed_patches", "mean", "std",
+                                "rescale_factor", "resample", ...kind's settings},
+                 "hidden_size", "patch_grid"?, "has_cls_token"?, "spatial_merge_size"?,
+                 "packed_features"?, "dynamic_resolution"?, ...family facts passes read,
+                 "attention"?: {"graph", "layer", "layers", "probs", "query", "key_t", "scale",
+                                "masked", "query_index", "token_offset", "keys_per_image",
+                                "merge_group"?} | null,       # written by exporters, read by pruning
+                 "pruning"?: {"method", "keep", "tokens_before", "unpruned_tokens_per_image",
+                              "graph", "indices_output", "score_source", "seed",
+                              "positions": "original" | "contiguous"}},   # after prune_visual_tokens
       "text":   {"vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "max_positions",
-                 "hidden_size", "tokenizer": "source" | "bytes", "prompt_template": str},
+                 "hidden_size", "intermediate_size", "tokenizer": "source" | "bytes",
+                 "prompt_template": str, "image_marker": str, "add_bos": bool,
+                 "position": "1d" | "mrope", "mrope_section"?: [t, h, w],
+                 "image_tokens_first"?: bool,   # placeholders lead the sequence, ahead of BOS
+                 "token_type_ids"?: str},       # the source model's input marking placeholders (verify)
       "kv":     {"layers", "kv_heads", "head_dim", "layout": "contiguous" | "paged",
                  "block_size": int | null, "dtype",
                  "num_blocks": int | "num_blocks", "padding_slot": str},   # the last two when paged
-      "graphs": {name: {"file", "role", "precision", "inputs": [...], "outputs": [...]}},
-      "pipeline": {"image": [graph, ...], "embed": graph, "decoder": [graph, ...]},
-      "history": [{"pass", "options", "modified", "report"}]
+      "graphs": {name: {"file", "role", "precision", "inputs": [...], "outputs": [...],
+                        "quantization"?: {"mode", ...},       # quantize: what lowering needs
+                        "weights_file"?: str,                 # merge: the shared weights file
+                        "stages"?: [...], "pipeline"?: {...}, # merge: the stages inside a vlm graph
+                        "kv_layers"?: [first, end]}},         # split: a decoder range's layers
+      "pipeline": {"image": [graph, ...], "embed": graph, "decoder": [graph, ...],
+                   "vlm"?: graph},   # merge: one prefill graph; "image" is then absent
+      "history": [{"pass", "index", "options", "modified", "report"}]
     }
 
 Timings live only in report.json / report.md so that two builds of one recipe give identical

@@ -15,6 +15,8 @@ logger = logging.getLogger(__name__)
 
 # onnxruntime's graph-optimizer warnings are noise for users; errors still surface as exceptions.
 ort.set_default_logger_severity(3)
+# Models at least this large are handed to onnxruntime as a file (protobuf messages stop at 2 GiB).
+MAX_IN_MEMORY_BYTES = 1_800_000_000
 
 
 def options(threads: int | None = None) -> ort.SessionOptions:
@@ -29,13 +31,31 @@ def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.Infere
     return ort.InferenceSession(str(path), options(threads), providers=["CPUExecutionProvider"])
 
 
-def from_model(model: onnx.ModelProto, threads: int | None = None) -> ort.InferenceSession:
-    """A CPU session for an in-memory model; models over the protobuf limit go through a temp file."""
-    if model.ByteSize() < 1_800_000_000:
-        return ort.InferenceSession(model.SerializeToString(), options(threads), providers=["CPUExecutionProvider"])
+def from_model(model: onnx.ModelProto, threads: int | None = None,
+               extra_outputs: list[onnx.ValueInfoProto] = ()) -> ort.InferenceSession:
+    """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
+
+    Args:
+        model: the graph; it is not changed.
+        threads: intra-op threads (default: onnxruntime's).
+        extra_outputs: internal tensors the session also returns (e.g. activations for calibration).
+    """
+    # Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a model
+    # holding only the extra outputs, written after the graph's, add them to the graph's outputs. So
+    # the session sees them without the model being touched or its weights copied once more.
+    suffix = b""
+    if extra_outputs:
+        extra = onnx.ModelProto()
+        extra.graph.output.extend(extra_outputs)
+        suffix = extra.SerializeToString()
+    if model.ByteSize() < MAX_IN_MEMORY_BYTES:
+        return ort.InferenceSession(model.SerializeToString() + suffix, options(threads),
+                                    providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "m.onnx")
         G.save(model, p)
+        with open(p, "ab") as f:
+            f.write(suffix)
         return from_path(p, threads)
 
 

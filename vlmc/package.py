@@ -38,6 +38,12 @@ class Package:
         self._loaded_fp: dict[str, str] = {}
         self.files: dict[str, bytes] = {}  # extra files written beside the graphs (relative name -> bytes)
         self.report: dict = {}  # build report data (timings etc.), never part of the manifest
+        # Staging (see stage()): graphs released from memory live in files there, never in ``root``,
+        # which may be the user's input package.
+        self.staging: Path | None = None
+        self._staged: dict[str, Path] = {}  # graph -> staging file holding its current content
+        self._staged_fp: dict[str, str] = {}  # graph -> fingerprint of that content
+        self._superseded: list[Path] = []  # staging files replaced since the last purge_staging()
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -82,23 +88,36 @@ class Package:
             raise VlmcError(f"package has no graph {name!r} (graphs: {', '.join(self.graph_names)})") from None
 
     def path_of(self, name: str) -> Path | None:
-        """The on-disk file of an unmodified graph, or None if the graph only exists in memory."""
-        if self.root is None or name in self._models:
+        """The on-disk file of a graph not loaded in memory (in the package or staged), else None."""
+        if name in self._models:
+            return None
+        if name in self._staged:
+            return self._staged[name]
+        if self.root is None:
             return None
         return self.root / self.info(name)["file"]
 
     def is_loaded(self, name: str) -> bool:
         return name in self._models
 
+    def is_staged(self, name: str) -> bool:
+        """True when the graph's current content is a file in the staging directory (see stage())."""
+        return name in self._staged
+
     def graph(self, name: str) -> onnx.ModelProto:
         """The graph's ModelProto with weights, loading it on first use."""
         if name not in self._models:
             info = self.info(name)
-            if self.root is None:
+            if name in self._staged:
+                model = G.load(self._staged[name])
+                # save/load round-trips exactly, so the content is the one fingerprinted at release
+                self._loaded_fp[name] = self._staged_fp[name]
+            elif self.root is None:
                 raise VlmcError(f"graph {name!r} has no data")
-            model = G.load(self.root / info["file"])
+            else:
+                model = G.load(self.root / info["file"])
+                self._loaded_fp[name] = G.fingerprint(model)
             self._models[name] = model
-            self._loaded_fp[name] = G.fingerprint(model)
         return self._models[name]
 
     def set_graph(self, name: str, model: onnx.ModelProto, role: str | None = None, precision: str | None = None,
@@ -120,19 +139,74 @@ class Package:
         self.manifest["graphs"].pop(name, None)
         self._models.pop(name, None)
         self._loaded_fp.pop(name, None)
+        self._unstage_graph(name)
+
+    # ---- staging: keeping graphs on disk instead of in memory -----------------------------
+    def stage(self, directory: str | Path) -> None:
+        """Let :meth:`release` keep graphs in files under ``directory`` instead of in memory.
+
+        Builds of multi-GB models use this so that only the graph being worked on is resident. The
+        directory belongs to the caller, who removes it once the package has been saved elsewhere.
+        """
+        self.staging = Path(directory)
+        self.staging.mkdir(parents=True, exist_ok=True)
+
+    def release(self, *names: str) -> None:
+        """Drop graphs (default: all loaded ones) from memory; changed ones are written to staging first.
+
+        Without a staging directory, or for graphs that share a weights file, this does nothing:
+        their only copy is the one in memory. A released graph is loaded again on next use.
+        """
+        if self.staging is None:
+            return
+        for name in names or list(self._models):
+            if name not in self._models or self.info(name).get("weights_file"):
+                continue
+            model = self._models[name]
+            fp = G.fingerprint(model)
+            if fp != self._loaded_fp.get(name):  # changed since loaded, or never on disk
+                # A new file each time: the previous one may still be read (the manager's --check
+                # snapshot); purge_staging() deletes it once that is over.
+                # Under the graph's own file name: the .onnx names its data file, and save() copies both.
+                path = self.staging / uuid.uuid4().hex[:8] / Path(self.info(name)["file"]).name
+                path.parent.mkdir()
+                G.save(model, path)
+                self._unstage_graph(name)
+                self._staged[name], self._staged_fp[name] = path, fp
+            del self._models[name]
+            self._loaded_fp.pop(name, None)
+
+    def purge_staging(self) -> None:
+        """Delete staging files whose graphs have since been replaced."""
+        for path in self._superseded:
+            shutil.rmtree(path.parent, ignore_errors=True)
+        self._superseded.clear()
+
+    def unstage(self) -> None:
+        """Forget the staging directory; call after :meth:`save`, whose output now holds every graph."""
+        self.purge_staging()
+        self._staged.clear()
+        self._staged_fp.clear()
+        self.staging = None
+
+    def _unstage_graph(self, name: str) -> None:
+        old = self._staged.pop(name, None)
+        self._staged_fp.pop(name, None)
+        if old is not None:
+            self._superseded.append(old)
 
     def loaded(self) -> Iterator[tuple[str, onnx.ModelProto]]:
         yield from list(self._models.items())
 
     # ---- change tracking (used by the pass manager) ---------------------------------------
     def state(self) -> dict[str, str]:
-        """Fingerprints of every graph: a content hash if loaded, else 'disk' (unchanged since load)."""
+        """Fingerprints of every graph: a content hash if loaded or staged, else 'disk' (unchanged since load)."""
         out = {}
         for name in self.manifest["graphs"]:
             if name in self._models:
                 out[name] = G.fingerprint(self._models[name])
             else:
-                out[name] = "disk"
+                out[name] = self._staged_fp.get(name, "disk")
         return out
 
     def original_fingerprint(self, name: str) -> str | None:
@@ -168,7 +242,7 @@ class Package:
                 elif name in self._models:
                     G.save(self._models[name], dest)
                 else:
-                    src = self.root / info["file"]
+                    src = self._staged.get(name) or self.root / info["file"]
                     _link_or_copy(src, dest)
                     data = src.parent / (src.name + ".data")
                     if data.exists():

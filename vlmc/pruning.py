@@ -13,6 +13,7 @@ import logging
 
 import numpy as np
 
+from vlmc import metrics
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 
@@ -40,42 +41,8 @@ def variant(pkg: Package, graphs: dict | None = None, vision: dict | None = None
     for name in pkg.graph_names:
         if graphs and name in graphs:
             out.set_graph(name, graphs[name])
-        elif pkg.is_loaded(name):
+        elif pkg.is_loaded(name) or pkg.is_staged(name):  # a staged graph's file is not under pkg.root
             out.set_graph(name, pkg.graph(name))
-    return out
-
-
-# ---- metrics ------------------------------------------------------------------------------------
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    x = x - x.max(-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(-1, keepdims=True))
-
-
-def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
-    """First-token logits fidelity of ``got`` against ``ref`` ([batch, vocab] each).
-
-    Returns mean KL(ref || got) in nats, mean cosine, top-1 agreement, and top-5 overlap (the share
-    of ref's 5 best tokens that are also among got's 5 best).
-    """
-    a, b = ref.astype(np.float64), got.astype(np.float64)
-    la, lb = _log_softmax(a), _log_softmax(b)
-    kl = float(np.mean(np.sum(np.exp(la) * (la - lb), -1)))
-    cos = float(np.mean(np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)))
-    k = min(5, a.shape[-1])
-    ta, tb = np.argsort(-a, -1)[:, :k], np.argsort(-b, -1)[:, :k]
-    top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(ta.tolist(), tb.tolist())]))
-    return {"kl": max(kl, 0.0), "cosine": cos, "top1": float(np.mean(a.argmax(-1) == b.argmax(-1))), "top5": top5}
-
-
-def common_prefix(ref: list[list[int]], got: list[list[int]]) -> list[int]:
-    """Length of the shared greedy prefix per sequence."""
-    out = []
-    for r, g in zip(ref, got):
-        n = 0
-        while n < min(len(r), len(g)) and r[n] == g[n]:
-            n += 1
-        out.append(n)
     return out
 
 
@@ -125,8 +92,8 @@ def fidelity(reference: Package, variants: dict[str, Package], images: list, pro
             if not pkg.is_loaded(g) or (reference.is_loaded(g) and reference.graph(g) is pkg.graph(g)):
                 pipe._sessions[g] = ref_pipe.session(g)  # same graph: reuse the loaded session
         got = pipe.generate(prompts, per, max_new_tokens)
-        row = logits_agreement(ref.prefill_logits, got.prefill_logits)
-        prefix = common_prefix(ref.tokens, got.tokens)
+        row = metrics.logits_agreement(ref.prefill_logits, got.prefill_logits)
+        prefix = metrics.common_prefix(ref.tokens, got.tokens)
         row.update({"common_prefix": prefix, "common_prefix_mean": float(np.mean(prefix)),
                     "visual_tokens": got.image_tokens // max(len(images), 1)})
         out[name] = row

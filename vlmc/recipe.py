@@ -115,9 +115,10 @@ def _step(entry: Any, index: int, source: str) -> Step:
         raise VlmcError(f"{where}: each pass is a name or a one-key mapping {{name: {{options}}}}")
     if not isinstance(name, str):
         raise VlmcError(f"{where}: pass name must be a string")
-    cls = pass_api.get(name) if name in pass_api.registry() else None
-    if cls is None:
-        raise VlmcError(f"{where}: unknown pass {name!r}; valid passes: {', '.join(pass_api.registry())}")
+    try:
+        cls = pass_api.get(name)
+    except VlmcError as exc:  # unknown pass: the message lists the valid ones
+        raise VlmcError(f"{where}: {exc}") from None
     if not isinstance(opts, dict):
         raise VlmcError(f"{where} ({name}): options must be a mapping")
     validated = cls.validate_options(opts, where=f"{where} ({name})")

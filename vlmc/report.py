@@ -28,8 +28,14 @@ def kv_bytes_per_token(manifest: dict) -> int:
     return 2 * int(kv["layers"]) * int(kv["kv_heads"]) * int(kv["head_dim"]) * itemsize
 
 
-def summary(pkg, with_ops: bool = True) -> dict:
-    """A plain-dict summary of a package (used by `vlmc inspect --json` and report.md)."""
+def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
+    """A plain-dict summary of a package (used by `vlmc inspect --json` and report.md).
+
+    Args:
+        pkg: the package.
+        with_ops: read every graph for op histograms and weight bytes.
+        root: the directory its verify.json and pictures are read from (default: the package's own).
+    """
     m = pkg.manifest
     graphs = {}
     total_weights = 0
@@ -58,9 +64,9 @@ def summary(pkg, with_ops: bool = True) -> dict:
         "history": [{"pass": h["pass"], "modified": h["modified"]} for h in m.get("history", [])],
         "precision": {name: {"precision": g["precision"], "weights_by_dtype": g.get("weights_by_dtype", {})}
                       for name, g in graphs.items()},
-        "verify": verify_data(pkg),
+        "verify": verify_data(pkg, root),
         "compile": pkg.report.get("compile"),
-        "pictures": pictures(pkg),
+        "pictures": pictures(pkg, root),
     }
 
 
@@ -164,9 +170,7 @@ def render_markdown(pkg, root: Path | None = None) -> str:
     """Human-readable report of a package (report.md; `vlmc inspect` prints the same text)."""
     root = Path(root) if root is not None else pkg.root
     pkg = _as_stored(pkg)
-    s = summary(pkg)
-    s["verify"] = verify_data(pkg, root)
-    s["pictures"] = pictures(pkg, root)
+    s = summary(pkg, root=root)
     m = pkg.manifest
     lines = [f"# vlmc package: {m['model']['source']}", ""]
     lines += [f"- family: **{m['model']['family']}** ({m['model']['architecture']})",

@@ -11,9 +11,7 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 
-import numpy as np
-
-from vlmc import pass_api, pruning, ui
+from vlmc import metrics, pass_api, pruning, ui
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
@@ -90,23 +88,6 @@ def reference_generate(model, inp: Inputs, max_new_tokens: int, eos, pad: int):
     return logits, tokens
 
 
-def compare(ref_logits, ref_tokens, got_logits, got_tokens) -> dict:
-    a, b = ref_logits.astype(np.float64), got_logits.astype(np.float64)
-    cos = float(np.mean(np.sum(a * b, -1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)))
-    prefixes = []
-    agree = total = 0
-    for r, g in zip(ref_tokens, got_tokens):
-        n = 0
-        while n < min(len(r), len(g)) and r[n] == g[n]:
-            n += 1
-        prefixes.append(n)
-        total += max(len(r), len(g))
-        agree += sum(1 for x, y in zip(r, g) if x == y)
-    return {"max_abs_diff": float(np.max(np.abs(a - b))), "cosine": cos,
-            "top1": float(np.mean(a.argmax(-1) == b.argmax(-1))), "token_agreement": agree / max(total, 1),
-            "common_prefix": prefixes}
-
-
 def reference_inputs(pkg: Package, prompts: list[str], images: list[list]) -> Inputs | None:
     """Inputs for the source model when a pass changed the placeholder count (pruning), else None.
 
@@ -138,8 +119,7 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
                                                     int(t.get("pad_token_id") or 0))
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
         got = pipe.generate_from(inp, max_new_tokens)
-    c = compare(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
-    dist = pruning.logits_agreement(ref_logits, got.prefill_logits)
+    c = metrics.generation_agreement(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
     image_id = int(pkg.manifest["vision"]["image_token_id"])
     n_images = max(sum(inp.image_counts), 1)
     tokens = {"package": int((inp.input_ids == image_id).sum()) // n_images,
@@ -158,7 +138,7 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
                        top1_agreement=c["top1"], token_agreement=c["token_agreement"], common_prefix=c["common_prefix"],
                        tokens_package=got.tokens, tokens_reference=ref_tokens, exact_package=exact, passed=ok,
                        thresholds={"max_logit_diff": max_logit_diff, "min_token_agreement": min_token_agreement},
-                       prefill_logits_kl=dist["kl"], top5_agreement=dist["top5"], visual_tokens=tokens)
+                       prefill_logits_kl=c["kl"], top5_agreement=c["top5"], visual_tokens=tokens)
     return res
 
 

@@ -6,8 +6,14 @@ Each backend module exposes ``NAME``, ``TARGET_OPTIONS`` (typed like pass option
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import logging
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -17,6 +23,8 @@ from vlmc.errors import VlmcError
 logger = logging.getLogger(__name__)
 
 BACKENDS = {"ort": "vlmc.backends.ort", "ascend": "vlmc.backends.ascend"}
+# Written into every build directory (compile output and `vlmc build`): --force replaces only such directories.
+BUILD_MARKER = "vlmc-build.json"
 
 
 def get(name: str) -> ModuleType:
@@ -25,12 +33,34 @@ def get(name: str) -> ModuleType:
     return importlib.import_module(BACKENDS[name])
 
 
+@contextlib.contextmanager
+def build_output(out_dir: Path, backend: str, summary: dict) -> Iterator[Path]:
+    """A temporary sibling of ``out_dir`` for a backend to fill; then it becomes ``out_dir`` atomically.
+
+    After the body, ``compile.json`` (the summary) and the build marker are written and the directory
+    replaces ``out_dir``; if anything fails, it is removed and ``out_dir`` is left as it was.
+    """
+    from vlmc.package import _replace_dir
+
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (tmp / BUILD_MARKER).write_text(json.dumps({"backend": backend, "compile": "compile.json"}, indent=2) + "\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def validate_target(target: Any, where: str = "target") -> dict:
     """Validate a recipe's ``target`` mapping for its backend; returns it with defaults filled."""
     if not isinstance(target, dict):
         raise VlmcError(f"{where}: must be a mapping with a 'backend' key ({', '.join(BACKENDS)})")
     backend = target.get("backend")
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise VlmcError(f"{where}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     mod = get(backend)
     rest = {k: v for k, v in target.items() if k != "backend"}

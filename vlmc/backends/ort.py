@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
-import uuid
 from pathlib import Path
 
 from vlmc import ortsession
+from vlmc.backends import BUILD_MARKER, build_output
 from vlmc.errors import CheckFailed, VlmcError
-from vlmc.package import Package, _replace_dir, check_output_dir
+from vlmc.package import Package, check_output_dir
 
 logger = logging.getLogger(__name__)
 
 NAME = "ort"
 TARGET_OPTIONS = ()
-BUILD_MARKER = "vlmc-build.json"
 
 
 def compile(package: Package, out_dir: Path, target: dict | None = None, force: bool = False) -> dict:
@@ -31,9 +28,6 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         target: ``{"backend": "ort"}``; no other options exist.
         force: replace an existing vlmc build at ``out_dir``.
     """
-    extra = [k for k in (target or {}) if k != "backend"]
-    if extra:
-        raise VlmcError(f"target (ort): unknown option {extra[0]!r}; the ort backend has no options")
     out_dir = Path(out_dir).resolve()
     check_output_dir(out_dir, force, marker=BUILD_MARKER)
     graphs = {}
@@ -51,20 +45,10 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
             "providers": sess.get_providers(),
         }
     summary = {"backend": NAME, "package": "package", "graphs": graphs}
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     root = package.root
     try:
-        tmp.mkdir()
-        package.save(tmp / "package")
-        (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        (tmp / BUILD_MARKER).write_text(
-            json.dumps({"backend": NAME, "compile": "compile.json"}, indent=2) + "\n"
-        )
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        with build_output(out_dir, NAME, summary) as tmp:
+            package.save(tmp / "package")
     finally:
         # save() re-roots the package at the temporary directory, which is renamed away.
         package.root = root

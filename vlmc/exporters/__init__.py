@@ -178,13 +178,20 @@ def _configs(config):
             yield sub
 
 
-def export(source: Source) -> Package:
-    """Export a loaded source model into an in-memory Package."""
+def export(source: Source, staging: str | Path | None = None) -> Package:
+    """Export a loaded source model into an in-memory Package.
+
+    With ``staging`` (a directory the caller owns and removes), each stage graph is written there as
+    soon as it is exported, so graphs are not resident together with the source model.
+    """
     mod = families()[source.family]
     m = M.new(source.family, source.architecture, source.name, source.config_hash)
     pkg = Package(m)
+    if staging is not None:
+        pkg.stage(staging)
     with ui.progress(f"exporting {source.name} ({source.family})"):
         mod.export(source, pkg)
+    pkg.release()
     if source.directory is not None:
         _attach_source_files(source.directory, pkg)
     M.validate(pkg.manifest, where="exported manifest")

@@ -16,7 +16,6 @@ import tempfile
 import warnings
 from collections.abc import Sequence
 
-import numpy as np
 import onnx
 import torch
 
@@ -94,7 +93,32 @@ def export_graph(module: torch.nn.Module, args: Sequence[torch.Tensor], input_na
                               do_constant_folding=True)
         model = G.load(path)
     _name_unnamed_nodes(model)
+    _inline_shared_small_constants(model)
     return model
+
+
+def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:
+    """Give small weights that the tracer shared through Identity nodes their own initializer.
+
+    torch's exporter stores equal parameters once and feeds the copies through Identity (random
+    tiny models have many identical zero biases). Quantizers and the Ascend lowering need a Gemm or
+    MatMul bias to be an initializer, so small ones are materialized; large shared tensors keep the
+    Identity so no weight bytes are duplicated.
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    keep = []
+    for node in model.graph.node:
+        src = inits.get(node.input[0]) if node.op_type == "Identity" and node.input else None
+        if src is not None and len(src.raw_data) <= limit:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(src)
+            copy.name = node.output[0]
+            model.graph.initializer.append(copy)
+        else:
+            keep.append(node)
+    if len(keep) != len(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
 
 
 def _name_unnamed_nodes(model: onnx.ModelProto) -> None:
@@ -118,6 +142,7 @@ def decoder_axes(layers: int, mrope: bool = False) -> dict[str, dict[int, str]]:
 def export_decoder(pkg: Package, text_model, lm_head, layers: int, kv_heads: int, head_dim: int,
                    hidden: int, position_ids_fn=None, mrope: bool = False, dtype=torch.float32) -> None:
     """Export the shared decoder graph and store its sample inputs."""
+    pkg.release()  # a staged package (vlmc build) keeps earlier stages on disk while the largest one traces
     g = torch.Generator().manual_seed(0)
     batch, seq, past_len = 2, 5, 3
     embeds = torch.randn(batch, seq, hidden, generator=g, dtype=dtype)
@@ -132,15 +157,14 @@ def export_decoder(pkg: Package, text_model, lm_head, layers: int, kv_heads: int
                          ["logits", *present_names], decoder_axes(layers, mrope))
     pkg.set_graph("decoder", model, role="decoder", precision="fp32")
     samples.store(pkg, "decoder", {n: t.numpy() for n, t in zip(names, [embeds, mask, pos.contiguous(), *past])})
+    del model
+    pkg.release("decoder")
 
 
 def export_embed(pkg: Package, embedding, vocab: int) -> None:
+    pkg.release()  # see export_decoder
     ids = torch.arange(10, dtype=torch.int64).reshape(2, 5) % vocab
     model = export_graph(EmbedWrapper(embedding), [ids], ["input_ids"], ["inputs_embeds"],
                          {"input_ids": {0: BATCH, 1: SEQ}, "inputs_embeds": {0: BATCH, 1: SEQ}})
     pkg.set_graph("embed_tokens", model, role="embed", precision="fp32")
     samples.store(pkg, "embed_tokens", {"input_ids": ids.numpy()})
-
-
-def to_numpy(feeds: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    return {k: v.detach().cpu().numpy() for k, v in feeds.items()}

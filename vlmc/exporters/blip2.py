@@ -10,15 +10,13 @@ import torch
 from vlmc import samples
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, zoo
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("blip-2",)
 ARCHITECTURES = ("Blip2ForConditionalGeneration",)
-# OPENAI CLIP statistics: what BlipImageProcessor uses when the source has no preprocessor_config.json.
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # The BLIP-2 processor puts the query placeholders ahead of the tokenized prompt (before BOS); the
 # template only states that the image comes first, the manifest's image_tokens_first places it.
 BLIP2_TEMPLATE = "<image>{prompt}"
@@ -98,9 +96,6 @@ def export(source, pkg: Package) -> None:
     _check_supported(source)
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    layers = tcfg.num_hidden_layers
-    heads = tcfg.num_attention_heads
-    head_dim = tcfg.hidden_size // heads
     # OPT may embed at word_embed_proj_dim and project in/out inside the decoder; the embedding graph's
     # width is what the image features are written into.
     embed_dim = int(tcfg.word_embed_proj_dim or tcfg.hidden_size)
@@ -118,8 +113,7 @@ def export(source, pkg: Package) -> None:
                  "max_positions": int(tcfg.max_position_embeddings), "hidden_size": embed_dim,
                  "intermediate_size": int(tcfg.ffn_dim), "tokenizer": "bytes", "prompt_template": BLIP2_TEMPLATE,
                  "image_marker": "<image>", "position": "1d", "add_bos": True, "image_tokens_first": True}
-    m["kv"] = {"layers": layers, "kv_heads": heads, "head_dim": head_dim, "layout": "contiguous",
-               "block_size": None, "dtype": "float32"}
+    m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder", "fusion"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
     g = torch.Generator().manual_seed(0)
@@ -143,7 +137,7 @@ def export(source, pkg: Package) -> None:
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     # OPTDecoder takes position_ids and adds its learned-position offset (2) itself, so the graph keeps
     # the standard 0-based position interface.
-    base.export_decoder(pkg, lm.model.decoder, lm.lm_head, layers, heads, head_dim, embed_dim)
+    base.export_decoder(pkg, lm.model.decoder, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], embed_dim)
 
 
 def tiny_blip2_config(num_query_tokens: int = 8, qformer_layers: int = 2, text_layers: int = 2,

@@ -9,14 +9,13 @@ import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("llava",)
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 LLAVA_TEMPLATE = "USER: <image>\n{prompt} ASSISTANT:"
 
 
@@ -99,10 +98,6 @@ def attention_facts(vision_graph, config) -> dict | None:
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    layers = tcfg.num_hidden_layers
-    heads = tcfg.num_attention_heads
-    kv_heads = getattr(tcfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
     n_tokens = tokens_per_image(cfg)
     size = int(vcfg.image_size)
 
@@ -117,8 +112,7 @@ def export(source, pkg: Package) -> None:
                  "max_positions": int(tcfg.max_position_embeddings), "hidden_size": int(tcfg.hidden_size),
                  "intermediate_size": getattr(tcfg, "intermediate_size", None), "tokenizer": "bytes", "prompt_template": LLAVA_TEMPLATE, "image_marker": "<image>",
                  "position": "1d", "add_bos": True}
-    m["kv"] = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "layout": "contiguous",
-               "block_size": None, "dtype": "float32"}
+    m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
     g = torch.Generator().manual_seed(0)
@@ -129,4 +123,5 @@ def export(source, pkg: Package) -> None:
     m["vision"]["attention"] = attention_facts(vision, cfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
-    base.export_decoder(pkg, model.model.language_model, model.lm_head, layers, kv_heads, head_dim, tcfg.hidden_size)
+    base.export_decoder(pkg, model.model.language_model, model.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"],
+                        tcfg.hidden_size)

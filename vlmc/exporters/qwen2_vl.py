@@ -25,14 +25,13 @@ import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base, zoo
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
-CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 IMAGE_MARKER = "<image>"
 # Qwen chat layout; each image is wrapped in vision_start/vision_end like the Qwen processor does, which
 # also keeps two images' placeholder runs apart (transformers' rope index groups adjacent image tokens).
@@ -223,7 +222,7 @@ def preprocess_facts(vcfg, directory) -> dict:
     """Smart-resize + patchify settings: the source processor's, else Qwen's defaults scaled to the patch."""
     patch, merge = int(vcfg.patch_size), int(vcfg.spatial_merge_size)
     factor = patch * merge
-    facts = {"kind": "qwen2_vl", "patch_size": patch, "merge_size": merge,
+    facts = {"kind": "packed_patches", "patch_size": patch, "merge_size": merge,
              "temporal_patch_size": int(vcfg.temporal_patch_size), "min_pixels": 4 * factor * factor,
              "max_pixels": 1280 * factor * factor, "mean": CLIP_MEAN, "std": CLIP_STD, "rescale_factor": 1 / 255,
              "resample": "bicubic"}
@@ -276,10 +275,6 @@ def _marker(source) -> str:
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    layers = tcfg.num_hidden_layers
-    heads = tcfg.num_attention_heads
-    kv_heads = getattr(tcfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
     merge = int(vcfg.spatial_merge_size)
     windowed = getattr(vcfg, "fullatt_block_indexes", None) is not None
     marker = _marker(source)
@@ -305,8 +300,7 @@ def export(source, pkg: Package) -> None:
                  "image_marker": marker, "position": "mrope",
                  "mrope_section": list(tcfg.rope_parameters.get("mrope_section", [])),
                  "token_type_ids": "mm_token_type_ids", "add_bos": True}
-    m["kv"] = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "layout": "contiguous",
-               "block_size": None, "dtype": "float32"}
+    m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
     # Trace with two images of different sizes so nothing about one grid can be baked in.
@@ -322,5 +316,5 @@ def export(source, pkg: Package) -> None:
     m["vision"]["attention"] = attention_facts(vision, vcfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
-    base.export_decoder(pkg, model.model.language_model, model.lm_head, layers, kv_heads, head_dim, tcfg.hidden_size,
-                        mrope=True)
+    base.export_decoder(pkg, model.model.language_model, model.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"],
+                        tcfg.hidden_size, mrope=True)

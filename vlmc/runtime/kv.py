@@ -6,6 +6,8 @@ import logging
 
 import numpy as np
 
+from vlmc.errors import VlmcError
+
 logger = logging.getLogger(__name__)
 
 
@@ -46,4 +48,13 @@ LAYOUTS["paged"] = _paged
 
 
 def make(kv: dict, batch: int, dtype: str = "float32", **extra) -> object:
-    return LAYOUTS[kv["layout"]](kv, batch, dtype, **extra)
+    """KV state for the manifest's ``kv.layout``.
+
+    Raises:
+        VlmcError: the layout is not one this runtime knows (a package from a newer vlmc).
+    """
+    layout = kv.get("layout")
+    if layout not in LAYOUTS:
+        raise VlmcError(f"unknown KV layout {layout!r} (kv.layout); known layouts: {', '.join(LAYOUTS)}; "
+                        "upgrade vlmc, or re-export the package with this one")
+    return LAYOUTS[layout](kv, batch, dtype, **extra)

@@ -1,4 +1,4 @@
-"""Qwen2-VL style preprocessing: smart resize to multiples of patch*merge, then patchify into packed rows.
+"""Packed-patch preprocessing (kind ``packed_patches``): smart resize, then patchify into packed rows.
 
 Matches transformers' Qwen2VLImageProcessor (PIL backend): each image keeps its aspect ratio and gets its
 own grid, so ``pixel_values`` is [sum of patches, C*T*P*P] and ``image_grid_thw`` [images, 3] says which
@@ -44,7 +44,7 @@ def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[
     return x.reshape(gh * gw, c * temporal * patch * patch), gh, gw
 
 
-def qwen2_vl(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     """Images (uint8 HWC) -> pixel_values [patches, C*T*P*P] float32 and image_grid_thw [images, 3] int64."""
     from vlmc.runtime.preprocess import _resize  # late: preprocess imports this module for its KINDS table
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from vlmc.errors import VlmcError
 from vlmc.runtime import mrope
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,14 @@ KINDS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {"1d": 
 
 
 def prefill(kind: str, input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict) -> np.ndarray:
+    """Prefill position ids of the manifest's ``text.position`` kind.
+
+    Raises:
+        VlmcError: the kind is not one this runtime knows (a package from a newer vlmc).
+    """
+    if kind not in KINDS:
+        raise VlmcError(f"unknown position kind {kind!r} (text.position); known kinds: {', '.join(KINDS)}; "
+                        "upgrade vlmc, or re-export the package with this one")
     return KINDS[kind](input_ids, attention_mask, ctx)
 
 

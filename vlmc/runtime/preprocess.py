@@ -93,12 +93,14 @@ def resize(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
 
 
 # kind -> function(images, facts) -> (vision graph inputs); family modules may add kinds.
-KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {"clip": clip, "resize": resize,
-                                                                            "qwen2_vl": patches.qwen2_vl}
+KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
+    "clip": clip, "resize": resize, "packed_patches": patches.packed_patches}
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:
+    """Load and preprocess images as the manifest's ``vision.preprocess`` facts say -> vision graph inputs."""
     kind = facts.get("kind")
     if kind not in KINDS:
-        raise VlmcError(f"unknown preprocessing kind {kind!r} in the manifest")
+        raise VlmcError(f"unknown preprocessing kind {kind!r} (vision.preprocess.kind); known kinds: "
+                        f"{', '.join(KINDS)}; upgrade vlmc, or re-export the package with this one")
     return KINDS[kind]([load_image(i) for i in images], facts)

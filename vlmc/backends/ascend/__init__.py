@@ -14,6 +14,7 @@ import onnx
 
 from vlmc import graphs as G
 from vlmc import pass_api, samples
+from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, lower, precheck
 from vlmc.backends.ascend import soc as S
 from vlmc.errors import CheckFailed, VlmcError
@@ -22,7 +23,6 @@ from vlmc.package import Package, check_output_dir
 logger = logging.getLogger(__name__)
 
 NAME = "ascend"
-BUILD_MARKER = "vlmc-build.json"
 DEFAULT_SEQUENCE_BUCKETS = [128, 256, 512, 1024, 2048]
 PRECISIONS = ("auto", "fp16", "mixed_float16", "mixed_bfloat16", "origin")
 QUANTIZED_PRECISIONS = ("int8", "int8_weight_only", "int4_weight_only")
@@ -146,6 +146,7 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
     """
     findings: list[precheck.Finding] = []
     models: dict[str, onnx.ModelProto] = {}
+    private: set[str] = set()  # graphs read from disk here: lowered in place, no copy needed
     known = set((opts.get("dims") or {}).keys())
     for name in package.graph_names:
         path = package.path_of(name)
@@ -154,7 +155,11 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             if missing:
                 findings += missing
                 continue
-        model = package.graph(name)
+        # A graph on disk is read privately (not cached in the package), so lowering may rewrite it
+        # in place: the package's copy and a CopyFrom of it would be two more copies of the weights.
+        model = G.load(path) if path is not None else package.graph(name)
+        if path is not None:
+            private.add(name)
         findings += precheck.check_ops(model, name, lowered=False)
         sample = samples.load(package, name) or {}
         findings += precheck.check_inputs(model, name, known, set(sample))
@@ -164,10 +169,13 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
 
     lowered: dict[str, onnx.ModelProto] = {}
     reports: dict[str, lower.LowerReport] = {}
-    for name, model in models.items():
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        lowered[name], reports[name] = lower.lower(copy, name, package.info(name))
+    for name in list(models):
+        model = models.pop(name)
+        if name not in private:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            model = copy
+        lowered[name], reports[name] = lower.lower(model, name, package.info(name))
 
     kv = package.manifest.get("kv", {})
     ctx_base = gears.DimContext(
@@ -190,8 +198,13 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         file = f"{name}.onnx"
         files[file] = model
         if role == "decoder" and any(n.startswith("past_key_values.") for n in input_names):
-            prefill = onnx.ModelProto()
-            prefill.CopyFrom(model)
+            # The prefill graph shares every weight with the decode graph (_save_sharing points them
+            # at its data file), so it is built from a weightless copy: no second copy of the weights.
+            prefill, moved = G.weightless_copy(model)
+            for t, src in moved:
+                if not isinstance(src, onnx.TensorProto):  # a node-attribute tensor: not in the base's data
+                    t.ClearField("data_location")
+                    t.raw_data = src
             prefill, empties = lower.strip_past(prefill, name)
             if empties:
                 warnings.append(
@@ -387,6 +400,12 @@ def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
     }
     moved = []
     for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.external_data:
+            # a weightless stub (see prepare): its bytes are the base graph's tensor of the same name
+            if t.name not in entries:
+                raise VlmcError(f"{path.name}: weight {t.name!r} is not in {base.name}")
+            t.external_data.extend(entries[t.name])
+            continue
         if t.name in entries and t.raw_data:
             info = {e.key: e.value for e in entries[t.name]}
             if int(info.get("length", -1)) != len(t.raw_data):

@@ -56,11 +56,6 @@ def valid_names() -> list[str]:
     return sorted(SOCS) + sorted(FAMILIES)
 
 
-def is_quantized_capable(soc_version: str) -> bool:
-    """AMCT deploy ops and NPUWeightQuantBatchMatmulV2 are only assumed on the 910B family."""
-    return SOCS[soc_version].family == FAMILY_910B
-
-
 def normalize_variant(family: str, variant: str) -> str | None:
     """Accept 'Ascend910B4', '910B4' or 'B4' for a family; None if it names no variant of it."""
     variants, _ = FAMILIES[family]

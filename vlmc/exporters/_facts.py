@@ -1,0 +1,24 @@
+"""Manifest facts several family exporters write the same way: CLIP normalization and the KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+# OPENAI CLIP image statistics: the processors' defaults when a source has no preprocessor_config.json.
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def kv_facts(text_config) -> dict:
+    """The manifest's ``kv`` section for a transformers text config: a contiguous float32 cache.
+
+    Configs without ``num_key_value_heads`` (e.g. OPT) have no grouped-query attention, and those
+    without ``head_dim`` split the hidden size evenly over the heads.
+    """
+    heads = int(text_config.num_attention_heads)
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return {"layers": int(text_config.num_hidden_layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim),
+            "layout": "contiguous", "block_size": None, "dtype": "float32"}

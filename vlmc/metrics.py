@@ -1,0 +1,84 @@
+"""How close a run stays to a reference: logits distances and greedy-token agreement (verify, pruning, quantize)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis, in float64."""
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl(ref_logits: np.ndarray, got_logits: np.ndarray) -> float:
+    """Mean over rows of KL(softmax(ref) || softmax(got)), in nats (never below 0: rounding can dip under)."""
+    lp, lq = log_softmax(ref_logits), log_softmax(got_logits)
+    return max(float(np.mean(np.sum(np.exp(lp) * (lp - lq), -1))), 0.0)
+
+
+def cosine(a: np.ndarray, b: np.ndarray, axis: int | None = None) -> float:
+    """Cosine similarity of two arrays: of the flattened arrays, or the mean over rows along ``axis``.
+
+    Where a norm is zero the cosine is undefined; it counts as 1 if both sides are equal, else 0.
+    """
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    if axis is None:
+        a, b, axis = a.ravel(), b.ravel(), -1
+    dot = np.sum(a * b, axis)
+    norms = np.linalg.norm(a, axis=axis) * np.linalg.norm(b, axis=axis)
+    equal = np.all(a == b, axis)
+    return float(np.mean(np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), equal)))
+
+
+def top_k_agreement(ref_logits: np.ndarray, got_logits: np.ndarray, k: int) -> float:
+    """Mean share of each row's k best tokens under ``ref`` that are also among the k best under ``got``."""
+    k = min(k, ref_logits.shape[-1])
+    if k == 1:
+        return float(np.mean(ref_logits.argmax(-1) == got_logits.argmax(-1)))
+    ta = np.argsort(-ref_logits, -1)[..., :k].reshape(-1, k)
+    tb = np.argsort(-got_logits, -1)[..., :k].reshape(-1, k)
+    return float(np.mean([len(set(x) & set(y)) / k for x, y in zip(ta.tolist(), tb.tolist())]))
+
+
+def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
+    """First-token logits fidelity of ``got`` against ``ref`` ([batch, vocab] each).
+
+    Returns:
+        ``kl`` (mean KL(ref || got), nats), ``cosine`` (mean over rows), ``top1`` (argmax agreement),
+        ``top5`` (share of ref's 5 best tokens also among got's 5 best) and ``max_abs_diff``.
+    """
+    a, b = ref.astype(np.float64), got.astype(np.float64)
+    return {"kl": kl(a, b), "cosine": cosine(a, b, axis=-1), "top1": top_k_agreement(a, b, 1),
+            "top5": top_k_agreement(a, b, 5), "max_abs_diff": float(np.max(np.abs(a - b)))}
+
+
+def common_prefix(ref: list[list[int]], got: list[list[int]]) -> list[int]:
+    """Length of the shared greedy prefix per sequence."""
+    out = []
+    for r, g in zip(ref, got):
+        n = 0
+        while n < min(len(r), len(g)) and r[n] == g[n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+def token_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
+    """Share of position-wise equal tokens, over the longer of each pair of sequences."""
+    total = sum(max(len(r), len(g)) for r, g in zip(ref, got))
+    agree = sum(1 for r, g in zip(ref, got) for x, y in zip(r, g) if x == y)
+    return agree / max(total, 1)
+
+
+def generation_agreement(ref_logits: np.ndarray, ref_tokens: list[list[int]], got_logits: np.ndarray,
+                         got_tokens: list[list[int]]) -> dict:
+    """:func:`logits_agreement` of the first-token logits plus ``token_agreement`` and ``common_prefix``."""
+    out = logits_agreement(ref_logits, got_logits)
+    out.update(token_agreement=token_agreement(ref_tokens, got_tokens), common_prefix=common_prefix(ref_tokens, got_tokens))
+    return out
