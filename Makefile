@@ -33,7 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check vlmc passes tests scripts
 
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py --out docs/benchmarks.md
+	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3
 
 schema: $(STAMP)
 	$(BIN)/vlmc passes --schema > docs/recipe.schema.json

@@ -22,8 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 
-# (vision, text) overrides on the tiny LLaVA config; "2b" is ~2B parameters at real widths:
-# CLIP ViT-L/14-336 (24 layers, 1024 wide) and a 2048-wide, 22-layer Llama with a 32000 vocab.
+# (vision, text) overrides on the tiny LLaVA config; "2b" is ~1.9B parameters at real widths:
+# CLIP ViT-L/14-336 (24 layers, 1024 wide) and a 2048-wide, 30-layer Llama (GQA, 48000 vocab).
 SIZES = {
     "tiny": ({}, {}),
     "small": ({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 8,
@@ -32,8 +32,8 @@ SIZES = {
                "num_key_value_heads": 16, "vocab_size": 32000}),
     "2b": ({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
             "image_size": 336, "patch_size": 14},
-           {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22, "num_attention_heads": 32,
-            "num_key_value_heads": 4, "vocab_size": 32000}),
+           {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 30, "num_attention_heads": 32,
+            "num_key_value_heads": 4, "vocab_size": 48000}),
 }
 
 
@@ -85,7 +85,7 @@ def measure(cmd: list[str]) -> dict:
     return res
 
 
-def pipeline_cost(sizes: list[str], runs: int, root: Path) -> list[dict]:
+def pipeline_cost(sizes: list[str], runs: int, root: Path, large_runs: int | None = None) -> list[dict]:
     vlmc = str(Path(sys.executable).parent / "vlmc")
     rows = []
     for size in sizes:
@@ -94,11 +94,16 @@ def pipeline_cost(sizes: list[str], runs: int, root: Path) -> list[dict]:
         recipe.write_text(f"model: {model_dir}\npasses: [fold_constants, simplify]\n"
                           "target: {backend: ascend, soc: Ascend910B1}\n")
         bare, built = [], []
-        for _ in range(runs):  # interleaved so both sides see the same machine state
+        n = large_runs if (large_runs and size == "2b") else runs
+        for _ in range(n):  # interleaved so both sides see the same machine state
             bare.append(measure([sys.executable, str(SCRIPTS / "bare_export.py"), str(model_dir)]))
             built.append(measure([vlmc, "-q", "build", "--recipe", str(recipe), "-o", str(root / f"out-{size}"), "--force"]))
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
-        row = {"size": size, "params": params, "fp32_weight_bytes": params * 4, "runs": runs,
+        import shutil
+
+        shutil.rmtree(model_dir, ignore_errors=True)  # multi-GB at the large size
+        shutil.rmtree(root / f"out-{size}", ignore_errors=True)
+        row = {"size": size, "params": params, "fp32_weight_bytes": params * 4, "runs": n,
                "bare_seconds": med(bare, "seconds"), "build_seconds": med(built, "seconds"),
                "bare_peak_rss": med(bare, "peak_rss_bytes"), "build_peak_rss": med(built, "peak_rss_bytes")}
         row["time_ratio"] = row["build_seconds"] / row["bare_seconds"]
@@ -155,6 +160,41 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def targets(cost: list[dict]) -> list[str]:
+    """The issue's scale targets against the largest size measured, with the known causes of any gap."""
+    if not cost:
+        return []
+    r = max(cost, key=lambda x: x["params"])
+    mem_ok, time_ok = r["rss_over_weights"] <= 1.5, r["time_ratio"] <= 1.5
+    return [
+        "", f"### Scale targets ({r['size']}, {r['params'] / 1e9:.2f} B parameters)", "",
+        "| target | measured | met |", "|---|---|---|",
+        f"| peak RSS ≤ 1.5× FP32 weight bytes | {r['rss_over_weights']:.2f}× ({_gib(r['build_peak_rss'])} for "
+        f"{_gib(r['fp32_weight_bytes'])} of weights; bare export alone {r['bare_peak_rss'] / r['fp32_weight_bytes']:.2f}×) "
+        f"| {'yes' if mem_ok else 'no'} |",
+        f"| `vlmc build` time ≤ 1.5× bare export | {r['time_ratio']:.2f}× | {'yes' if time_ok else 'no'} |",
+        "", "Where the gap comes from (from a per-step profile, resetting VmHWM per step, of the build of a "
+        "1.41 B-parameter model of the same widths with 22 decoder layers; see docs/architecture.md, \"Staging\"):", "",
+        "- **Memory: export.** While the decoder is traced, the torch model (its weights, memory-mapped "
+        "from safetensors but resident once touched) and the exported decoder loaded back from torch's "
+        "file are both in memory, and torch's exporter holds its own copy while it writes. The bare "
+        "baseline has the first and third but never loads the result. Streaming torch's output straight "
+        "into the staging directory without loading it would close most of the gap; not done yet.",
+        "- **Memory: after export** every step stays below the export peak: graphs are staged to disk "
+        "between passes, checks and saves use weightless copies, fold_constants hands untouched weights to "
+        "onnx-graphsurgeon as placeholders, and the Ascend backend lowers graphs loaded privately from "
+        "disk (this cut its peak from 22.1 to 5.9 GiB on a 1.4 B model).",
+        "- **Time.** The baseline only traces and writes. The build additionally loads and fingerprints "
+        "each exported graph, folds constants and simplifies (both rewrite the decoder: 5,086 → 2,935 "
+        "nodes in the profiled model), checks every changed graph, copies the package out of staging, and "
+        "lowers and writes every graph again for ATC (a prefill and a decode build of the decoder). Each "
+        "of these reads or writes all weights at least once; on this 2-core machine that is bounded by "
+        "memory and disk bandwidth, so 1.5× is not reachable while every pass rewrites the weights. "
+        "Next steps: move staged files into the package instead of copying them, and let passes that "
+        "do not touch weights rewrite only the protobuf.",
+    ]
+
+
 def render(m: dict, cost: list[dict], pass_rows: list[dict], ran: list[str], plots: list[str], args) -> str:
     lines = ["# Benchmarks", "",
              f"Generated by `{' '.join(['python', 'scripts/bench.py', *sys.argv[1:]])}` (`make bench`) on "
@@ -174,6 +214,9 @@ def render(m: dict, cost: list[dict], pass_rows: list[dict], ran: list[str], plo
                      f"**{r['time_ratio']:.2f}×** | {_gib(r['bare_peak_rss'])} | {_gib(r['build_peak_rss'])} | "
                      f"**{r['rss_over_weights']:.2f}×** |")
     lines += [""] + [f"![{p}]({'bench/' + p})" for p in plots]
+    lines += ["", "The tiny size's RSS ratio only shows the interpreter and torch import (about 0.4 GiB) "
+              "against 0.8 MB of weights."]
+    lines += targets(cost)
     lines += ["", "## What the passes buy", ""]
     if pass_rows:
         lines += ["| benchmark | setting | metric | value | ratio | notes |", "|---|---|---|---|---|---|"]
@@ -183,9 +226,11 @@ def render(m: dict, cost: list[dict], pass_rows: list[dict], ran: list[str], plo
         lines += ["", "Modules run: " + ", ".join(ran)]
     else:
         lines.append("No per-pass benchmark modules were found.")
-    lines += ["", "## Reproduce", "", "```", "make bench                      # all sizes, 5 runs",
+    lines += ["", "## Reproduce", "", "```", "make bench                      # tiny and small: 5 runs; 2b: 3 runs",
               "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
               "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)", "```", ""]
+    with open(args.out.parent / "bench" / "results.json", "w") as f:
+        json.dump({"machine": m, "pipeline_cost": cost, "passes": pass_rows}, f, indent=2, default=str)
     return "\n".join(lines)
 
 
@@ -194,6 +239,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--sizes", nargs="+", default=["tiny", "small", "2b"], choices=list(SIZES))
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--large-runs", type=int, default=None, help="runs for the 2b size (default: --runs)")
     ap.add_argument("--quick", action="store_true", help="tiny size, 2 runs, quick pass benchmarks")
     ap.add_argument("--skip-passes", action="store_true")
     args = ap.parse_args()
@@ -201,7 +247,7 @@ def main() -> None:
         args.sizes, args.runs = ["tiny"], 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory() as tmp:
-        cost = pipeline_cost(args.sizes, args.runs, Path(tmp))
+        cost = pipeline_cost(args.sizes, args.runs, Path(tmp), args.large_runs)
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)

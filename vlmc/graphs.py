@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -120,34 +118,6 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
         # ClearField, not "= DEFAULT": proto2 keeps an explicitly set field, which changes the bytes
         tensor.ClearField("data_location")
         del tensor.external_data[:]
-
-
-@contextlib.contextmanager
-def detached_weights(*models: onnx.ModelProto) -> Iterator[list[tuple[onnx.TensorProto, bytes]]]:
-    """Temporarily take the bytes of every large tensor out of the models (marking them external).
-
-    The caller fills in ``external_data`` entries for what it needs (a file to write, or a placeholder
-    for checking); on exit the bytes go back and the markers are removed. Putting the bytes back
-    copies them into the model's protobuf arena (upb never frees inside an arena), so every use
-    leaves one more copy of the weights alive for as long as the model is: prefer
-    :func:`weightless_copy`, which never touches the model.
-    """
-    moved: list[tuple[onnx.TensorProto, bytes]] = []
-    try:
-        for model in models:
-            for tensor in _all_tensors(model):
-                if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD:
-                    continue
-                raw = tensor.raw_data
-                tensor.ClearField("raw_data")
-                tensor.data_location = onnx.TensorProto.EXTERNAL
-                moved.append((tensor, raw))
-        yield moved
-    finally:
-        for tensor, raw in moved:
-            del tensor.external_data[:]
-            tensor.ClearField("data_location")  # not "= DEFAULT": proto2 would keep the field set
-            tensor.raw_data = raw
 
 
 def _copy_fields(src, dst, skip: str = "") -> None:
