@@ -138,8 +138,8 @@ class Pass:
     def check_package(self, package: Package) -> None:
         """Hook to refuse a package early with a clear message (called before run)."""
 
-    def run(self, package: Package) -> PassResult:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def run(self, package: Package) -> PassResult:  # pragma: no cover - every registered pass overrides it
+        raise TypeError(f"pass {self.name!r} ({type(self).__qualname__}) does not define run(package)")
 
     @classmethod
     def json_schema(cls) -> dict:
