@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -300,16 +299,3 @@ def test_split_then_quantize_equals_quantize_then_split(source, tmp_path):
     assert {first.info(g)["precision"] for g in first.manifest["pipeline"]["decoder"]} == {"int8_weight_only"}
     second = _run(source("tiny-llava"), [QUANTIZE, {"split": {"decoder_ranges": 2}}])
     _assert_same_generation(_generate(first), _generate(second))
-
-
-def test_split_leaves_no_stale_samples(tmp_path, exported):
-    """Sample inputs of graphs that no longer exist are not carried into the new package."""
-    from vlmc import manager, recipe
-    from vlmc.package import Package
-
-    src = tmp_path / "src"
-    shutil.copytree(exported("tiny-llava"), src)
-    out = manager.run(Package.load(src), recipe.parse("passes: [{split: {decoder_ranges: 2}}]").steps)
-    out.save(tmp_path / "out")
-    names = {p.stem for p in (tmp_path / "out" / "samples").glob("*.npz")}
-    assert "decoder" not in names and names <= set(out.graph_names)

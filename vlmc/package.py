@@ -257,7 +257,7 @@ class Package:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(blob)
             if self.root is not None and self.root.resolve() != out:
-                _carry_files(self.root, tmp, keep=set(self.files), graphs=set(self.manifest["graphs"]))
+                _carry_files(self.root, tmp, keep=set(self.files))
             (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
             from vlmc import report as R
 
@@ -339,19 +339,14 @@ def _reflink(src: Path, dest: Path) -> None:
             raise
 
 
-def _carry_files(src_root: Path, dest_root: Path, keep: set[str], graphs: set[str] | None = None) -> None:
-    """Copy auxiliary files (samples, tokenizer, pictures) from the source package.
-
-    Sample inputs of graphs the package no longer has (after merge or split) are left behind.
-    """
+def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
+    """Copy auxiliary files (samples, tokenizer, pictures) from the source package."""
     for p in sorted(src_root.rglob("*")):
         rel = p.relative_to(src_root).as_posix()
         if p.is_dir() or rel in keep or rel == M.MANIFEST_NAME or rel in _REPORT_FILES:
             continue
         if rel.endswith(".onnx") or rel.endswith(".onnx.data"):
             continue  # graphs are written from the manifest; stale ones must not leak
-        if graphs is not None and rel.startswith("samples/") and rel.endswith(".npz") and rel[8:-4] not in graphs:
-            continue
         target = dest_root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         _link_or_copy(p, target)
