@@ -190,7 +190,10 @@ def int32_matmul_bias(model: onnx.ModelProto) -> int:
             continue
         add = users[0]
         bias_name = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        b = inits.get(bias_name)
+        src = prod.get(bias_name)
+        # Packages exported before the exporter inlined shared small constants route some biases
+        # through Identity(initializer); read the initializer behind it.
+        b = inits.get(src.input[0]) if src is not None and src.op_type == "Identity" else inits.get(bias_name)
         sx, sw = inits.get(dqs[0].input[1]), inits.get(dqs[1].input[1])
         if b is None or sx is None or sw is None or b.data_type != onnx.TensorProto.FLOAT or len(b.dims) != 1:
             continue
@@ -212,7 +215,7 @@ def int32_matmul_bias(model: onnx.ModelProto) -> int:
     for add, dq in new_nodes:  # keep topological order: the DQ goes right before its Add
         idx = list(g.node).index(add)
         g.node.insert(idx, dq)
-    if count:  # the float biases are now unused
+    if count:  # the float biases (and Identity nodes that fed them) are now unused
         from .simplify import remove_dead_nodes
 
         remove_dead_nodes(model)

@@ -173,7 +173,7 @@ def targets(cost: list[dict]) -> list[str]:
         f"{_gib(r['fp32_weight_bytes'])} of weights; bare export alone {r['bare_peak_rss'] / r['fp32_weight_bytes']:.2f}×) "
         f"| {'yes' if mem_ok else 'no'} |",
         f"| `vlmc build` time ≤ 1.5× bare export | {r['time_ratio']:.2f}× | {'yes' if time_ok else 'no'} |",
-        "", "Where the gap comes from (from a per-step profile, resetting VmHWM per step, of the build of a "
+        "", "Where the gap comes from (a one-off manual profile, not re-measured by this script: per-step peak RSS with VmHWM reset at each step, on the build of a "
         "1.41 B-parameter model of the same widths with 22 decoder layers; see docs/architecture.md, \"Staging\"):", "",
         "- **Memory: export.** While the decoder is traced, the torch model (its weights, memory-mapped "
         "from safetensors but resident once touched) and the exported decoder loaded back from torch's "

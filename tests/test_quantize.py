@@ -436,3 +436,33 @@ def test_quantized_package_runs_and_verify_reports_fidelity(tmp_path, monkeypatc
     assert report["graphs"]["vision_encoder"]["bytes_ratio"] < 0.5
     assert report["end_to_end"]["first_token_logits_cosine"] > 0.9
     assert "lossy package" in outputs[-1] and "KL" in outputs[-1] and "common prefix" in outputs[-1]
+
+
+def test_int32_bias_through_identity_from_older_exports():
+    """Older exports fed shared biases through Identity(initializer); the int32 bias rewrite reads through it."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"]),
+        helper.make_node("QuantizeLinear", ["w", "sw", "zw"], ["wq"]),
+        helper.make_node("DequantizeLinear", ["wq", "sw", "zw"], ["wd"]),
+        helper.make_node("MatMul", ["xd", "wd"], ["mm"], name="mm"),
+        helper.make_node("Identity", ["bias"], ["bias_shared"], name="shared"),
+        helper.make_node("Add", ["mm", "bias_shared"], ["y"], name="add"),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "bias"),
+             numpy_helper.from_array(np.array(0.05, np.float32), "sx"), numpy_helper.from_array(np.array(0, np.int8), "zx"),
+             numpy_helper.from_array(np.array(0.02, np.float32), "sw"), numpy_helper.from_array(np.array(0, np.int8), "zw")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert S.int32_matmul_bias(model) == 1
+    assert "Identity" not in [n.op_type for n in model.graph.node]
+    bias_in = next(n for n in model.graph.node if n.name == "add").input[1]
+    dq = next(n for n in model.graph.node if bias_in in n.output)
+    assert dq.op_type == "DequantizeLinear"
+    q = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == dq.input[0]))
+    assert q.dtype == np.int32
+    np.testing.assert_allclose(q * 0.05 * 0.02, b, atol=0.05 * 0.02)

@@ -122,6 +122,7 @@ def export(source, pkg: Package) -> None:
                                {"pixel_values": {0: base.IMAGES}, "vision_hidden_states": {0: base.IMAGES}})
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    del vision  # the package holds it (and stages it) while later stages trace
 
     with torch.no_grad():
         hidden = VisionWrapper(model).eval()(pixels)
@@ -132,6 +133,7 @@ def export(source, pkg: Package) -> None:
     fusion.graph.output[0].type.tensor_type.shape.dim[1].dim_value = n_query
     pkg.set_graph("fusion", fusion, role="fusion", precision="fp32")
     samples.store(pkg, "fusion", {"vision_hidden_states": hidden.numpy()})
+    del fusion
 
     lm = model.language_model
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)

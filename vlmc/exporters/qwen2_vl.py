@@ -315,6 +315,7 @@ def export(source, pkg: Package) -> None:
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     m["vision"]["attention"] = attention_facts(vision, vcfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
+    del vision  # the package holds it (and stages it) while later stages trace
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(pkg, model.model.language_model, model.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"],
                         tcfg.hidden_size, mrope=True)
