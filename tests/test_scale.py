@@ -157,3 +157,19 @@ def test_build_frees_the_source_model_and_removes_staging(tmp_path, monkeypatch)
     saved = Package.load(tmp_path / "out" / "package")  # complete on its own: every graph and its weights
     for g in saved.graph_names:
         assert G.fingerprint(saved.graph(g)) == G.fingerprint(result.package.graph(g))
+
+
+def test_graph_loaded_before_a_pass_and_released_unchanged_is_not_a_change(tiny_llava, tmp_path):
+    """A library caller may load graphs, then stage the package; a pass that only releases them changed nothing."""
+    from vlmc import manager, recipe
+    from vlmc.package import Package
+
+    pkg = Package.load(tiny_llava)
+    for name in pkg.graph_names:
+        pkg.graph(name)
+    pkg.stage(tmp_path / "staging")
+    before = pkg.state()
+    pkg.release()
+    assert pkg.state() == before
+    out = manager.run(pkg, recipe.parse("passes: [{simplify: {graphs: [embed_tokens]}}]").steps)
+    assert out.manifest["history"][-1]["modified"] is False

@@ -43,6 +43,7 @@ class Package:
         self.staging: Path | None = None
         self._staged: dict[str, Path] = {}  # graph -> staging file holding its current content
         self._staged_fp: dict[str, str] = {}  # graph -> fingerprint of that content
+        self._disk_fp: dict[str, str] = {}  # graph -> fingerprint of its file under root, once read
         self._superseded: list[Path] = []  # staging files replaced since the last purge_staging()
 
     # ---- loading -------------------------------------------------------------------------
@@ -116,7 +117,7 @@ class Package:
                 raise VlmcError(f"graph {name!r} has no data")
             else:
                 model = G.load(self.root / info["file"])
-                self._loaded_fp[name] = G.fingerprint(model)
+                self._loaded_fp[name] = self._disk_fp[name] = G.fingerprint(model)
             self._models[name] = model
         return self._models[name]
 
@@ -206,11 +207,14 @@ class Package:
             if name in self._models:
                 out[name] = G.fingerprint(self._models[name])
             else:
-                out[name] = self._staged_fp.get(name, "disk")
+                # a graph read from root and released unchanged keeps the fingerprint it was read with,
+                # so "loaded before the pass, released by it" compares equal
+                out[name] = self._staged_fp.get(name) or self._disk_fp.get(name, "disk")
         return out
 
     def original_fingerprint(self, name: str) -> str | None:
-        return self._loaded_fp.get(name)
+        """Fingerprint of the graph as it was read (from the package or staging), if it was read."""
+        return self._loaded_fp.get(name) or self._disk_fp.get(name)
 
     # ---- convenience facts -----------------------------------------------------------------
     @property
