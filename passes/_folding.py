@@ -17,7 +17,9 @@ def foldable(package, names: list[str], pass_name: str) -> tuple[list[str], dict
     for name in names:
         info = package.info(name)
         if info.get("precision") in _COMPRESSED or info.get("quantization"):
-            skipped[name] = f"{info.get('precision')} weights; folding would undo the quantization (run {pass_name} before quantize)"
+            skipped[name] = (
+                f"{info.get('precision')} weights; folding would undo the quantization (run {pass_name} before quantize)"
+            )
             logger.warning("%s: skipping %s: %s", pass_name, name, skipped[name])
         else:
             keep.append(name)

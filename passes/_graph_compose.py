@@ -68,9 +68,18 @@ def prefixed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
     io = {v.name for v in out.graph.input} | {v.name for v in out.graph.output}
     for v in [v for v in out.graph.value_info if v.name in io]:
         out.graph.value_info.remove(v)
-    onnx.compose.add_prefix(out, prefix, rename_nodes=True, rename_edges=True, rename_inputs=False,
-                            rename_outputs=False, rename_initializers=True, rename_value_infos=True,
-                            rename_functions=False, inplace=True)
+    onnx.compose.add_prefix(
+        out,
+        prefix,
+        rename_nodes=True,
+        rename_edges=True,
+        rename_inputs=False,
+        rename_outputs=False,
+        rename_initializers=True,
+        rename_value_infos=True,
+        rename_functions=False,
+        inplace=True,
+    )
     return out
 
 
@@ -121,8 +130,10 @@ def merged_opsets(models: Iterable[onnx.ModelProto], where: str) -> list[onnx.Op
         for o in m.opset_import:
             domain = "" if o.domain == "ai.onnx" else o.domain
             if domain in versions and versions[domain] != o.version:
-                raise VlmcError(f"{where}: the graphs use different opset versions for domain {domain or 'ai.onnx'!r} "
-                                f"({versions[domain]} and {o.version}); re-export the package with one opset")
+                raise VlmcError(
+                    f"{where}: the graphs use different opset versions for domain {domain or 'ai.onnx'!r} "
+                    f"({versions[domain]} and {o.version}); re-export the package with one opset"
+                )
             versions[domain] = int(o.version)
     return [helper.make_opsetid(d, v) for d, v in sorted(versions.items())]
 
@@ -140,8 +151,10 @@ def extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], where
         raise VlmcError(f"{where}: cannot cut the graph there ({exc})") from exc
     missing = sorted(free_inputs(out.graph) - set(inputs))
     if missing:
-        raise VlmcError(f"{where}: the cut needs tensors outside it ({', '.join(missing[:4])}); "
-                        "the graph does not have the expected stage structure")
+        raise VlmcError(
+            f"{where}: the cut needs tensors outside it ({', '.join(missing[:4])}); "
+            "the graph does not have the expected stage structure"
+        )
     out.ir_version = model.ir_version
     return out
 
@@ -249,7 +262,7 @@ def residual_cuts(graph: onnx.GraphProto, source: str, sink: str) -> list[str]:
     cuts = []
     for t, s in sorted(start.items(), key=lambda kv: kv[1]):
         e = end.get(t, s)
-        if e > s and int(crossing[s + 1:e + 1].min()) == 1:
+        if e > s and int(crossing[s + 1 : e + 1].min()) == 1:
             cuts.append(t)
     return cuts
 

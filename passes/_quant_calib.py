@@ -29,8 +29,10 @@ def image_files(directory: str) -> list[Path]:
     """Image files in a calibration directory (sorted), or a one-line VlmcError saying what is wrong."""
     d = Path(directory).expanduser()
     if not d.exists():
-        raise VlmcError(f"calibration images directory {d} does not exist; point calibration.images at a "
-                        "directory of images, or omit it to use built-in demo images")
+        raise VlmcError(
+            f"calibration images directory {d} does not exist; point calibration.images at a "
+            "directory of images, or omit it to use built-in demo images"
+        )
     if not d.is_dir():
         raise VlmcError(f"calibration images {d} is not a directory")
     try:
@@ -81,8 +83,9 @@ class _RecordingPipeline(Pipeline):
         return out
 
 
-def record(pkg: Package, targets: set[str], images: list, prompts: list[str], eval_samples: int,
-           eval_tokens: int) -> Recorded:
+def record(
+    pkg: Package, targets: set[str], images: list, prompts: list[str], eval_samples: int, eval_tokens: int
+) -> Recorded:
     """Run the FP32 pipeline on (prompt, image) pairs, one per sample, and record target feeds.
 
     The first ``eval_samples`` samples also keep the targets' FP32 outputs and a greedy generation of

@@ -35,8 +35,10 @@ def graph_fidelity(pkg: Package, name: str, feeds: list[dict], refs: list[dict])
 def _cast_feeds(sess, feed: dict) -> dict:
     # A graph converted to fp16 without keep_io_fp32 takes float16 inputs.
     types = {"tensor(float16)": np.float16, "tensor(float)": np.float32}
-    return {i.name: feed[i.name].astype(types.get(i.type, feed[i.name].dtype), copy=False)
-            for i in sess.get_inputs()}
+    return {
+        i.name: feed[i.name].astype(types.get(i.type, feed[i.name].dtype), copy=False)
+        for i in sess.get_inputs()
+    }
 
 
 def end_to_end(pkg: Package, inputs: list, generations: list, tokens: int) -> dict:
@@ -55,7 +57,13 @@ def end_to_end(pkg: Package, inputs: list, generations: list, tokens: int) -> di
         top1.append(c["top1"])
         diffs.append(c["max_abs_diff"])
         prefixes.extend(c["common_prefix"])
-    return {"samples": len(inputs), "new_tokens": tokens, "first_token_logits_kl": float(np.mean(kls)),
-            "first_token_logits_cosine": float(np.mean(coss)), "first_token_logits_max_abs_diff": float(max(diffs)),
-            "top1_agreement": float(np.mean(top1)), "greedy_common_prefix": prefixes,
-            "greedy_common_prefix_mean": float(np.mean(prefixes))}
+    return {
+        "samples": len(inputs),
+        "new_tokens": tokens,
+        "first_token_logits_kl": float(np.mean(kls)),
+        "first_token_logits_cosine": float(np.mean(coss)),
+        "first_token_logits_max_abs_diff": float(max(diffs)),
+        "top1_agreement": float(np.mean(top1)),
+        "greedy_common_prefix": prefixes,
+        "greedy_common_prefix_mean": float(np.mean(prefixes)),
+    }

@@ -17,46 +17,124 @@ METHODS = ("rtn", "awq")
 CALIB_METHODS = ("minmax", "percentile", "entropy")
 INT4_STORAGE = ("packed", "int8")
 DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
-DEFAULT_PROMPTS = ("Describe the image.", "What is in the picture?", "What colors do you see?",
-                   "How many shapes are there?", "Write a caption for this image.")
+DEFAULT_PROMPTS = (
+    "Describe the image.",
+    "What is in the picture?",
+    "What colors do you see?",
+    "How many shapes are there?",
+    "Write a caption for this image.",
+)
 
 # Sub-key -> (python type, JSON Schema fragment). Order is the order error messages list them.
 CALIB_KEYS: dict[str, tuple[type, dict]] = {
-    "images": (str, {"type": "string", "description": "directory of calibration images (default: built-in "
-                     "demo images)"}),
-    "prompts": (list, {"type": "array", "items": {"type": "string"},
-                       "description": "prompts paired with the images (cycled)"}),
-    "count": (int, {"type": "integer", "minimum": 1, "description": "number of calibration samples (default 32)"}),
-    "method": (str, {"enum": list(CALIB_METHODS), "description": "activation range estimator (default minmax)"}),
+    "images": (
+        str,
+        {"type": "string", "description": "directory of calibration images (default: built-in demo images)"},
+    ),
+    "prompts": (
+        list,
+        {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "prompts paired with the images (cycled)",
+        },
+    ),
+    "count": (
+        int,
+        {"type": "integer", "minimum": 1, "description": "number of calibration samples (default 32)"},
+    ),
+    "method": (
+        str,
+        {"enum": list(CALIB_METHODS), "description": "activation range estimator (default minmax)"},
+    ),
 }
 KEEP_KEYS: dict[str, tuple[type, dict]] = {
-    "op_types": (list, {"type": "array", "items": {"type": "string"}, "description": "op types kept in float32"}),
-    "nodes": (list, {"type": "array", "items": {"type": "string"},
-                     "description": "node names (shell-style globs) kept in float32"}),
+    "op_types": (
+        list,
+        {"type": "array", "items": {"type": "string"}, "description": "op types kept in float32"},
+    ),
+    "nodes": (
+        list,
+        {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "node names (shell-style globs) kept in float32",
+        },
+    ),
 }
 GRAPH_KEYS: dict[str, tuple[type, dict]] = {
-    "weights": (str, {"enum": list(WEIGHTS), "description": "weight precision: fp32 (leave), fp16, int8 or int4"}),
-    "activations": (str, {"enum": list(ACTIVATIONS), "description": "int8: static per-tensor activation "
-                          "quantization (needs weights: int8); fp32: weight-only"}),
-    "method": (str, {"enum": list(METHODS), "description": "weight-only method: rtn (round to nearest) or "
-                     "awq (activation-aware per-input-channel scaling from calibration data)"}),
-    "group_size": (int, {"type": "integer", "minimum": 32, "multipleOf": 16,
-                         "description": "int4: input rows sharing one scale (default 128)"}),
-    "int4_storage": (str, {"enum": list(INT4_STORAGE), "description": "int4 weights as packed nibbles in uint8 "
-                           "(two per byte; default) or one value per int8"}),
-    "keep_io_fp32": (bool, {"type": "boolean", "description": "fp16: keep graph inputs/outputs float32 "
-                            "(default true; false makes them float16)"}),
-    "op_types": (list, {"type": "array", "items": {"type": "string"},
-                        "description": "int8: op types whose constant-weight nodes are quantized "
-                                       "(default MatMul, Gemm, Conv)"}),
-    "calibration": (dict, {"type": "object", "additionalProperties": False,
-                           "properties": {k: s for k, (_, s) in CALIB_KEYS.items()},
-                           "description": "calibration data for int8 activations and awq"}),
-    "keep_fp32": (dict, {"type": "object", "additionalProperties": False,
-                         "properties": {k: s for k, (_, s) in KEEP_KEYS.items()},
-                         "description": "ops/nodes of this graph kept in float32 (added to the pass-wide list)"}),
+    "weights": (
+        str,
+        {"enum": list(WEIGHTS), "description": "weight precision: fp32 (leave), fp16, int8 or int4"},
+    ),
+    "activations": (
+        str,
+        {
+            "enum": list(ACTIVATIONS),
+            "description": "int8: static per-tensor activation "
+            "quantization (needs weights: int8); fp32: weight-only",
+        },
+    ),
+    "method": (
+        str,
+        {
+            "enum": list(METHODS),
+            "description": "weight-only method: rtn (round to nearest) or "
+            "awq (activation-aware per-input-channel scaling from calibration data)",
+        },
+    ),
+    "group_size": (
+        int,
+        {
+            "type": "integer",
+            "minimum": 32,
+            "multipleOf": 16,
+            "description": "int4: input rows sharing one scale (default 128)",
+        },
+    ),
+    "int4_storage": (
+        str,
+        {
+            "enum": list(INT4_STORAGE),
+            "description": "int4 weights as packed nibbles in uint8 "
+            "(two per byte; default) or one value per int8",
+        },
+    ),
+    "keep_io_fp32": (
+        bool,
+        {
+            "type": "boolean",
+            "description": "fp16: keep graph inputs/outputs float32 (default true; false makes them float16)",
+        },
+    ),
+    "op_types": (
+        list,
+        {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "int8: op types whose constant-weight nodes are quantized "
+            "(default MatMul, Gemm, Conv)",
+        },
+    ),
+    "calibration": (
+        dict,
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {k: s for k, (_, s) in CALIB_KEYS.items()},
+            "description": "calibration data for int8 activations and awq",
+        },
+    ),
+    "keep_fp32": (
+        dict,
+        {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {k: s for k, (_, s) in KEEP_KEYS.items()},
+            "description": "ops/nodes of this graph kept in float32 (added to the pass-wide list)",
+        },
+    ),
 }
-
 
 
 @dataclass
@@ -73,8 +151,10 @@ class KeepFp32:
     nodes: tuple[str, ...] = ()
 
     def merged(self, other: KeepFp32) -> KeepFp32:
-        return KeepFp32(tuple(dict.fromkeys(self.op_types + other.op_types)),
-                        tuple(dict.fromkeys(self.nodes + other.nodes)))
+        return KeepFp32(
+            tuple(dict.fromkeys(self.op_types + other.op_types)),
+            tuple(dict.fromkeys(self.nodes + other.nodes)),
+        )
 
     def matches(self, node, name: str | None = None) -> bool:
         """True if a NodeProto is kept in float32 by op type or by a name glob (``name`` stands for its own)."""
@@ -140,8 +220,12 @@ def parse_calibration(value: Any, where: str, base: Calibration | None = None) -
         raise VlmcError(f"{where}.count must be at least 1, got {d['count']}")
     if "prompts" in d and not d["prompts"]:
         raise VlmcError(f"{where}.prompts must name at least one prompt")
-    return Calibration(images=d.get("images", base.images), prompts=tuple(d.get("prompts", base.prompts)),
-                       count=d.get("count", base.count), method=d.get("method", base.method))
+    return Calibration(
+        images=d.get("images", base.images),
+        prompts=tuple(d.get("prompts", base.prompts)),
+        count=d.get("count", base.count),
+        method=d.get("method", base.method),
+    )
 
 
 def parse_keep(value: Any, where: str) -> KeepFp32:
@@ -157,25 +241,36 @@ def parse_graph(key: str, value: Any, where: str, calib: Calibration, keep: Keep
     d = _check_keys(value, GRAPH_KEYS, where)
     if "weights" not in d:
         raise VlmcError(f"{where}: 'weights' is required (one of {', '.join(WEIGHTS)})")
-    plan = GraphPlan(key=key, weights=d["weights"], activations=d.get("activations", "fp32"),
-                     method=d.get("method", "rtn"), group_size=d.get("group_size", 128),
-                     int4_storage=d.get("int4_storage", "packed"), keep_io_fp32=d.get("keep_io_fp32", True),
-                     op_types=tuple(d.get("op_types", DEFAULT_OP_TYPES)),
-                     calibration=parse_calibration(d.get("calibration"), f"{where}.calibration", calib),
-                     keep_fp32=keep.merged(parse_keep(d.get("keep_fp32"), f"{where}.keep_fp32")))
+    plan = GraphPlan(
+        key=key,
+        weights=d["weights"],
+        activations=d.get("activations", "fp32"),
+        method=d.get("method", "rtn"),
+        group_size=d.get("group_size", 128),
+        int4_storage=d.get("int4_storage", "packed"),
+        keep_io_fp32=d.get("keep_io_fp32", True),
+        op_types=tuple(d.get("op_types", DEFAULT_OP_TYPES)),
+        calibration=parse_calibration(d.get("calibration"), f"{where}.calibration", calib),
+        keep_fp32=keep.merged(parse_keep(d.get("keep_fp32"), f"{where}.keep_fp32")),
+    )
     if plan.activations == "int8" and plan.weights != "int8":
         raise VlmcError(f"{where}: activations: int8 needs weights: int8 (got weights: {plan.weights})")
     if plan.group_size < 32 or plan.group_size % 16:
         raise VlmcError(f"{where}.group_size={plan.group_size} must be a multiple of 16 and at least 32")
     if "method" in d and plan.weights not in ("int8", "int4"):
-        raise VlmcError(f"{where}: method applies to int8/int4 weight-only graphs, not weights: {plan.weights}")
+        raise VlmcError(
+            f"{where}: method applies to int8/int4 weight-only graphs, not weights: {plan.weights}"
+        )
     if plan.method == "awq" and plan.activations == "int8":
         raise VlmcError(f"{where}: method: awq is for weight-only quantization; drop activations: int8")
     return plan
 
 
 def graph_schema() -> dict:
-    return {"type": "object", "additionalProperties": False, "required": ["weights"],
-            "properties": {k: dict(s) for k, (_, s) in GRAPH_KEYS.items()},
-            "description": "per-graph plan (key: a graph name or a role such as vision/decoder)"}
-
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["weights"],
+        "properties": {k: dict(s) for k, (_, s) in GRAPH_KEYS.items()},
+        "description": "per-graph plan (key: a graph name or a role such as vision/decoder)",
+    }

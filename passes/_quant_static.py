@@ -31,7 +31,9 @@ while 1.0 / np.float32(MIN_ACT_SCALE) > FP16_MAX:
 _WEIGHT_INPUT = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
-def weighted_nodes(model: onnx.ModelProto, op_types, keep, names: list[str] | None = None) -> tuple[list[str], list[str]]:
+def weighted_nodes(
+    model: onnx.ModelProto, op_types, keep, names: list[str] | None = None
+) -> tuple[list[str], list[str]]:
     """Names of nodes with a constant weight to quantize, and of such nodes kept in float32.
 
     ``names`` gives every node's name (see :func:`node_names`); default: the names in the graph.
@@ -61,8 +63,11 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
     if not nodes:
         return model, {"mode": "int8", "nodes_kept_fp32": kept, "nodes_quantized": []}
     facts = {"mode": "int8", "nodes_kept_fp32": kept}
-    method = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-              "entropy": CalibrationMethod.Entropy}[plan.calibration.method]
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "percentile": CalibrationMethod.Percentile,
+        "entropy": CalibrationMethod.Entropy,
+    }[plan.calibration.method]
     with tempfile.TemporaryDirectory(prefix="vlmc-quant-") as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         G.save(model, src)
@@ -70,14 +75,25 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
         with _quiet_root_logger():
             quantize_static(
-                str(src), str(dst), reader, quant_format=QuantFormat.QDQ, per_channel=True,
-                activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, nodes_to_quantize=nodes,
-                calibrate_method=method, use_external_data_format=True,
-                extra_options={"WeightSymmetric": True, "ActivationSymmetric": False, "MatMulConstBOnly": True,
-                               # AscendDequant gives float out of the int32 accumulator: no requantized output
-                               "OpTypesToExcludeOutputQuantization": list(_WEIGHT_INPUT),
-                               # weights are [k, n] for MatMul: axis 1 is the output channel
-                               "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1}},
+                str(src),
+                str(dst),
+                reader,
+                quant_format=QuantFormat.QDQ,
+                per_channel=True,
+                activation_type=QuantType.QInt8,
+                weight_type=QuantType.QInt8,
+                nodes_to_quantize=nodes,
+                calibrate_method=method,
+                use_external_data_format=True,
+                extra_options={
+                    "WeightSymmetric": True,
+                    "ActivationSymmetric": False,
+                    "MatMulConstBOnly": True,
+                    # AscendDequant gives float out of the int32 accumulator: no requantized output
+                    "OpTypesToExcludeOutputQuantization": list(_WEIGHT_INPUT),
+                    # weights are [k, n] for MatMul: axis 1 is the output channel
+                    "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                },
             )
         out = G.load(dst)
     clamped = clamp_activation_scales(out)
@@ -155,8 +171,10 @@ def clamp_activation_scales(model: onnx.ModelProto) -> list[dict]:
             clamped.append({"tensor": node.input[0], "scale": float(s.min()), "clamped_to": MIN_ACT_SCALE})
         done.add(node.input[1])
     if clamped:
-        logger.warning("quantize: %d activation scale(s) raised to 1/65504 so that AscendQuant's fp16 1/s fits",
-                       len(clamped))
+        logger.warning(
+            "quantize: %d activation scale(s) raised to 1/65504 so that AscendQuant's fp16 1/s fits",
+            len(clamped),
+        )
     return clamped
 
 
@@ -198,15 +216,24 @@ def int32_matmul_bias(model: onnx.ModelProto) -> int:
         if b is None or sx is None or sw is None or b.data_type != onnx.TensorProto.FLOAT or len(b.dims) != 1:
             continue
         bias = numpy_helper.to_array(b).astype(np.float64)
-        scale = (numpy_helper.to_array(sx).astype(np.float64).reshape(-1)[0]
-                 * numpy_helper.to_array(sw).astype(np.float64).reshape(-1))
+        scale = numpy_helper.to_array(sx).astype(np.float64).reshape(-1)[0] * numpy_helper.to_array(
+            sw
+        ).astype(np.float64).reshape(-1)
         if scale.size not in (1, bias.size):
             continue
         scale = np.broadcast_to(scale, bias.shape).astype(np.float32)
-        q = np.clip(np.rint(bias / np.maximum(scale.astype(np.float64), 1e-30)), -(2**31), 2**31 - 1).astype(np.int32)
-        qname, sname, out = f"{bias_name}_{node.name}_int32", f"{bias_name}_{node.name}_scale", f"{bias_name}_{node.name}_dq"
+        q = np.clip(np.rint(bias / np.maximum(scale.astype(np.float64), 1e-30)), -(2**31), 2**31 - 1).astype(
+            np.int32
+        )
+        qname, sname, out = (
+            f"{bias_name}_{node.name}_int32",
+            f"{bias_name}_{node.name}_scale",
+            f"{bias_name}_{node.name}_dq",
+        )
         g.initializer.extend([numpy_helper.from_array(q, qname), numpy_helper.from_array(scale, sname)])
-        dq = helper.make_node("DequantizeLinear", [qname, sname], [out], name=f"{add.name}_bias_DequantizeLinear", axis=0)
+        dq = helper.make_node(
+            "DequantizeLinear", [qname, sname], [out], name=f"{add.name}_bias_DequantizeLinear", axis=0
+        )
         for k, i in enumerate(add.input):
             if i == bias_name:
                 add.input[k] = out
@@ -230,7 +257,11 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
     for node in model.graph.node:
         if node.op_type == "QuantizeLinear" and node.input[1] in inits:
             s = numpy_helper.to_array(inits[node.input[1]]).reshape(-1)
-            zp = numpy_helper.to_array(inits[node.input[2]]).reshape(-1) if len(node.input) > 2 else np.zeros(1)
+            zp = (
+                numpy_helper.to_array(inits[node.input[2]]).reshape(-1)
+                if len(node.input) > 2
+                else np.zeros(1)
+            )
             acts[node.input[0]] = {"scale": float(s[0]), "zero_point": int(zp[0])}
     weights = {}
     for node in model.graph.node:
@@ -242,17 +273,28 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
             continue
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
         src = prod.get(node.input[0])
-        entry = {"weight": dq.input[0], "scale": dq.input[1], "axis": int(axis), "symmetric": True,
-                 "input": src.input[0] if src is not None and src.op_type == "DequantizeLinear" else node.input[0]}
+        entry = {
+            "weight": dq.input[0],
+            "scale": dq.input[1],
+            "axis": int(axis),
+            "symmetric": True,
+            "input": src.input[0] if src is not None and src.op_type == "DequantizeLinear" else node.input[0],
+        }
         if node.op_type in ("Conv", "Gemm") and len(node.input) > 2:
             bdq = prod.get(node.input[2])
             if bdq is not None and bdq.op_type == "DequantizeLinear":
                 entry["bias"] = bdq.input[0]
         weights[node.name] = entry
-    return {"weights": {"dtype": "int8", "symmetric": True, "per_channel_axis": {"MatMul": 1, "Conv": 0, "Gemm": 0},
-                        "nodes": weights},
-            "activations": {"dtype": "int8", "granularity": "per_tensor", "tensors": acts},
-            "bias_dtype": "int32"}
+    return {
+        "weights": {
+            "dtype": "int8",
+            "symmetric": True,
+            "per_channel_axis": {"MatMul": 1, "Conv": 0, "Gemm": 0},
+            "nodes": weights,
+        },
+        "activations": {"dtype": "int8", "granularity": "per_tensor", "tensors": acts},
+        "bias_dtype": "int32",
+    }
 
 
 def convert_fp16(model: onnx.ModelProto, plan) -> tuple[onnx.ModelProto, dict]:
@@ -264,7 +306,9 @@ def convert_fp16(model: onnx.ModelProto, plan) -> tuple[onnx.ModelProto, dict]:
 
     names = node_names(model)
     kept = [name for node, name in zip(model.graph.node, names) if plan.keep_fp32.matches(node, name)]
-    op_block = list(DEFAULT_OP_BLOCK_LIST) + [t for t in plan.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST]
+    op_block = list(DEFAULT_OP_BLOCK_LIST) + [
+        t for t in plan.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST
+    ]
     facts = {"mode": "fp16", "keep_io_fp32": plan.keep_io_fp32, "nodes_kept_fp32": kept}
     blocked = set(kept)
     if all(name in blocked or node.op_type in op_block for node, name in zip(model.graph.node, names)):
@@ -277,8 +321,13 @@ def convert_fp16(model: onnx.ModelProto, plan) -> tuple[onnx.ModelProto, dict]:
         # The copy the converter's own shape inference would make, made here so the names go on it.
         work = onnx.shape_inference.infer_shapes(model)
     _apply_names(work, names)
-    out = convert_float_to_float16(work, keep_io_types=plan.keep_io_fp32, op_block_list=op_block,
-                                   node_block_list=kept, disable_shape_infer=True)
+    out = convert_float_to_float16(
+        work,
+        keep_io_types=plan.keep_io_fp32,
+        op_block_list=op_block,
+        node_block_list=kept,
+        disable_shape_infer=True,
+    )
     toposort(out)
     return out, {**facts, "nodes_converted": len(names) - len(kept)}
 
@@ -315,7 +364,10 @@ def _outer_inputs(node: onnx.NodeProto) -> set[str]:
     names: set[str] = set()
     for a in node.attribute:
         for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            inner = {o for sn in sub.node for o in sn.output} | {i.name for i in sub.input} | {
-                t.name for t in sub.initializer}
+            inner = (
+                {o for sn in sub.node for o in sn.output}
+                | {i.name for i in sub.input}
+                | {t.name for t in sub.initializer}
+            )
             names |= {i for sn in sub.node for i in sn.input if i and i not in inner}
     return names

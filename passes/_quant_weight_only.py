@@ -42,7 +42,9 @@ def _weight_users(model: onnx.ModelProto) -> dict[str, int]:
     return count
 
 
-def candidates(model: onnx.ModelProto, keep, group_size: int | None) -> tuple[list, list[str], dict[str, str]]:
+def candidates(
+    model: onnx.ModelProto, keep, group_size: int | None
+) -> tuple[list, list[str], dict[str, str]]:
     """(node, weight initializer, transposed) to quantize; nodes kept fp32; skipped nodes with reasons."""
     inits = {t.name: t for t in model.graph.initializer}
     users = _weight_users(model)
@@ -106,13 +108,15 @@ def unpack_int4(p: np.ndarray) -> np.ndarray:
     return np.stack([lo, hi], axis=1).reshape(p.shape[0] * 2, p.shape[1])
 
 
-def awq_scales(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, g: int, bits: int) -> tuple[np.ndarray, float]:
+def awq_scales(
+    x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, g: int, bits: int
+) -> tuple[np.ndarray, float]:
     """Per-input-channel AWQ scales minimising |x W - (x/s) Q(diag(s) W)|² over the alpha grid."""
     ref = x @ w
     best, best_err, best_alpha = np.ones(w.shape[0], np.float32), None, 0.0
     base = np.maximum(mean_abs, 1e-8)
     for alpha in AWQ_GRID:
-        s = base ** alpha
+        s = base**alpha
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         ws = w * s[:, None]
         if bits == 4:
@@ -127,14 +131,18 @@ def awq_scales(x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, g: int, bits:
     return best, best_alpha
 
 
-def collect_inputs(model: onnx.ModelProto, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS,
-                   seed: int = 0) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def collect_inputs(
+    model: onnx.ModelProto, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """For each tensor name: (mean |x| per last-axis channel, up to ``rows`` sampled rows) over all feeds."""
     import vlmc.ortsession as S
 
     present = {o.name for o in model.graph.output}
-    extra = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None) for n in dict.fromkeys(names)
-             if n not in present]
+    extra = [
+        helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
+        for n in dict.fromkeys(names)
+        if n not in present
+    ]
     sess = S.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
@@ -153,7 +161,9 @@ def collect_inputs(model: onnx.ModelProto, names: list[str], feeds: list[dict], 
     return {n: (sums[n] / counts[n], np.concatenate(picked[n])[:rows]) for n in wanted}
 
 
-def quantize_weight_only(model: onnx.ModelProto, plan, feeds: list[dict] | None) -> tuple[onnx.ModelProto, dict]:
+def quantize_weight_only(
+    model: onnx.ModelProto, plan, feeds: list[dict] | None
+) -> tuple[onnx.ModelProto, dict]:
     """INT8/INT4 weight-only quantization in place; returns the model and the manifest facts."""
     bits = 4 if plan.weights == "int4" else 8
     g = plan.group_size if bits == 4 else None
@@ -180,7 +190,9 @@ def quantize_weight_only(model: onnx.ModelProto, plan, feeds: list[dict] | None)
             inv = numpy_helper.from_array((1.0 / s).astype(np.float32), f"{prefix}_awq_inv_scale")
             new_inits.append(inv)
             scaled = f"{prefix}_awq_scaled_input"
-            new_nodes.append(helper.make_node("Mul", [node.input[0], inv.name], [scaled], name=f"{prefix}_awq_Mul"))
+            new_nodes.append(
+                helper.make_node("Mul", [node.input[0], inv.name], [scaled], name=f"{prefix}_awq_Mul")
+            )
             node.input[0] = scaled
             fact.update({"awq_inv_scale": inv.name, "awq_alpha": alpha})
         deq = f"{prefix}_weight_dequant"
@@ -193,10 +205,19 @@ def quantize_weight_only(model: onnx.ModelProto, plan, feeds: list[dict] | None)
             # DequantizeLinear -> MatMul into MatMulNBits with int8 compute, which quantizes the
             # activations too and breaks parity with the FP32 reference.
             new_nodes += [
-                helper.make_node("Cast", [qi.name], [f"{prefix}_q_float"], name=f"{prefix}_Cast_float",
-                                 to=onnx.TensorProto.FLOAT),
-                helper.make_node("Mul", [f"{prefix}_q_float", si.name], [deq if not trans else deq + "_kn"],
-                                 name=f"{prefix}_Mul_scales"),
+                helper.make_node(
+                    "Cast",
+                    [qi.name],
+                    [f"{prefix}_q_float"],
+                    name=f"{prefix}_Cast_float",
+                    to=onnx.TensorProto.FLOAT,
+                ),
+                helper.make_node(
+                    "Mul",
+                    [f"{prefix}_q_float", si.name],
+                    [deq if not trans else deq + "_kn"],
+                    name=f"{prefix}_Mul_scales",
+                ),
             ]
             fact.update({"weight": qi.name, "scale": si.name, "axis": 1, "group_size": None})
             after += q.nbytes + scale.nbytes
@@ -219,37 +240,67 @@ def quantize_weight_only(model: onnx.ModelProto, plan, feeds: list[dict] | None)
                 new_inits += [pi, c16, c8, ax1]
                 t = functools.partial("{}_{}".format, prefix)
                 new_nodes += [
-                    helper.make_node("Cast", [pi.name], [t("p32")], name=t("Cast_packed"), to=onnx.TensorProto.INT32),
+                    helper.make_node(
+                        "Cast", [pi.name], [t("p32")], name=t("Cast_packed"), to=onnx.TensorProto.INT32
+                    ),
                     helper.make_node("Div", [t("p32"), c16.name], [t("hi")], name=t("Div_hi")),
                     helper.make_node("Mul", [t("hi"), c16.name], [t("hi16")], name=t("Mul_hi")),
                     helper.make_node("Sub", [t("p32"), t("hi16")], [t("lo")], name=t("Sub_lo")),
                     helper.make_node("Unsqueeze", [t("lo"), ax1.name], [t("lo3")], name=t("Unsqueeze_lo")),
                     helper.make_node("Unsqueeze", [t("hi"), ax1.name], [t("hi3")], name=t("Unsqueeze_hi")),
-                    helper.make_node("Concat", [t("lo3"), t("hi3")], [t("pairs")], name=t("Concat_nibbles"), axis=1),
-                    helper.make_node("Reshape", [t("pairs"), shape_g.name], [t("u_grouped")], name=t("Reshape_groups")),
-                    helper.make_node("Cast", [t("u_grouped")], [t("uf")], name=t("Cast_float"), to=onnx.TensorProto.FLOAT),
+                    helper.make_node(
+                        "Concat", [t("lo3"), t("hi3")], [t("pairs")], name=t("Concat_nibbles"), axis=1
+                    ),
+                    helper.make_node(
+                        "Reshape", [t("pairs"), shape_g.name], [t("u_grouped")], name=t("Reshape_groups")
+                    ),
+                    helper.make_node(
+                        "Cast", [t("u_grouped")], [t("uf")], name=t("Cast_float"), to=onnx.TensorProto.FLOAT
+                    ),
                     helper.make_node("Sub", [t("uf"), c8.name], [grouped], name=t("Sub_offset")),
                 ]
-                fact.update({"weight": pi.name, "packing": "uint8 [k/2, n]: low nibble row 2i, high nibble "
-                             "row 2i+1, stored q+8"})
+                fact.update(
+                    {
+                        "weight": pi.name,
+                        "packing": "uint8 [k/2, n]: low nibble row 2i, high nibble row 2i+1, stored q+8",
+                    }
+                )
                 after += p.nbytes + scale.nbytes
             else:
                 qi = numpy_helper.from_array(q, f"{w_init.name}_int4")
                 new_inits.append(qi)
                 new_nodes += [
-                    helper.make_node("Reshape", [qi.name, shape_g.name], [f"{prefix}_q_i8g"], name=f"{prefix}_Reshape_groups"),
-                    helper.make_node("Cast", [f"{prefix}_q_i8g"], [grouped], name=f"{prefix}_Cast_float",
-                                     to=onnx.TensorProto.FLOAT),
+                    helper.make_node(
+                        "Reshape",
+                        [qi.name, shape_g.name],
+                        [f"{prefix}_q_i8g"],
+                        name=f"{prefix}_Reshape_groups",
+                    ),
+                    helper.make_node(
+                        "Cast",
+                        [f"{prefix}_q_i8g"],
+                        [grouped],
+                        name=f"{prefix}_Cast_float",
+                        to=onnx.TensorProto.FLOAT,
+                    ),
                 ]
                 fact.update({"weight": qi.name})
                 after += q.nbytes + scale.nbytes
             new_nodes += [
-                helper.make_node("Mul", [grouped, sc.name], [f"{prefix}_w_grouped"], name=f"{prefix}_Mul_scales"),
-                helper.make_node("Reshape", [f"{prefix}_w_grouped", shape_kn.name], [deq if not trans else deq + "_kn"],
-                                 name=f"{prefix}_Reshape_weight"),
+                helper.make_node(
+                    "Mul", [grouped, sc.name], [f"{prefix}_w_grouped"], name=f"{prefix}_Mul_scales"
+                ),
+                helper.make_node(
+                    "Reshape",
+                    [f"{prefix}_w_grouped", shape_kn.name],
+                    [deq if not trans else deq + "_kn"],
+                    name=f"{prefix}_Reshape_weight",
+                ),
             ]
         if trans:  # Gemm with transB: dequantize in [k, n] and transpose back to its [n, k]
-            new_nodes.append(helper.make_node("Transpose", [deq + "_kn"], [deq], name=f"{prefix}_Transpose", perm=[1, 0]))
+            new_nodes.append(
+                helper.make_node("Transpose", [deq + "_kn"], [deq], name=f"{prefix}_Transpose", perm=[1, 0])
+            )
         node.input[1] = deq
         graph.initializer.extend(new_inits)
         graph.initializer.remove(inits[w_init.name])
@@ -258,8 +309,18 @@ def quantize_weight_only(model: onnx.ModelProto, plan, feeds: list[dict] | None)
             graph.node.insert(idx + j, nn)
         nodes_facts[node.name] = fact
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
-    facts = {"mode": mode, "method": plan.method, "nodes_quantized": list(nodes_facts), "nodes_kept_fp32": kept,
-             "nodes_skipped": skipped,
-             "weights": {"dtype": f"int{bits}", "symmetric": True, "per_channel_axis": {"MatMul": 1},
-                         "group_size": g, "nodes": nodes_facts}}
+    facts = {
+        "mode": mode,
+        "method": plan.method,
+        "nodes_quantized": list(nodes_facts),
+        "nodes_kept_fp32": kept,
+        "nodes_skipped": skipped,
+        "weights": {
+            "dtype": f"int{bits}",
+            "symmetric": True,
+            "per_channel_axis": {"MatMul": 1},
+            "group_size": g,
+            "nodes": nodes_facts,
+        },
+    }
     return model, {**facts, "_weight_bytes": (before, after)}

@@ -69,9 +69,13 @@ def _export_without_copies(graph: gs.Graph) -> onnx.ModelProto:
     originals: dict[str, onnx.TensorProto] = {}
     for tensor in graph.tensors().values():
         lazy = getattr(tensor, "_values", None)  # how gs itself tells untouched initializers apart
-        if (isinstance(tensor, gs.Constant) and isinstance(lazy, LazyValues)
-                and isinstance(lazy.tensor, onnx.TensorProto) and lazy.tensor.HasField("raw_data")
-                and lazy.nbytes >= G.EXTERNAL_DATA_THRESHOLD):
+        if (
+            isinstance(tensor, gs.Constant)
+            and isinstance(lazy, LazyValues)
+            and isinstance(lazy.tensor, onnx.TensorProto)
+            and lazy.tensor.HasField("raw_data")
+            and lazy.nbytes >= G.EXTERNAL_DATA_THRESHOLD
+        ):
             stub = onnx.TensorProto()
             stub.name, stub.data_type = lazy.tensor.name, lazy.tensor.data_type
             stub.dims.extend(lazy.tensor.dims)

@@ -44,31 +44,41 @@ class Merge(Pass):
     """Compose vision (+ fusion), embedding and decoder into one graph; keep the text-only decode path."""
 
     name = "merge"
-    summary = ("compose vision (+fusion), embed_tokens and decoder into one prefill graph `vlm` "
-               "(image features written into placeholder rows inside; weights stored once)")
+    summary = (
+        "compose vision (+fusion), embed_tokens and decoder into one prefill graph `vlm` "
+        "(image features written into placeholder rows inside; weights stored once)"
+    )
     options = (Option("graph", str, "vlm", "name of the merged graph"),)
 
     def check_package(self, package: Package) -> None:
         merged = is_merged(package)
         if merged:
-            raise VlmcError(f"merge: the package is already merged (graph {merged!r}); run split first to change "
-                            "the stages, then merge again")
+            raise VlmcError(
+                f"merge: the package is already merged (graph {merged!r}); run split first to change "
+                "the stages, then merge again"
+            )
         p = package.manifest["pipeline"]
         if not p.get("image"):
-            raise VlmcError("merge: the package has no image chain (pipeline.image is empty); there is nothing to "
-                            "merge into the decoder")
+            raise VlmcError(
+                "merge: the package has no image chain (pipeline.image is empty); there is nothing to "
+                "merge into the decoder"
+            )
         if not p.get("embed") or not p.get("decoder"):
             raise VlmcError("merge: the package pipeline needs an embed graph and a decoder chain")
         if self.opts["graph"] in package.manifest["graphs"]:
-            raise VlmcError(f"merge: the package already has a graph named {self.opts['graph']!r}; "
-                            "choose another name with the graph option")
+            raise VlmcError(
+                f"merge: the package already has a graph named {self.opts['graph']!r}; "
+                "choose another name with the graph option"
+            )
         pruned = package.manifest["vision"].get("pruning") or {}
         if pruned.get("positions") == "original":
             # The kept tokens' positions come from the vision graph's indices output, which is internal
             # to the merged graph, so every run of the merged package would fail.
-            raise VlmcError(f"merge: this pruned package computes {package.manifest['text'].get('position')} "
-                            f"positions from the vision graph's {pruned.get('indices_output')!r} output, which "
-                            "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned")
+            raise VlmcError(
+                f"merge: this pruned package computes {package.manifest['text'].get('position')} "
+                f"positions from the vision graph's {pruned.get('indices_output')!r} output, which "
+                "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned"
+            )
 
     def run(self, package: Package) -> PassResult:
         m = package.manifest
@@ -113,22 +123,39 @@ class Merge(Pass):
             produced.update(o.name for o in g.output)
             entry = package.info(s)
             tensors = {"inputs_embeds": embed_out} if s == embed else {}
-            records.append({"name": s, "role": entry["role"], "precision": entry["precision"], "file": entry["file"],
-                            "inputs": entry["inputs"], "outputs": entry["outputs"], "tensors": tensors,
-                            "extra": {k: v for k, v in entry.items() if k not in _OWN_KEYS}})
-        graph = helper.make_graph(nodes, self.opts["graph"], graph_inputs, outputs, initializer=inits,
-                                  value_info=_unique(vinfo))
+            records.append(
+                {
+                    "name": s,
+                    "role": entry["role"],
+                    "precision": entry["precision"],
+                    "file": entry["file"],
+                    "inputs": entry["inputs"],
+                    "outputs": entry["outputs"],
+                    "tensors": tensors,
+                    "extra": {k: v for k, v in entry.items() if k not in _OWN_KEYS},
+                }
+            )
+        graph = helper.make_graph(
+            nodes, self.opts["graph"], graph_inputs, outputs, initializer=inits, value_info=_unique(vinfo)
+        )
         dedupe = C.dedupe_initializers(graph)
-        merged = helper.make_model(graph, opset_imports=C.merged_opsets(models.values(), "merge"),
-                                   producer_name="vlmc merge")
+        merged = helper.make_model(
+            graph, opset_imports=C.merged_opsets(models.values(), "merge"), producer_name="vlmc merge"
+        )
         merged.ir_version = max(mm.ir_version for mm in models.values())
 
         precisions = {package.info(s)["precision"] for s in stages}
         name = self.opts["graph"]
         sample = _sample_inputs(package, image, decoder)
-        package.set_graph(name, merged, role="vlm",
-                          precision=precisions.pop() if len(precisions) == 1 else "mixed",
-                          stages=records, pipeline=pipeline, weights_file=SHARED_WEIGHTS_FILE)
+        package.set_graph(
+            name,
+            merged,
+            role="vlm",
+            precision=precisions.pop() if len(precisions) == 1 else "mixed",
+            stages=records,
+            pipeline=pipeline,
+            weights_file=SHARED_WEIGHTS_FILE,
+        )
         for s in image:
             package.remove_graph(s)
         # The text-only decode path shares every weight with `vlm`; the shared data file stores it once.
@@ -136,9 +163,15 @@ class Merge(Pass):
             m["graphs"][s]["weights_file"] = SHARED_WEIGHTS_FILE
         m["pipeline"] = {"vlm": name, "embed": embed, "decoder": decoder}
         _store_samples(package, name, sample)
-        logger.info("merge: %s <- %s (%d initializers deduplicated)", name, " + ".join(stages),
-                    dedupe["initializers_deduplicated"])
-        return PassResult(package, True, {"graph": name, "stages": stages, "nodes": len(merged.graph.node), **dedupe})
+        logger.info(
+            "merge: %s <- %s (%d initializers deduplicated)",
+            name,
+            " + ".join(stages),
+            dedupe["initializers_deduplicated"],
+        )
+        return PassResult(
+            package, True, {"graph": name, "stages": stages, "nodes": len(merged.graph.node), **dedupe}
+        )
 
 
 def _unique(infos: list[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
@@ -150,6 +183,7 @@ def _unique(infos: list[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
 
 def _check_interfaces(pkg: Package, image: list[str], embed: str, decoder: list[str]) -> None:
     """The standard stage interfaces merge relies on (docs/architecture.md)."""
+
     def names(graph: str, io: str) -> list[str]:
         return [e["name"] for e in pkg.info(graph)[io]]
 
@@ -174,35 +208,57 @@ def _scatter_nodes(pkg: Package, embeds: str, vinfo: list[onnx.ValueInfoProto]) 
     hidden = emb_sig["shape"][-1]
     if not isinstance(hidden, int):
         hidden = int(pkg.manifest["text"]["hidden_size"])
-    feats_sig = next(o for o in pkg.info(pkg.manifest["pipeline"]["image"][-1])["outputs"] if o["name"] == "image_features")
+    feats_sig = next(
+        o for o in pkg.info(pkg.manifest["pipeline"]["image"][-1])["outputs"] if o["name"] == "image_features"
+    )
     p = "vlm_scatter/"
     image_id = int(pkg.manifest["vision"]["image_token_id"])
     consts = {
-        "image_token_id": np.array(image_id, np.int64), "flat": np.array([-1], np.int64),
-        "rows": np.array([-1, hidden], np.int64), "zero": np.array(0, np.int64), "one": np.array(1, np.int64),
+        "image_token_id": np.array(image_id, np.int64),
+        "flat": np.array([-1], np.int64),
+        "rows": np.array([-1, hidden], np.int64),
+        "zero": np.array(0, np.int64),
+        "one": np.array(1, np.int64),
         "last_axis": np.array([-1], np.int64),
     }
-    nodes = [helper.make_node("Constant", [], [p + k], name=p + "Constant_" + k, value=numpy_helper.from_array(v))
-             for k, v in consts.items()]
+    nodes = [
+        helper.make_node("Constant", [], [p + k], name=p + "Constant_" + k, value=numpy_helper.from_array(v))
+        for k, v in consts.items()
+    ]
     feats = "image_features"
     if feats_sig["dtype"] != emb_sig["dtype"]:
-        nodes.append(helper.make_node("Cast", [feats], [p + "features_cast"], name=p + "Cast_features",
-                                      to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(emb_sig["dtype"]))))
+        nodes.append(
+            helper.make_node(
+                "Cast",
+                [feats],
+                [p + "features_cast"],
+                name=p + "Cast_features",
+                to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(emb_sig["dtype"])),
+            )
+        )
         feats = p + "features_cast"
     nodes += [
         helper.make_node("Reshape", ["input_ids", p + "flat"], [p + "ids"], name=p + "Reshape_ids"),
         helper.make_node("Equal", [p + "ids", p + "image_token_id"], [p + "is_image"], name=p + "Equal"),
-        helper.make_node("Cast", [p + "is_image"], [p + "is_image_i64"], name=p + "Cast_mask", to=onnx.TensorProto.INT64),
+        helper.make_node(
+            "Cast", [p + "is_image"], [p + "is_image_i64"], name=p + "Cast_mask", to=onnx.TensorProto.INT64
+        ),
         helper.make_node("CumSum", [p + "is_image_i64", p + "zero"], [p + "count"], name=p + "CumSum"),
         helper.make_node("Sub", [p + "count", p + "one"], [p + "index_raw"], name=p + "Sub"),
         helper.make_node("Max", [p + "index_raw", p + "zero"], [p + "index"], name=p + "Max"),
         helper.make_node("Reshape", [feats, p + "rows"], [p + "features"], name=p + "Reshape_features"),
         helper.make_node("Gather", [p + "features", p + "index"], [p + "picked"], name=p + "Gather", axis=0),
         helper.make_node("Reshape", [embeds, p + "rows"], [p + "embeds"], name=p + "Reshape_embeds"),
-        helper.make_node("Unsqueeze", [p + "is_image", p + "last_axis"], [p + "is_image_col"], name=p + "Unsqueeze"),
-        helper.make_node("Where", [p + "is_image_col", p + "picked", p + "embeds"], [p + "mixed"], name=p + "Where"),
+        helper.make_node(
+            "Unsqueeze", [p + "is_image", p + "last_axis"], [p + "is_image_col"], name=p + "Unsqueeze"
+        ),
+        helper.make_node(
+            "Where", [p + "is_image_col", p + "picked", p + "embeds"], [p + "mixed"], name=p + "Where"
+        ),
         helper.make_node("Shape", [embeds], [p + "embeds_shape"], name=p + "Shape"),
-        helper.make_node("Reshape", [p + "mixed", p + "embeds_shape"], ["inputs_embeds"], name=p + "Reshape_out"),
+        helper.make_node(
+            "Reshape", [p + "mixed", p + "embeds_shape"], ["inputs_embeds"], name=p + "Reshape_out"
+        ),
     ]
     vinfo.append(C.value_info(emb_sig, "inputs_embeds"))
     vinfo.append(C.value_info(emb_sig, embeds))
@@ -231,12 +287,20 @@ def _store_samples(pkg: Package, name: str, feeds: dict[str, np.ndarray]) -> Non
     # KV of later decoder ranges: the same shapes as the first range's (one past length for all layers)
     for w in sorted(wanted - set(feeds)):
         layer = C.layer_of(w)
-        like = [k for k in sorted(feeds) if layer is not None and C.layer_of(k) is not None
-                and re.sub(r"\.\d+(\.|$)", r".N\1", k, count=1) == re.sub(r"\.\d+(\.|$)", r".N\1", w, count=1)]
+        like = [
+            k
+            for k in sorted(feeds)
+            if layer is not None
+            and C.layer_of(k) is not None
+            and re.sub(r"\.\d+(\.|$)", r".N\1", k, count=1) == re.sub(r"\.\d+(\.|$)", r".N\1", w, count=1)
+        ]
         if like:
             feeds[w] = feeds[like[0]].copy()
     if set(feeds) == wanted:
         samples.store(pkg, name, feeds)
     else:
-        logger.warning("merge: no complete sample inputs for %s (missing %s); numerics checks will generate them",
-                       name, ", ".join(sorted(wanted - set(feeds))))
+        logger.warning(
+            "merge: no complete sample inputs for %s (missing %s); numerics checks will generate them",
+            name,
+            ", ".join(sorted(wanted - set(feeds))),
+        )

@@ -42,9 +42,22 @@ class PagedKV(Pass):
     name = "paged_kv"
     summary = "paged KV cache: the decoder reads and writes a (num_blocks, block_size, kv_heads, head_dim) block pool via block tables"
     options = (
-        Option("block_size", int, 128, "tokens per KV block (ATB/IFA limit: multiple of 16, at most 512)",
-               min=16, max=512, multiple_of=16),
-        Option("num_blocks", int, None, "blocks in the pool; unset keeps it a symbolic dimension 'num_blocks'", min=1),
+        Option(
+            "block_size",
+            int,
+            128,
+            "tokens per KV block (ATB/IFA limit: multiple of 16, at most 512)",
+            min=16,
+            max=512,
+            multiple_of=16,
+        ),
+        Option(
+            "num_blocks",
+            int,
+            None,
+            "blocks in the pool; unset keeps it a symbolic dimension 'num_blocks'",
+            min=1,
+        ),
     )
 
     def run(self, package):
@@ -52,8 +65,12 @@ class PagedKV(Pass):
         if kv.get("layout") == "paged":
             logger.warning("paged_kv: the package's KV layout is already paged; nothing to do")
             return PassResult(package, False, {"skipped": "already paged"})
-        names = [n for n in package.graph_names if package.info(n)["role"] in ROLES
-                 and any(PAST_RE.match(i["name"]) for i in package.info(n)["inputs"])]
+        names = [
+            n
+            for n in package.graph_names
+            if package.info(n)["role"] in ROLES
+            and any(PAST_RE.match(i["name"]) for i in package.info(n)["inputs"])
+        ]
         if not names:
             logger.warning("paged_kv: no decoder graph has past_key_values inputs; nothing to do")
             return PassResult(package, False, {"skipped": "no graph with a contiguous KV interface"})
@@ -65,13 +82,25 @@ class PagedKV(Pass):
             package.set_graph(name, model)
             samples.store(package, name, sample_feeds(package, name, bs))
             report["graphs"][name] = {"layers": layers, "nodes": len(model.graph.node)}
-        kv.update({"layout": "paged", "block_size": bs, "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM,
-                   "padding_slot": PADDING_RULE})
+        kv.update(
+            {
+                "layout": "paged",
+                "block_size": bs,
+                "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM,
+                "padding_slot": PADDING_RULE,
+            }
+        )
         return PassResult(package, True, report)
 
 
-def rewrite(model: onnx.ModelProto, block_size: int, num_blocks: int | None, kv_heads: int, head_dim: int,
-            where: str = "decoder") -> list[int]:
+def rewrite(
+    model: onnx.ModelProto,
+    block_size: int,
+    num_blocks: int | None,
+    kv_heads: int,
+    head_dim: int,
+    where: str = "decoder",
+) -> list[int]:
     """Rewrite one graph in place from the contiguous to the paged KV interface; return its layer ids.
 
     The proto is edited directly rather than through onnx-graphsurgeon: the change is a prefix and
@@ -86,11 +115,15 @@ def rewrite(model: onnx.ModelProto, block_size: int, num_blocks: int | None, kv_
     past = {(int(m[1]), m[2]): n for n in inputs if (m := PAST_RE.match(n))}
     present = {(int(m[1]), m[2]): n for n in outputs if (m := PRESENT_RE.match(n))}
     if "attention_mask" not in inputs:
-        raise VlmcError(f"paged_kv: graph {where} has past_key_values inputs but no attention_mask input; "
-                        "it does not have the contiguous decoder interface")
+        raise VlmcError(
+            f"paged_kv: graph {where} has past_key_values inputs but no attention_mask input; "
+            "it does not have the contiguous decoder interface"
+        )
     if set(past) != set(present):
-        raise VlmcError(f"paged_kv: graph {where}: past_key_values inputs and present outputs do not pair up "
-                        f"({len(past)} inputs, {len(present)} outputs)")
+        raise VlmcError(
+            f"paged_kv: graph {where}: past_key_values inputs and present outputs do not pair up "
+            f"({len(past)} inputs, {len(present)} outputs)"
+        )
     for taken in (*NEW_INPUTS, *(CACHE_IN[k].format(i) for i, k in past)):
         if taken in inputs:
             raise VlmcError(f"paged_kv: graph {where} already has an input named {taken!r}")
@@ -211,8 +244,14 @@ class _Namer:
 
 def _external(name: str) -> bool:
     """Graph IO and decoder tensors keep their own names; everything else this pass makes is prefixed."""
-    return (name.startswith(_P) or name in NEW_INPUTS or name == "attention_mask" or bool(PAST_RE.match(name))
-            or bool(PRESENT_RE.match(name)) or name.startswith(("key_cache", "value_cache")))
+    return (
+        name.startswith(_P)
+        or name in NEW_INPUTS
+        or name == "attention_mask"
+        or bool(PAST_RE.match(name))
+        or bool(PRESENT_RE.match(name))
+        or name.startswith(("key_cache", "value_cache"))
+    )
 
 
 def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -231,10 +270,10 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
     slots = np.full((batch, seq), -1, np.int32)
     pos = np.ones((batch, seq), np.int64)
     for b in range(batch):
-        tables[b] = order[b * max_blocks:(b + 1) * max_blocks]
+        tables[b] = order[b * max_blocks : (b + 1) * max_blocks]
         p = np.arange(past[b], past[b] + real[b])
-        slots[b, seq - real[b]:] = tables[b][p // block_size] * block_size + p % block_size
-        pos[b, seq - real[b]:] = p
+        slots[b, seq - real[b] :] = tables[b][p // block_size] * block_size + p % block_size
+        pos[b, seq - real[b] :] = p
     ctx = np.array([p + r for p, r in zip(past, real)], np.int32)
     feeds: dict[str, np.ndarray] = {"block_tables": tables, "slot_mapping": slots, "context_lens": ctx}
     sizes = {"batch": batch, "sequence": seq, NUM_BLOCKS_DIM: nb}

@@ -85,10 +85,20 @@ class _Builder:
     def const(self, value, dtype=np.int64) -> gs.Constant:
         return gs.Constant(self._name("const"), np.asarray(value, dtype=dtype))
 
-    def op(self, op: str, inputs: list, attrs: dict | None = None, dtype=np.float32, outputs: int = 1,
-           out_dtypes: list | None = None) -> list[gs.Variable]:
+    def op(
+        self,
+        op: str,
+        inputs: list,
+        attrs: dict | None = None,
+        dtype=np.float32,
+        outputs: int = 1,
+        out_dtypes: list | None = None,
+    ) -> list[gs.Variable]:
         name = self._name(op)
-        outs = [gs.Variable(f"{name}_out{i}", dtype=(out_dtypes[i] if out_dtypes else dtype)) for i in range(outputs)]
+        outs = [
+            gs.Variable(f"{name}_out{i}", dtype=(out_dtypes[i] if out_dtypes else dtype))
+            for i in range(outputs)
+        ]
         self.g.layer(op=op, name=name, inputs=inputs, outputs=outs, attrs=attrs or {})
         return outs
 
@@ -111,7 +121,9 @@ class _Builder:
         return self.one("Slice", [x, self.const([start]), self.const([end]), self.const([axis])], dtype=dtype)
 
 
-def _attention(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[gs.Variable, str]:
+def _attention(
+    b: _Builder, tensors: dict, att: dict, method: str, recompute: bool
+) -> tuple[gs.Variable, str]:
     """[batch, heads, keys] attention for scoring, and where it came from ('graph' or 'recomputed')."""
     probs = tensors.get(att.get("probs") or "")
     if probs is not None and not recompute:
@@ -120,14 +132,18 @@ def _attention(b: _Builder, tensors: dict, att: dict, method: str, recompute: bo
         return b.reduce_mean(probs, [-2]), "graph"  # mean over queries
     q, kt = tensors.get(att.get("query") or ""), tensors.get(att.get("key_t") or "")
     if q is None or kt is None:
-        raise VlmcError("the vision graph exposes neither the attention probabilities nor the layer's Q and K named in "
-                        "vision.attention; re-export the package or use method uniform/random")
+        raise VlmcError(
+            "the vision graph exposes neither the attention probabilities nor the layer's Q and K named in "
+            "vision.attention; re-export the package or use method uniform/random"
+        )
     if method == "cls_attention":
         qi = int(att["query_index"])
         q = b.slice(q, qi, qi + 1, axis=-2)
     elif att.get("masked"):
-        raise VlmcError("the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
-                        "keep the exported attention (recompute_attention: false)")
+        raise VlmcError(
+            "the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
+            "keep the exported attention (recompute_attention: false)"
+        )
     s = b.one("MatMul", [q, kt])
     s = b.one("Mul", [s, b.const(np.float32(att.get("scale", 1.0)), np.float32)])
     p = b.one("Softmax", [s], {"axis": -1})
@@ -141,7 +157,9 @@ def _head_mean(b: _Builder, a: gs.Variable) -> gs.Variable:
     return b.reduce_mean(a, [-2])
 
 
-def _scores(b: _Builder, tensors: dict, att: dict, method: str, tokens: int, recompute: bool) -> tuple[gs.Variable, str]:
+def _scores(
+    b: _Builder, tensors: dict, att: dict, method: str, tokens: int, recompute: bool
+) -> tuple[gs.Variable, str]:
     """Batched layout: [images, tokens] scores (per-image key columns of the feature tokens, merge-group mean)."""
     a, source = _attention(b, tensors, att, method, recompute)
     a = _head_mean(b, a)
@@ -156,7 +174,9 @@ def _scores(b: _Builder, tensors: dict, att: dict, method: str, tokens: int, rec
     return a, source
 
 
-def _packed_scores(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[gs.Variable, str]:
+def _packed_scores(
+    b: _Builder, tensors: dict, att: dict, method: str, recompute: bool
+) -> tuple[gs.Variable, str]:
     """Packed layout: [all image tokens] scores (all images' patches on one axis, merge-group mean)."""
     a, source = _attention(b, tensors, att, method, recompute)
     a = b.one("Reshape", [_head_mean(b, a), b.const([-1])])
@@ -168,13 +188,23 @@ def _packed_scores(b: _Builder, tensors: dict, att: dict, method: str, recompute
 
 def _sorted_topk(b: _Builder, scores: gs.Variable, keep: int) -> gs.Variable:
     """Indices of the k best scores per row, in ascending order (int64 [rows, k])."""
-    _, top = b.op("TopK", [scores, b.const([keep])], {"axis": 1, "largest": 1, "sorted": 1}, outputs=2,
-                  out_dtypes=[np.float32, np.int64])
+    _, top = b.op(
+        "TopK",
+        [scores, b.const([keep])],
+        {"axis": 1, "largest": 1, "sorted": 1},
+        outputs=2,
+        out_dtypes=[np.float32, np.int64],
+    )
     # Sorting the k indices restores the original token order (what the LLM was trained on);
     # int32 because TopK kernels on Ascend take int32, not int64.
     top32 = b.one("Cast", [top], {"to": onnx.TensorProto.INT32}, dtype=np.int32)
-    ordered, _ = b.op("TopK", [top32, b.const([keep])], {"axis": 1, "largest": 0, "sorted": 1}, outputs=2,
-                      out_dtypes=[np.int32, np.int64])
+    ordered, _ = b.op(
+        "TopK",
+        [top32, b.const([keep])],
+        {"axis": 1, "largest": 0, "sorted": 1},
+        outputs=2,
+        out_dtypes=[np.int32, np.int64],
+    )
     return b.one("Cast", [ordered], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
 
 
@@ -204,22 +234,53 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
     """
     grid = tensors.get(packed["grid_input"])
     if grid is None:
-        raise VlmcError(f"the vision graph has no {packed['grid_input']!r} input to split packed image tokens")
-    n = b.one("Div", [b.reduce("ReduceProd", grid, [1], dtype=np.int64),
-                      b.const(int(packed["group"]))], dtype=np.int64)  # tokens per image [images]
+        raise VlmcError(
+            f"the vision graph has no {packed['grid_input']!r} input to split packed image tokens"
+        )
+    n = b.one(
+        "Div",
+        [b.reduce("ReduceProd", grid, [1], dtype=np.int64), b.const(int(packed["group"]))],
+        dtype=np.int64,
+    )  # tokens per image [images]
     ends = b.one("CumSum", [n, b.const(0)], dtype=np.int64)
     starts = b.unsqueeze(b.one("Sub", [ends, n], dtype=np.int64), [1])  # [images, 1]
     if method == "uniform":
         # floor((2i + 1) * n / 2k), exact in integers
-        centres = b.one("Mul", [b.unsqueeze(n, [1]), b.const((2 * np.arange(keep) + 1)[None, :])], dtype=np.int64)
+        centres = b.one(
+            "Mul", [b.unsqueeze(n, [1]), b.const((2 * np.arange(keep) + 1)[None, :])], dtype=np.int64
+        )
         local = b.one("Div", [centres, b.const(2 * keep)], dtype=np.int64)
-        return (b.one("Gather", [x, b.one("Reshape", [b.one("Add", [local, starts], dtype=np.int64), b.const([-1])],
-                                                   dtype=np.int64)], {"axis": 0}), local, "constant")
+        return (
+            b.one(
+                "Gather",
+                [
+                    x,
+                    b.one(
+                        "Reshape",
+                        [b.one("Add", [local, starts], dtype=np.int64), b.const([-1])],
+                        dtype=np.int64,
+                    ),
+                ],
+                {"axis": 0},
+            ),
+            local,
+            "constant",
+        )
     total = b.one("Shape", [x], {"start": 0, "end": 1}, dtype=np.int64)
-    pos = b.one("Range", [b.const(0), b.one("Squeeze", [total, b.const([0])], dtype=np.int64), b.const(1)], dtype=np.int64)
+    pos = b.one(
+        "Range",
+        [b.const(0), b.one("Squeeze", [total, b.const([0])], dtype=np.int64), b.const(1)],
+        dtype=np.int64,
+    )
     loc = b.one("Sub", [b.unsqueeze(pos, [0]), starts], dtype=np.int64)  # [images, all tokens]
-    inside = b.one("And", [b.one("GreaterOrEqual", [loc, b.const(0)], dtype=np.bool_),
-                           b.one("Less", [loc, b.unsqueeze(n, [1])], dtype=np.bool_)], dtype=np.bool_)
+    inside = b.one(
+        "And",
+        [
+            b.one("GreaterOrEqual", [loc, b.const(0)], dtype=np.bool_),
+            b.one("Less", [loc, b.unsqueeze(n, [1])], dtype=np.bool_),
+        ],
+        dtype=np.bool_,
+    )
     if method == "random":
         size = int(packed["max_tokens"])
         table = b.const(random_table(seed, size), np.float32)
@@ -234,8 +295,16 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
     return kept, b.one("Sub", [indices, starts], dtype=np.int64), source
 
 
-def rewrite(model: onnx.ModelProto, method: str, keep: int, tokens: int | None, attention: dict | None = None,
-            seed: int = 0, recompute: bool = False, packed: dict | None = None) -> tuple[onnx.ModelProto, dict]:
+def rewrite(
+    model: onnx.ModelProto,
+    method: str,
+    keep: int,
+    tokens: int | None,
+    attention: dict | None = None,
+    seed: int = 0,
+    recompute: bool = False,
+    packed: dict | None = None,
+) -> tuple[onnx.ModelProto, dict]:
     """Return a copy of a vision graph that outputs only ``keep`` feature tokens per image.
 
     Args:
@@ -280,7 +349,11 @@ def rewrite(model: onnx.ModelProto, method: str, keep: int, tokens: int | None, 
     new.ir_version = model.ir_version
     del new.opset_import[:]
     new.opset_import.extend(model.opset_import)
-    return new, {"method": method, "score_source": source, "ops_added": sorted({n.op for n in graph.nodes[n_before:]})}
+    return new, {
+        "method": method,
+        "score_source": source,
+        "ops_added": sorted({n.op for n in graph.nodes[n_before:]}),
+    }
 
 
 @register
@@ -288,21 +361,46 @@ class PruneVisualTokens(Pass):
     """Keep k visual tokens per image (attention-ranked or baseline), fixed k, original order."""
 
     name = "prune_visual_tokens"
-    summary = "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
+    summary = (
+        "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
+    )
     lossy = True
     options = (
         Option("keep", int, None, "visual tokens kept per image (k); give keep or ratio", min=1),
-        Option("ratio", float, None, "fraction of visual tokens kept per image, in (0, 1]; give keep or ratio",
-               min=0.0, max=1.0),
-        Option("method", str, "cls_attention", "token score: CLS attention (FasterVLM), attention received "
-               "(no-CLS encoders), or the uniform/random baselines", choices=METHODS),
+        Option(
+            "ratio",
+            float,
+            None,
+            "fraction of visual tokens kept per image, in (0, 1]; give keep or ratio",
+            min=0.0,
+            max=1.0,
+        ),
+        Option(
+            "method",
+            str,
+            "cls_attention",
+            "token score: CLS attention (FasterVLM), attention received "
+            "(no-CLS encoders), or the uniform/random baselines",
+            choices=METHODS,
+        ),
         Option("seed", int, 0, "seed for method random", min=0),
-        Option("recompute_attention", bool, False, "score from a side branch recomputing the layer's attention "
-               "from Q and K even when the graph exposes it"),
-        Option("force", bool, False, "prune even image chains that end in a fusion graph (learned query tokens)"),
-        Option("calibration_images", int, 2, "demo images for the fidelity report (0 skips it)", min=0, max=64),
+        Option(
+            "recompute_attention",
+            bool,
+            False,
+            "score from a side branch recomputing the layer's attention "
+            "from Q and K even when the graph exposes it",
+        ),
+        Option(
+            "force", bool, False, "prune even image chains that end in a fusion graph (learned query tokens)"
+        ),
+        Option(
+            "calibration_images", int, 2, "demo images for the fidelity report (0 skips it)", min=0, max=64
+        ),
         Option("calibration_prompt", str, pruning.DEFAULT_PROMPT, "prompt used for the fidelity report"),
-        Option("fidelity_tokens", int, 8, "greedy tokens compared for the common-prefix length", min=1, max=256),
+        Option(
+            "fidelity_tokens", int, 8, "greedy tokens compared for the common-prefix length", min=1, max=256
+        ),
         Option("picture", bool, True, "store pruning.png (kept patches on the first calibration image)"),
     )
 
@@ -322,48 +420,71 @@ class PruneVisualTokens(Pass):
             raise VlmcError("the package has no image chain (pipeline.image); nothing to prune")
         target = chain[-1]
         if v.get("pruning"):
-            raise VlmcError(f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "
-                            "prune the unpruned package instead")
+            raise VlmcError(
+                f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "
+                "prune the unpruned package instead"
+            )
         method = self.opts["method"]
         fused = pkg.info(target)["role"] == "fusion"
         if fused and not self.opts["force"]:
-            raise VlmcError(f"the image chain ends in fusion graph {target!r}: its tokens are learned queries "
-                            "(e.g. BLIP-2's Q-Former), not image patches, so there is nothing to prune; "
-                            "set force: true to drop query tokens anyway (uniform or random)")
+            raise VlmcError(
+                f"the image chain ends in fusion graph {target!r}: its tokens are learned queries "
+                "(e.g. BLIP-2's Q-Former), not image patches, so there is nothing to prune; "
+                "set force: true to drop query tokens anyway (uniform or random)"
+            )
         if fused and method not in BASELINES:
-            raise VlmcError(f"method {method} scores image patches, but {target!r} outputs query tokens; "
-                            "use method uniform or random with force: true")
+            raise VlmcError(
+                f"method {method} scores image patches, but {target!r} outputs query tokens; "
+                "use method uniform or random with force: true"
+            )
         tokens = v.get("tokens_per_image")
         packed = None
         if isinstance(tokens, int):
             k = keep_count(self.opts, tokens)
             if k >= tokens:
-                raise VlmcError(f"keep={k} is not below the {tokens} visual tokens per image; nothing to prune")
+                raise VlmcError(
+                    f"keep={k} is not below the {tokens} visual tokens per image; nothing to prune"
+                )
         else:
             inputs = [i["name"] for i in pkg.info(target)["inputs"]]
             if not (v.get("packed_features") and GRID_INPUT in inputs):
-                raise VlmcError(f"the manifest gives no fixed vision.tokens_per_image and graph {target!r} has no "
-                                f"{GRID_INPUT} input to count tokens per image; cannot prune this package")
+                raise VlmcError(
+                    f"the manifest gives no fixed vision.tokens_per_image and graph {target!r} has no "
+                    f"{GRID_INPUT} input to count tokens per image; cannot prune this package"
+                )
             if self.opts["keep"] is None:
-                raise VlmcError("the token count per image depends on the image size here (dynamic resolution); "
-                                "give keep (tokens per image) instead of ratio")
+                raise VlmcError(
+                    "the token count per image depends on the image size here (dynamic resolution); "
+                    "give keep (tokens per image) instead of ratio"
+                )
             k = int(self.opts["keep"])
-            packed = {"grid_input": GRID_INPUT, "group": int(v.get("spatial_merge_size", 1) or 1) ** 2,
-                      "max_tokens": MAX_PACKED_TOKENS}
+            packed = {
+                "grid_input": GRID_INPUT,
+                "group": int(v.get("spatial_merge_size", 1) or 1) ** 2,
+                "max_tokens": MAX_PACKED_TOKENS,
+            }
         att = v.get("attention")
         if method not in BASELINES:
             if not att:
-                raise VlmcError(f"method {method} needs the exporter's vision.attention facts, which this package lacks; "
-                                "use method uniform or random")
+                raise VlmcError(
+                    f"method {method} needs the exporter's vision.attention facts, which this package lacks; "
+                    "use method uniform or random"
+                )
             if att.get("graph") != target:
-                raise VlmcError(f"the scoring attention is in graph {att.get('graph')!r} but image_features come from "
-                                f"{target!r}; use method uniform or random")
+                raise VlmcError(
+                    f"the scoring attention is in graph {att.get('graph')!r} but image_features come from "
+                    f"{target!r}; use method uniform or random"
+                )
             if method == "cls_attention" and att.get("query_index") is None:
-                raise VlmcError("method cls_attention needs a CLS token, which this vision encoder lacks; "
-                                "use method attention_received")
+                raise VlmcError(
+                    "method cls_attention needs a CLS token, which this vision encoder lacks; "
+                    "use method attention_received"
+                )
             if method == "attention_received" and att.get("masked") and self.opts["recompute_attention"]:
-                raise VlmcError("the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
-                                "keep the exported attention (recompute_attention: false)")
+                raise VlmcError(
+                    "the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
+                    "keep the exported attention (recompute_attention: false)"
+                )
         return {"target": target, "tokens": tokens, "keep": k, "attention": att, "packed": packed}
 
     def check_package(self, package) -> None:
@@ -377,25 +498,46 @@ class PruneVisualTokens(Pass):
         target, tokens, k = plan["target"], plan["tokens"], plan["keep"]
         original = package.graph(target)
         original_vision = copy.deepcopy(package.manifest["vision"])
-        new, info = rewrite(original, self.opts["method"], k, tokens, plan["attention"], self.opts["seed"],
-                            self.opts["recompute_attention"], plan["packed"])
+        new, info = rewrite(
+            original,
+            self.opts["method"],
+            k,
+            tokens,
+            plan["attention"],
+            self.opts["seed"],
+            self.opts["recompute_attention"],
+            plan["packed"],
+        )
         # tokens_before is None for dynamic resolution: each image had prod(grid)/merge² tokens.
-        facts = {"method": self.opts["method"], "keep": k, "tokens_before": tokens,
-                 "unpruned_tokens_per_image": original_vision.get("tokens_per_image"), "graph": target,
-                 "indices_output": pruning.INDICES_OUTPUT, "score_source": info["score_source"],
-                 "seed": self.opts["seed"] if self.opts["method"] == "random" else None,
-                 "positions": "original" if package.manifest["text"].get("position") == "mrope" else "contiguous"}
+        facts = {
+            "method": self.opts["method"],
+            "keep": k,
+            "tokens_before": tokens,
+            "unpruned_tokens_per_image": original_vision.get("tokens_per_image"),
+            "graph": target,
+            "indices_output": pruning.INDICES_OUTPUT,
+            "score_source": info["score_source"],
+            "seed": self.opts["seed"] if self.opts["method"] == "random" else None,
+            "positions": "original" if package.manifest["text"].get("position") == "mrope" else "contiguous",
+        }
         package.set_graph(target, new)
         package.manifest["vision"]["tokens_per_image"] = k
         package.manifest["vision"]["pruning"] = facts
-        report = {"method": facts["method"], "keep": k, "tokens_before": tokens, "score_source": info["score_source"],
-                  "ops_added": info["ops_added"]}
+        report = {
+            "method": facts["method"],
+            "keep": k,
+            "tokens_before": tokens,
+            "score_source": info["score_source"],
+            "ops_added": info["ops_added"],
+        }
         unpruned = pruning.variant(package, {target: original}, original_vision)
         if self.opts["calibration_images"]:
             report["fidelity"] = self._fidelity(package, unpruned, plan)
         report["savings"] = self._savings(package, unpruned, k)
         if tokens is None:  # dynamic resolution: report the count of the first calibration image
-            report["tokens_before"] = f"{report['savings']['visual_tokens_before']} (demo:0; depends on the image size)"
+            report["tokens_before"] = (
+                f"{report['savings']['visual_tokens_before']} (demo:0; depends on the image size)"
+            )
         if self.opts["picture"]:
             image = "demo:0"
             package.files["pruning.png"] = pruning.picture(package, image)
@@ -409,11 +551,18 @@ class PruneVisualTokens(Pass):
         original = unpruned.graph(plan["target"])
         for base in BASELINES:
             if base not in variants:
-                model, _ = rewrite(original, base, plan["keep"], plan["tokens"], seed=self.opts["seed"],
-                                   packed=plan["packed"])
+                model, _ = rewrite(
+                    original,
+                    base,
+                    plan["keep"],
+                    plan["tokens"],
+                    seed=self.opts["seed"],
+                    packed=plan["packed"],
+                )
                 variants[base] = pruning.variant(pruned, {plan["target"]: model})
-        result = pruning.fidelity(unpruned, variants, images, self.opts["calibration_prompt"],
-                                  self.opts["fidelity_tokens"])
+        result = pruning.fidelity(
+            unpruned, variants, images, self.opts["calibration_prompt"], self.opts["fidelity_tokens"]
+        )
         result["calibration_images"] = len(images)
         return result
 

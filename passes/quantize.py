@@ -34,15 +34,26 @@ class Quantize(Pass):
     """
 
     name = "quantize"
-    summary = ("mixed precision per graph: fp16, int8 static (QDQ), int8/int4 weight-only (rtn/awq); "
-               "portable opset-17 form with quantization facts in the manifest")
+    summary = (
+        "mixed precision per graph: fp16, int8 static (QDQ), int8/int4 weight-only (rtn/awq); "
+        "portable opset-17 form with quantization facts in the manifest"
+    )
     lossy = True
     allow_extra_keys = True
     options = (
-        Option("keep_fp32", dict, None, "ops/nodes kept in float32 in every graph: "
-               "{op_types: [...], nodes: [globs]}"),
-        Option("calibration", dict, None, "default calibration for all graphs: "
-               "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}"),
+        Option(
+            "keep_fp32",
+            dict,
+            None,
+            "ops/nodes kept in float32 in every graph: {op_types: [...], nodes: [globs]}",
+        ),
+        Option(
+            "calibration",
+            dict,
+            None,
+            "default calibration for all graphs: "
+            "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}",
+        ),
         Option("eval_samples", int, 2, "calibration samples also used to measure fidelity vs FP32", min=0),
         Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0),
         Option("seed", int, 0, "seed for demo calibration images and sampling", min=0),
@@ -59,17 +70,20 @@ class Quantize(Pass):
     @classmethod
     def check_options(cls, opts: dict, where: str) -> None:
         if not cls._plans(opts, where):
-            raise VlmcError(f"{where}: name at least one graph to quantize, e.g. "
-                            "vision_encoder: {weights: int8, activations: int8} or decoder: {weights: int4}; "
-                            f"other options: {', '.join(o.name for o in cls.options)}")
+            raise VlmcError(
+                f"{where}: name at least one graph to quantize, e.g. "
+                "vision_encoder: {weights: int8, activations: int8} or decoder: {weights: int4}; "
+                f"other options: {', '.join(o.name for o in cls.options)}"
+            )
 
     @classmethod
     def json_schema(cls) -> dict:
         schema = super().json_schema()
         schema["additionalProperties"] = P.graph_schema()
         for key, sub in (("keep_fp32", P.KEEP_KEYS), ("calibration", P.CALIB_KEYS)):
-            schema["properties"][key].update({"additionalProperties": False,
-                                              "properties": {k: s for k, (_, s) in sub.items()}})
+            schema["properties"][key].update(
+                {"additionalProperties": False, "properties": {k: s for k, (_, s) in sub.items()}}
+            )
         return schema
 
     def resolve(self, package) -> dict[str, P.GraphPlan]:
@@ -81,9 +95,11 @@ class Quantize(Pass):
                 continue
             names = package.graphs_with_role(key)
             if not names:
-                raise VlmcError(f"quantize: the package has no graph or role {key!r}; graphs: "
-                                f"{', '.join(package.graph_names)}; roles: "
-                                f"{', '.join(r for r in M.ROLES if package.graphs_with_role(r))}")
+                raise VlmcError(
+                    f"quantize: the package has no graph or role {key!r}; graphs: "
+                    f"{', '.join(package.graph_names)}; roles: "
+                    f"{', '.join(r for r in M.ROLES if package.graphs_with_role(r))}"
+                )
             out.update({n: plan for n in names})
         out.update({k: p for k, p in plans.items() if k in package.manifest["graphs"]})
         return out
@@ -101,7 +117,11 @@ class Quantize(Pass):
         from . import _quant_eval as E
 
         plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
-        eval_samples, eval_tokens, seed = self.opts["eval_samples"], self.opts["eval_tokens"], self.opts["seed"]
+        eval_samples, eval_tokens, seed = (
+            self.opts["eval_samples"],
+            self.opts["eval_tokens"],
+            self.opts["seed"],
+        )
         # One FP32 pipeline run per distinct calibration set, before any graph changes.
         groups: dict[tuple, list[str]] = {}
         for n, p in plans.items():
@@ -115,8 +135,14 @@ class Quantize(Pass):
             if not count:
                 continue
             refs = C.image_refs(images, count, seed)
-            rec = C.record(package, set(names), refs, list(prompts), eval_samples,
-                           eval_tokens if e2e_source is None else 0)
+            rec = C.record(
+                package,
+                set(names),
+                refs,
+                list(prompts),
+                eval_samples,
+                eval_tokens if e2e_source is None else 0,
+            )
             if e2e_source is None and rec.generations:
                 e2e_source = rec
             for n in names:
@@ -135,26 +161,43 @@ class Quantize(Pass):
             quantized = facts.get("nodes_quantized") or facts.get("nodes_converted")
             if not quantized or G.fingerprint(model) == before_fp:
                 logger.warning("quantize: nothing to quantize in %s (%s); left unchanged", name, plan.mode)
-                report["graphs"][name] = {"mode": plan.mode, "modified": False,
-                                          "reason": "no eligible nodes", **_counts(facts)}
+                report["graphs"][name] = {
+                    "mode": plan.mode,
+                    "modified": False,
+                    "reason": "no eligible nodes",
+                    **_counts(facts),
+                }
                 continue
             if plan.needs_calibration or plan.mode == "int8":
                 c = plan.calibration
-                facts["calibration"] = {"method": c.method if plan.mode == "int8" else "awq", "samples": len(feeds),
-                                        "images": c.images or "demo"}
+                facts["calibration"] = {
+                    "method": c.method if plan.mode == "int8" else "awq",
+                    "samples": len(feeds),
+                    "images": c.images or "demo",
+                }
             package.set_graph(name, model, precision=plan.mode, quantization=facts)
             modified = True
             bytes_after = G.initializer_bytes(model)
-            entry = {"mode": plan.mode, "modified": True, "bytes_before": bytes_before, "bytes_after": bytes_after,
-                     "bytes_ratio": round(bytes_after / max(bytes_before, 1), 4), **_counts(facts)}
+            entry = {
+                "mode": plan.mode,
+                "modified": True,
+                "bytes_before": bytes_before,
+                "bytes_after": bytes_after,
+                "bytes_ratio": round(bytes_after / max(bytes_before, 1), 4),
+                **_counts(facts),
+            }
             if weight_bytes:
                 entry["matmul_weight_bytes_before"], entry["matmul_weight_bytes_after"] = weight_bytes
                 entry["matmul_weight_bytes_ratio"] = round(weight_bytes[1] / max(weight_bytes[0], 1), 4)
             if rec is not None and eval_samples:
-                entry["fidelity"] = E.graph_fidelity(package, name, feeds[:eval_samples], rec.outputs.get(name, []))
+                entry["fidelity"] = E.graph_fidelity(
+                    package, name, feeds[:eval_samples], rec.outputs.get(name, [])
+                )
             report["graphs"][name] = entry
         if modified and e2e_source is not None and eval_tokens:
-            report["end_to_end"] = E.end_to_end(package, e2e_source.inputs, e2e_source.generations, eval_tokens)
+            report["end_to_end"] = E.end_to_end(
+                package, e2e_source.inputs, e2e_source.generations, eval_tokens
+            )
         return PassResult(package, modified, report)
 
     @staticmethod
@@ -174,6 +217,8 @@ class Quantize(Pass):
 
 def _counts(facts: dict) -> dict:
     q = facts.get("nodes_quantized")
-    return {"nodes_quantized": len(q) if isinstance(q, list) else int(facts.get("nodes_converted") or 0),
-            "nodes_kept_fp32": len(facts.get("nodes_kept_fp32", [])),
-            "clamped_scales": len(facts.get("clamped_scales", []))}
+    return {
+        "nodes_quantized": len(q) if isinstance(q, list) else int(facts.get("nodes_converted") or 0),
+        "nodes_kept_fp32": len(facts.get("nodes_kept_fp32", [])),
+        "clamped_scales": len(facts.get("clamped_scales", [])),
+    }

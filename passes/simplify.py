@@ -47,8 +47,14 @@ class Simplify(Pass):
     options = (
         Option("graphs", list, None, "graph names to simplify (default: all)", items=str),
         Option("skip_fuse_bn", bool, True, "leave BatchNormalization unfused (ATC fuses it itself)"),
-        Option("max_weight_bytes", int, 1_500_000_000, "skip onnxsim for graphs with more weight bytes "
-               "(onnxsim serializes the whole model; protobuf caps that at 2 GB)", min=0),
+        Option(
+            "max_weight_bytes",
+            int,
+            1_500_000_000,
+            "skip onnxsim for graphs with more weight bytes "
+            "(onnxsim serializes the whole model; protobuf caps that at 2 GB)",
+            min=0,
+        ),
     )
 
     def run(self, package):
@@ -81,8 +87,14 @@ def _same_modulo_node_order(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
         return True
     key = lambda m: sorted(n.SerializeToString(deterministic=True) for n in m.graph.node)  # noqa: E731
     same_inits = [(t.name, t.raw_data, list(t.dims)) for t in a.graph.initializer] == [
-        (t.name, t.raw_data, list(t.dims)) for t in b.graph.initializer]
-    return same_inits and key(a) == key(b) and a.graph.input == b.graph.input and a.graph.output == b.graph.output
+        (t.name, t.raw_data, list(t.dims)) for t in b.graph.initializer
+    ]
+    return (
+        same_inits
+        and key(a) == key(b)
+        and a.graph.input == b.graph.input
+        and a.graph.output == b.graph.output
+    )
 
 
 def _onnxsim(model: onnx.ModelProto, skip_fuse_bn: bool, name: str) -> onnx.ModelProto:
@@ -93,7 +105,9 @@ def _onnxsim(model: onnx.ModelProto, skip_fuse_bn: bool, name: str) -> onnx.Mode
     try:
         simplified, ok = onnxsim.simplify(model, skip_fuse_bn=skip_fuse_bn, check_n=0)
     except Exception as exc:  # onnxsim raises RuntimeError/ValidationError on graphs it cannot handle
-        logger.warning("simplify: onnxsim could not simplify %s (%s); keeping it", name, str(exc).splitlines()[0])
+        logger.warning(
+            "simplify: onnxsim could not simplify %s (%s); keeping it", name, str(exc).splitlines()[0]
+        )
         return model
     if not ok:
         logger.warning("simplify: onnxsim's own check failed on %s; keeping the original", name)

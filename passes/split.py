@@ -29,13 +29,26 @@ class Split(Pass):
     """Split a merged package back into stages; optionally split the decoder into layer ranges."""
 
     name = "split"
-    summary = ("split a merged `vlm` graph back into vision/fusion/embed/decoder stages, and/or the decoder "
-               "into N contiguous layer ranges decoder.0, decoder.1, ... (pipeline stages)")
+    summary = (
+        "split a merged `vlm` graph back into vision/fusion/embed/decoder stages, and/or the decoder "
+        "into N contiguous layer ranges decoder.0, decoder.1, ... (pipeline stages)"
+    )
     options = (
-        Option("decoder_ranges", int, 1, "number of contiguous layer ranges to cut the decoder into (1: keep it whole)",
-               min=1),
-        Option("boundaries", list, None, "first layer of every range after the first, e.g. [4, 8] for 3 ranges "
-               "(default: ranges of near-equal size)", items=int),
+        Option(
+            "decoder_ranges",
+            int,
+            1,
+            "number of contiguous layer ranges to cut the decoder into (1: keep it whole)",
+            min=1,
+        ),
+        Option(
+            "boundaries",
+            list,
+            None,
+            "first layer of every range after the first, e.g. [4, 8] for 3 ranges "
+            "(default: ranges of near-equal size)",
+            items=int,
+        ),
     )
 
     @classmethod
@@ -46,8 +59,10 @@ class Split(Pass):
         if not b or any(x < 1 for x in b) or sorted(set(b)) != list(b):
             raise VlmcError(f"{where}: boundaries must be increasing layer indices >= 1, got {b}")
         if opts["decoder_ranges"] not in (1, len(b) + 1):
-            raise VlmcError(f"{where}: {len(b)} boundaries make {len(b) + 1} ranges but decoder_ranges is "
-                            f"{opts['decoder_ranges']}; give one of the two")
+            raise VlmcError(
+                f"{where}: {len(b)} boundaries make {len(b) + 1} ranges but decoder_ranges is "
+                f"{opts['decoder_ranges']}; give one of the two"
+            )
         opts["decoder_ranges"] = len(b) + 1
 
     def _ranges(self, layers: int) -> list[int]:
@@ -63,13 +78,17 @@ class Split(Pass):
         pipeline = package.manifest["graphs"][merged]["pipeline"] if merged else package.manifest["pipeline"]
         chain = pipeline["decoder"]
         if len(chain) != 1:
-            raise VlmcError(f"split: the decoder is already split into {len(chain)} ranges ({', '.join(chain)}); "
-                            "split the unsplit package instead")
+            raise VlmcError(
+                f"split: the decoder is already split into {len(chain)} ranges ({', '.join(chain)}); "
+                "split the unsplit package instead"
+            )
         layers = int(package.manifest["kv"]["layers"])
         bounds = self._ranges(layers)
         if n > layers or bounds[-2] >= layers:
-            raise VlmcError(f"split: cannot cut a {layers}-layer decoder into ranges starting at {bounds[:-1]}; "
-                            f"use at most {layers} ranges and boundaries below {layers}")
+            raise VlmcError(
+                f"split: cannot cut a {layers}-layer decoder into ranges starting at {bounds[:-1]}; "
+                f"use at most {layers} ranges and boundaries below {layers}"
+            )
 
     def run(self, package: Package) -> PassResult:
         report: dict = {}
@@ -77,7 +96,9 @@ class Split(Pass):
         if merged:
             report["unmerged"] = _unmerge(package, merged)
         if self.opts["decoder_ranges"] > 1:
-            report["decoder_ranges"] = _split_decoder(package, self._ranges(int(package.manifest["kv"]["layers"])))
+            report["decoder_ranges"] = _split_decoder(
+                package, self._ranges(int(package.manifest["kv"]["layers"]))
+            )
         if not report:
             logger.warning("split: the package is not merged and decoder_ranges is 1; nothing to split")
         return PassResult(package, bool(report), report)
@@ -93,8 +114,12 @@ def _unmerge(pkg: Package, name: str) -> list[str]:
             continue  # the text-only decode path merge kept beside the merged graph
         tensors = rec["tensors"]
         ins, outs = [e["name"] for e in rec["inputs"]], [e["name"] for e in rec["outputs"]]
-        sub = C.extract(model, [tensors.get(n, n) for n in ins], [tensors.get(n, n) for n in outs],
-                        f"split: stage {rec['name']!r} of {name}")
+        sub = C.extract(
+            model,
+            [tensors.get(n, n) for n in ins],
+            [tensors.get(n, n) for n in outs],
+            f"split: stage {rec['name']!r} of {name}",
+        )
         C.rename(sub.graph, {v: k for k, v in tensors.items()})
         # The stage's own signature, not the merged graph's view of a shared tensor (a producer and a
         # consumer may name a dimension differently).
@@ -102,7 +127,9 @@ def _unmerge(pkg: Package, name: str) -> list[str]:
             del coll[:]
             coll.extend(C.value_info(e) for e in entries)
         sub.graph.name = rec["name"]
-        pkg.set_graph(rec["name"], sub, role=rec["role"], precision=rec["precision"], file=rec["file"], **rec["extra"])
+        pkg.set_graph(
+            rec["name"], sub, role=rec["role"], precision=rec["precision"], file=rec["file"], **rec["extra"]
+        )
         restored.append(rec["name"])
     pipeline = info["pipeline"]
     pkg.remove_graph(name)
@@ -149,12 +176,16 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
         earlier = C.depends_on(g, {n for n, layer in kv_in.items() if layer == b - 1})
         found = [c for c in cuts if c not in later and c in earlier]
         if not found:
-            raise VlmcError(f"split: found no residual-stream tensor between layers {b - 1} and {b} of {dec}; "
-                            "the decoder does not have the standard layer structure")
+            raise VlmcError(
+                f"split: found no residual-stream tensor between layers {b - 1} and {b} of {dec}; "
+                "the decoder does not have the standard layer structure"
+            )
         boundary[b] = found[-1]
     facts = _shape_facts(model, {boundary[b] for b in bounds[1:-1]})
     for b in bounds[1:-1]:
-        vi = facts.get(boundary[b]) or C.value_info(next(i for i in info["inputs"] if i["name"] == source), boundary[b])
+        vi = facts.get(boundary[b]) or C.value_info(
+            next(i for i in info["inputs"] if i["name"] == source), boundary[b]
+        )
         g.value_info.append(vi)
 
     def hidden(b: int) -> str:
@@ -165,8 +196,11 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
         for k, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
             own_in = [n for n, layer in kv_in.items() if a <= layer < z]
             own_out = [n for n, layer in kv_out.items() if a <= layer < z]
-            outs = [boundary[z], *own_out] + ([o["name"] for o in info["outputs"] if o["name"] not in kv_out and
-                                               o["name"] != sink] if z == bounds[-1] else [])
+            outs = [boundary[z], *own_out] + (
+                [o["name"] for o in info["outputs"] if o["name"] not in kv_out and o["name"] != sink]
+                if z == bounds[-1]
+                else []
+            )
             allowed = {boundary[a], *own_in, *shared_in}
             reached = C.backward_reach(g, outs, allowed)
             foreign = sorted(reached - allowed)
@@ -186,12 +220,16 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
                 g.value_info.remove(vis[-1])
     pkg.remove_graph(dec)
     pkg.manifest["pipeline"]["decoder"] = names
-    return {"graphs": names, "layers": [[a, z] for a, z in zip(bounds[:-1], bounds[1:])],
-            "boundaries": {hidden(b): boundary[b] for b in bounds[1:-1]}}
+    return {
+        "graphs": names,
+        "layers": [[a, z] for a, z in zip(bounds[:-1], bounds[1:])],
+        "boundaries": {hidden(b): boundary[b] for b in bounds[1:-1]},
+    }
 
 
-def _substitute_shape_inputs(sub: onnx.ModelProto, foreign: list[str], hidden: str, first_layer: int,
-                             kv_in: dict[str, int], where: str) -> None:
+def _substitute_shape_inputs(
+    sub: onnx.ModelProto, foreign: list[str], hidden: str, first_layer: int, kv_in: dict[str, int], where: str
+) -> None:
     """Rewire inputs a range reads only for their shape to same-shaped inputs the range owns.
 
     The traced causal mask takes the past length from layer 0's past key and the sequence length from

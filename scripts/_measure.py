@@ -14,8 +14,16 @@ def main() -> None:
     proc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wall = time.perf_counter() - t0
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: KiB
-    print(json.dumps({"seconds": wall, "peak_rss_bytes": peak_kib * 1024, "returncode": proc.returncode,
-                      "stderr_tail": proc.stderr[-2000:]}))
+    print(
+        json.dumps(
+            {
+                "seconds": wall,
+                "peak_rss_bytes": peak_kib * 1024,
+                "returncode": proc.returncode,
+                "stderr_tail": proc.stderr[-2000:],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

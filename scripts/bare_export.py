@@ -24,7 +24,9 @@ def main() -> None:
     warnings.simplefilter("ignore")
     from transformers import LlavaForConditionalGeneration
 
-    model = LlavaForConditionalGeneration.from_pretrained(args.model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    model = LlavaForConditionalGeneration.from_pretrained(
+        args.model_dir, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     cfg = model.config
     t, v = cfg.text_config, cfg.vision_config
     layers, heads = t.num_hidden_layers, t.num_attention_heads
@@ -33,21 +35,41 @@ def main() -> None:
     past_names, present_names = base.kv_names(layers)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         px = torch.randn(1, 3, v.image_size, v.image_size)
-        torch.onnx.export(VisionWrapper(model), (px,), os.path.join(tmp, "v.onnx"), input_names=["pixel_values"],
-                          output_names=["image_features"], dynamic_axes={"pixel_values": {0: "images"}},
-                          opset_version=17, dynamo=False)
+        torch.onnx.export(
+            VisionWrapper(model),
+            (px,),
+            os.path.join(tmp, "v.onnx"),
+            input_names=["pixel_values"],
+            output_names=["image_features"],
+            dynamic_axes={"pixel_values": {0: "images"}},
+            opset_version=17,
+            dynamo=False,
+        )
         ids = torch.zeros(1, 4, dtype=torch.int64)
-        torch.onnx.export(base.EmbedWrapper(model.get_input_embeddings()), (ids,), os.path.join(tmp, "e.onnx"),
-                          input_names=["input_ids"], output_names=["inputs_embeds"],
-                          dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}}, opset_version=17, dynamo=False)
+        torch.onnx.export(
+            base.EmbedWrapper(model.get_input_embeddings()),
+            (ids,),
+            os.path.join(tmp, "e.onnx"),
+            input_names=["input_ids"],
+            output_names=["inputs_embeds"],
+            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
+            opset_version=17,
+            dynamo=False,
+        )
         emb = torch.randn(2, 5, t.hidden_size)
         mask = torch.ones(2, 8, dtype=torch.int64)
         pos = torch.arange(3, 8).unsqueeze(0).expand(2, 5).contiguous()
         past = [torch.randn(2, kvh, 3, hd) for _ in range(2 * layers)]
-        torch.onnx.export(base.DecoderWrapper(model.model.language_model, model.lm_head, layers), (emb, mask, pos, *past),
-                          os.path.join(tmp, "d.onnx"), input_names=["inputs_embeds", "attention_mask", "position_ids", *past_names],
-                          output_names=["logits", *present_names], dynamic_axes=base.decoder_axes(layers),
-                          opset_version=17, dynamo=False)
+        torch.onnx.export(
+            base.DecoderWrapper(model.model.language_model, model.lm_head, layers),
+            (emb, mask, pos, *past),
+            os.path.join(tmp, "d.onnx"),
+            input_names=["inputs_embeds", "attention_mask", "position_ids", *past_names],
+            output_names=["logits", *present_names],
+            dynamic_axes=base.decoder_axes(layers),
+            opset_version=17,
+            dynamo=False,
+        )
 
 
 if __name__ == "__main__":

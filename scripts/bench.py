@@ -26,14 +26,42 @@ SCRIPTS = REPO / "scripts"
 # CLIP ViT-L/14-336 (24 layers, 1024 wide) and a 2048-wide, 30-layer Llama (GQA, 48000 vocab).
 SIZES = {
     "tiny": ({}, {}),
-    "small": ({"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 6, "num_attention_heads": 8,
-               "image_size": 224, "patch_size": 14},
-              {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 8, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "vocab_size": 32000}),
-    "2b": ({"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
-            "image_size": 336, "patch_size": 14},
-           {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 30, "num_attention_heads": 32,
-            "num_key_value_heads": 4, "vocab_size": 48000}),
+    "small": (
+        {
+            "hidden_size": 512,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 8,
+            "image_size": 224,
+            "patch_size": 14,
+        },
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2816,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 16,
+            "vocab_size": 32000,
+        },
+    ),
+    "2b": (
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_hidden_layers": 24,
+            "num_attention_heads": 16,
+            "image_size": 336,
+            "patch_size": 14,
+        },
+        {
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "vocab_size": 48000,
+        },
+    ),
 }
 
 
@@ -51,8 +79,15 @@ def machine() -> dict:
     import torch
     import transformers
 
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem, 1), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "onnxruntime": onnxruntime.__version__}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(mem, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
 
 
 def make_model_dir(size: str, root: Path) -> tuple[Path, int]:
@@ -78,7 +113,9 @@ def make_model_dir(size: str, root: Path) -> tuple[Path, int]:
 
 
 def measure(cmd: list[str]) -> dict:
-    out = subprocess.run([sys.executable, str(SCRIPTS / "_measure.py"), *cmd], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPTS / "_measure.py"), *cmd], capture_output=True, text=True, check=True
+    )
     res = json.loads(out.stdout)
     if res["returncode"] != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{res['stderr_tail']}")
@@ -91,21 +128,34 @@ def pipeline_cost(sizes: list[str], runs: int, root: Path, large_runs: int | Non
     for size in sizes:
         model_dir, params = make_model_dir(size, root)
         recipe = root / f"{size}.yaml"
-        recipe.write_text(f"model: {model_dir}\npasses: [fold_constants, simplify]\n"
-                          "target: {backend: ascend, soc: Ascend910B1}\n")
+        recipe.write_text(
+            f"model: {model_dir}\npasses: [fold_constants, simplify]\n"
+            "target: {backend: ascend, soc: Ascend910B1}\n"
+        )
         bare, built = [], []
         n = large_runs if (large_runs and size == "2b") else runs
         for _ in range(n):  # interleaved so both sides see the same machine state
             bare.append(measure([sys.executable, str(SCRIPTS / "bare_export.py"), str(model_dir)]))
-            built.append(measure([vlmc, "-q", "build", "--recipe", str(recipe), "-o", str(root / f"out-{size}"), "--force"]))
+            built.append(
+                measure(
+                    [vlmc, "-q", "build", "--recipe", str(recipe), "-o", str(root / f"out-{size}"), "--force"]
+                )
+            )
         med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
         import shutil
 
         shutil.rmtree(model_dir, ignore_errors=True)  # multi-GB at the large size
         shutil.rmtree(root / f"out-{size}", ignore_errors=True)
-        row = {"size": size, "params": params, "fp32_weight_bytes": params * 4, "runs": n,
-               "bare_seconds": med(bare, "seconds"), "build_seconds": med(built, "seconds"),
-               "bare_peak_rss": med(bare, "peak_rss_bytes"), "build_peak_rss": med(built, "peak_rss_bytes")}
+        row = {
+            "size": size,
+            "params": params,
+            "fp32_weight_bytes": params * 4,
+            "runs": n,
+            "bare_seconds": med(bare, "seconds"),
+            "build_seconds": med(built, "seconds"),
+            "bare_peak_rss": med(bare, "peak_rss_bytes"),
+            "build_peak_rss": med(built, "peak_rss_bytes"),
+        }
         row["time_ratio"] = row["build_seconds"] / row["bare_seconds"]
         row["rss_over_weights"] = row["build_peak_rss"] / row["fp32_weight_bytes"]
         rows.append(row)
@@ -136,8 +186,10 @@ def plot(rows: list[dict], out_dir: Path) -> list[str]:
 
     names = []
     params = [r["params"] / 1e6 for r in rows]
-    for key, label, fname in (("seconds", "wall time (s)", "pipeline_time.png"),
-                              ("peak_rss", "peak RSS (GiB)", "pipeline_rss.png")):
+    for key, label, fname in (
+        ("seconds", "wall time (s)", "pipeline_time.png"),
+        ("peak_rss", "peak RSS (GiB)", "pipeline_rss.png"),
+    ):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         scale = 1 if key == "seconds" else 2**30
         ax.plot(params, [r[f"bare_{key}"] / scale for r in rows], "o-", label="bare torch.onnx.export")
@@ -167,14 +219,19 @@ def targets(cost: list[dict]) -> list[str]:
     r = max(cost, key=lambda x: x["params"])
     mem_ok, time_ok = r["rss_over_weights"] <= 1.5, r["time_ratio"] <= 1.5
     return [
-        "", f"### Scale targets ({r['size']}, {r['params'] / 1e9:.2f} B parameters)", "",
-        "| target | measured | met |", "|---|---|---|",
+        "",
+        f"### Scale targets ({r['size']}, {r['params'] / 1e9:.2f} B parameters)",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
         f"| peak RSS ≤ 1.5× FP32 weight bytes | {r['rss_over_weights']:.2f}× ({_gib(r['build_peak_rss'])} for "
         f"{_gib(r['fp32_weight_bytes'])} of weights; bare export alone {r['bare_peak_rss'] / r['fp32_weight_bytes']:.2f}×) "
         f"| {'yes' if mem_ok else 'no'} |",
         f"| `vlmc build` time ≤ 1.5× bare export | {r['time_ratio']:.2f}× | {'yes' if time_ok else 'no'} |",
-        "", "Where the gap comes from (a one-off manual profile, not re-measured by this script: per-step peak RSS with VmHWM reset at each step, on the build of a "
-        "1.41 B-parameter model of the same widths with 22 decoder layers; see docs/architecture.md, \"Staging\"):", "",
+        "",
+        "Where the gap comes from (a one-off manual profile, not re-measured by this script: per-step peak RSS with VmHWM reset at each step, on the build of a "
+        '1.41 B-parameter model of the same widths with 22 decoder layers; see docs/architecture.md, "Staging"):',
+        "",
         "- **Memory: export.** While the decoder is traced, the torch model (its weights, memory-mapped "
         "from safetensors but resident once touched) and the exported decoder loaded back from torch's "
         "file are both in memory, and torch's exporter holds its own copy while it writes. The bare "
@@ -196,39 +253,66 @@ def targets(cost: list[dict]) -> list[str]:
 
 
 def render(m: dict, cost: list[dict], pass_rows: list[dict], ran: list[str], plots: list[str], args) -> str:
-    lines = ["# Benchmarks", "",
-             f"Generated by `{' '.join(['python', 'scripts/bench.py', *sys.argv[1:]])}` (`make bench`) on "
-             f"{time.strftime('%Y-%m-%d')}. Medians of side-by-side interleaved runs in one invocation; "
-             "onnxruntime CPU stands in for the NPU.", "",
-             "## Machine", "", "| | |", "|---|---|"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{' '.join(['python', 'scripts/bench.py', *sys.argv[1:]])}` (`make bench`) on "
+        f"{time.strftime('%Y-%m-%d')}. Medians of side-by-side interleaved runs in one invocation; "
+        "onnxruntime CPU stands in for the NPU.",
+        "",
+        "## Machine",
+        "",
+        "| | |",
+        "|---|---|",
+    ]
     lines += [f"| {k} | {v} |" for k, v in m.items()]
-    lines += ["", "## Pipeline cost: `vlmc build` vs bare `torch.onnx.export`", "",
-              "`vlmc build` = export (three stages, checked, external data) + fold_constants + simplify + "
-              "Ascend compile (lowering, precheck, ATC commands). The baseline exports the same three stages "
-              "with `torch.onnx.export` and nothing else (scripts/bare_export.py). LLaVA-architecture models "
-              "with random weights, built in code.", "",
-              "| size | params | runs | bare s | build s | time ratio | bare peak RSS | build peak RSS | build RSS / FP32 weights |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Pipeline cost: `vlmc build` vs bare `torch.onnx.export`",
+        "",
+        "`vlmc build` = export (three stages, checked, external data) + fold_constants + simplify + "
+        "Ascend compile (lowering, precheck, ATC commands). The baseline exports the same three stages "
+        "with `torch.onnx.export` and nothing else (scripts/bare_export.py). LLaVA-architecture models "
+        "with random weights, built in code.",
+        "",
+        "| size | params | runs | bare s | build s | time ratio | bare peak RSS | build peak RSS | build RSS / FP32 weights |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in cost:
-        lines.append(f"| {r['size']} | {r['params'] / 1e6:.1f} M | {r['runs']} | {r['bare_seconds']:.2f} | {r['build_seconds']:.2f} | "
-                     f"**{r['time_ratio']:.2f}×** | {_gib(r['bare_peak_rss'])} | {_gib(r['build_peak_rss'])} | "
-                     f"**{r['rss_over_weights']:.2f}×** |")
+        lines.append(
+            f"| {r['size']} | {r['params'] / 1e6:.1f} M | {r['runs']} | {r['bare_seconds']:.2f} | {r['build_seconds']:.2f} | "
+            f"**{r['time_ratio']:.2f}×** | {_gib(r['bare_peak_rss'])} | {_gib(r['build_peak_rss'])} | "
+            f"**{r['rss_over_weights']:.2f}×** |"
+        )
     lines += [""] + [f"![{p}]({'bench/' + p})" for p in plots]
-    lines += ["", "The tiny size's RSS ratio only shows the interpreter and torch import (about 0.4 GiB) "
-              "against 0.8 MB of weights."]
+    lines += [
+        "",
+        "The tiny size's RSS ratio only shows the interpreter and torch import (about 0.4 GiB) "
+        "against 0.8 MB of weights.",
+    ]
     lines += targets(cost)
     lines += ["", "## What the passes buy", ""]
     if pass_rows:
         lines += ["| benchmark | setting | metric | value | ratio | notes |", "|---|---|---|---|---|---|"]
         for r in pass_rows:
-            lines.append(f"| {r.get('benchmark', '')} | {r.get('setting', '')} | {r.get('metric', '')} | {r.get('value', '')} | "
-                         f"{r.get('ratio', '')} | {r.get('notes', '')} |")
+            lines.append(
+                f"| {r.get('benchmark', '')} | {r.get('setting', '')} | {r.get('metric', '')} | {r.get('value', '')} | "
+                f"{r.get('ratio', '')} | {r.get('notes', '')} |"
+            )
         lines += ["", "Modules run: " + ", ".join(ran)]
     else:
         lines.append("No per-pass benchmark modules were found.")
-    lines += ["", "## Reproduce", "", "```", "make bench                      # tiny and small: 5 runs; 2b: 3 runs",
-              "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
-              "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)", "```", ""]
+    lines += [
+        "",
+        "## Reproduce",
+        "",
+        "```",
+        "make bench                      # tiny and small: 5 runs; 2b: 3 runs",
+        "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
+        "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)",
+        "```",
+        "",
+    ]
     with open(args.out.parent / "bench" / "results.json", "w") as f:
         json.dump({"machine": m, "pipeline_cost": cost, "passes": pass_rows}, f, indent=2, default=str)
     return "\n".join(lines)

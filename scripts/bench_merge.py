@@ -16,10 +16,22 @@ import tempfile
 import time
 from pathlib import Path
 
-VISION = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=12,
-              image_size=224, patch_size=16, projection_dim=768)
-TEXT = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=16,
-            num_key_value_heads=16)
+VISION = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=4,
+    num_attention_heads=12,
+    image_size=224,
+    patch_size=16,
+    projection_dim=768,
+)
+TEXT = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=2,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+)
 RUNS = 5
 
 
@@ -51,9 +63,14 @@ def run(rows: list, quick: bool = False) -> list:
         split_dir = exporters.export(_source(quick)).save(Path(tmp) / "split")
         merged = manager.run(Package.load(split_dir), recipe.parse("passes: [merge]").steps)
         merged_dir = merged.save(Path(tmp) / "merged")
-        pipes = {"split stages": Pipeline(Package.load(split_dir)), "merged vlm": Pipeline(Package.load(merged_dir))}
+        pipes = {
+            "split stages": Pipeline(Package.load(split_dir)),
+            "merged vlm": Pipeline(Package.load(merged_dir)),
+        }
         inputs = {k: p.prepare(["Describe the image."], [["demo"]]) for k, p in pipes.items()}
-        firsts = {k: p.generate_from(inputs[k], 1).tokens for k, p in pipes.items()}  # warm-up, and equal tokens
+        firsts = {
+            k: p.generate_from(inputs[k], 1).tokens for k, p in pipes.items()
+        }  # warm-up, and equal tokens
         times: dict[str, list[float]] = {k: [] for k in pipes}
         for _ in range(RUNS):
             for k, p in pipes.items():
@@ -61,10 +78,17 @@ def run(rows: list, quick: bool = False) -> list:
                 p.generate_from(inputs[k], 1)
                 times[k].append((time.perf_counter() - t0) * 1000)
     med = {k: statistics.median(v) for k, v in times.items()}
-    out = [{"benchmark": "merge: first-token latency (ORT CPU)", "setting": k, "metric": "median ms",
-            "value": round(med[k], 1), "ratio": round(med[k] / med["split stages"], 3),
-            "notes": f"{RUNS} alternating runs; same first token: {firsts[k] == firsts['split stages']}"}
-           for k in pipes]
+    out = [
+        {
+            "benchmark": "merge: first-token latency (ORT CPU)",
+            "setting": k,
+            "metric": "median ms",
+            "value": round(med[k], 1),
+            "ratio": round(med[k] / med["split stages"], 3),
+            "notes": f"{RUNS} alternating runs; same first token: {firsts[k] == firsts['split stages']}",
+        }
+        for k in pipes
+    ]
     rows.extend(out)
     return out
 

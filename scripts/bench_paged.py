@@ -27,10 +27,26 @@ if str(REPO) not in sys.path:
 
 logger = logging.getLogger(__name__)
 
-FULL = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
-        "vocab_size": 32064, "num_hidden_layers": 2, "context": 600, "runs": 9}
-QUICK = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4, "intermediate_size": 128,
-         "vocab_size": 320, "num_hidden_layers": 1, "context": 40, "runs": 2}
+FULL = {
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "intermediate_size": 11008,
+    "vocab_size": 32064,
+    "num_hidden_layers": 2,
+    "context": 600,
+    "runs": 9,
+}
+QUICK = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "vocab_size": 320,
+    "num_hidden_layers": 1,
+    "context": 40,
+    "runs": 2,
+}
 
 
 def _export(cfg: dict):
@@ -49,8 +65,15 @@ def _export(cfg: dict):
     pkg = Package(M.new("bench", "LlamaForCausalLM", "bench", "none"))
     heads = cfg["num_attention_heads"]
     head_dim = cfg["hidden_size"] // heads
-    base.export_decoder(pkg, model.model, model.lm_head, cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim,
-                        cfg["hidden_size"])
+    base.export_decoder(
+        pkg,
+        model.model,
+        model.lm_head,
+        cfg["num_hidden_layers"],
+        cfg["num_key_value_heads"],
+        head_dim,
+        cfg["hidden_size"],
+    )
     del model
     return pkg.graph("decoder"), head_dim
 
@@ -93,9 +116,17 @@ def _time(cfg: dict, block_size: int, pool_sequences: int, head_dim: int, s_cont
     rng = np.random.default_rng(0)
     embeds = rng.standard_normal((1, 1, cfg["hidden_size"])).astype(np.float32)
     pos = np.array([[ctx]], np.int64)
-    past = {f"past_key_values.{i}.{k}": rng.standard_normal((1, kvh, ctx, head_dim)).astype(np.float32)
-            for i in range(layers) for k in ("key", "value")}
-    feeds_cont = {"inputs_embeds": embeds, "attention_mask": np.ones((1, ctx + 1), np.int64), "position_ids": pos, **past}
+    past = {
+        f"past_key_values.{i}.{k}": rng.standard_normal((1, kvh, ctx, head_dim)).astype(np.float32)
+        for i in range(layers)
+        for k in ("key", "value")
+    }
+    feeds_cont = {
+        "inputs_embeds": embeds,
+        "attention_mask": np.ones((1, ctx + 1), np.int64),
+        "position_ids": pos,
+        **past,
+    }
 
     alloc = BlockAllocator(-(-(ctx + 1) // block_size) * pool_sequences + 1, block_size, seed=0)
     alloc.allocate("s", ctx)
@@ -106,11 +137,20 @@ def _time(cfg: dict, block_size: int, pool_sequences: int, head_dim: int, s_cont
         for k in ("key", "value"):
             pool = np.zeros((alloc.num_blocks, block_size, kvh, head_dim), np.float32)
             flat = pool.reshape(-1, kvh, head_dim)
-            slots = np.asarray(table[0], np.int64)[np.arange(ctx) // block_size] * block_size + np.arange(ctx) % block_size
+            slots = (
+                np.asarray(table[0], np.int64)[np.arange(ctx) // block_size] * block_size
+                + np.arange(ctx) % block_size
+            )
             flat[slots] = past[f"past_key_values.{i}.{k}"][0].transpose(1, 0, 2)
             pools[f"{k}_cache.{i}"] = pool
-    feeds_paged = {"inputs_embeds": embeds, "position_ids": pos, **pools, "block_tables": table,
-                   "slot_mapping": slot.reshape(1, 1).astype(np.int32), "context_lens": np.array([ctx + 1], np.int32)}
+    feeds_paged = {
+        "inputs_embeds": embeds,
+        "position_ids": pos,
+        **pools,
+        "block_tables": table,
+        "slot_mapping": slot.reshape(1, 1).astype(np.int32),
+        "context_lens": np.array([ctx + 1], np.int32),
+    }
 
     ref = s_cont.run(["logits"], feeds_cont)[0]
     got = s_paged.run(["logits"], feeds_paged)[0]
@@ -124,9 +164,17 @@ def _time(cfg: dict, block_size: int, pool_sequences: int, head_dim: int, s_cont
             sess.run(None, feeds)
             out.append(time.perf_counter() - t0)
     c, p = statistics.median(t_cont), statistics.median(t_paged)
-    return {"block_size": block_size, "contiguous_s": c, "paged_s": p, "ratio": p / c, "runs": cfg["runs"],
-            "logits_max_abs_diff": max_diff, "gathered": table.shape[1] * block_size, "pool_blocks": alloc.num_blocks,
-            "pool_sequences": pool_sequences}
+    return {
+        "block_size": block_size,
+        "contiguous_s": c,
+        "paged_s": p,
+        "ratio": p / c,
+        "runs": cfg["runs"],
+        "logits_max_abs_diff": max_diff,
+        "gathered": table.shape[1] * block_size,
+        "pool_blocks": alloc.num_blocks,
+        "pool_sequences": pool_sequences,
+    }
 
 
 def run(rows: list, quick: bool) -> None:
@@ -136,14 +184,22 @@ def run(rows: list, quick: bool) -> None:
         results = measure(cfg, SETTINGS, Path(tmp))
         for r in results:
             bs = r["block_size"]
-            setting = (f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_hidden_layers']} layers, "
-                       f"vocab {cfg['vocab_size']}, context {cfg['context']}, block {bs}, batch 1, "
-                       f"pool {r['pool_blocks']} blocks (room for {r['pool_sequences']} such sequences)")
-            rows.append({"benchmark": "paged_kv decode step (ORT CPU)", "setting": setting,
-                         "metric": "median step s, paged / contiguous",
-                         "value": f"{r['paged_s']:.4f} / {r['contiguous_s']:.4f}", "ratio": f"{r['ratio']:.3f}×",
-                         "notes": f"{r['runs']} alternating runs; attends over {r['gathered']} gathered slots; "
-                                  f"logits max |diff| {r['logits_max_abs_diff']:.1e}"})
+            setting = (
+                f"hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, {cfg['num_hidden_layers']} layers, "
+                f"vocab {cfg['vocab_size']}, context {cfg['context']}, block {bs}, batch 1, "
+                f"pool {r['pool_blocks']} blocks (room for {r['pool_sequences']} such sequences)"
+            )
+            rows.append(
+                {
+                    "benchmark": "paged_kv decode step (ORT CPU)",
+                    "setting": setting,
+                    "metric": "median step s, paged / contiguous",
+                    "value": f"{r['paged_s']:.4f} / {r['contiguous_s']:.4f}",
+                    "ratio": f"{r['ratio']:.3f}×",
+                    "notes": f"{r['runs']} alternating runs; attends over {r['gathered']} gathered slots; "
+                    f"logits max |diff| {r['logits_max_abs_diff']:.1e}",
+                }
+            )
             print(json.dumps(r), flush=True)
 
 

@@ -20,10 +20,22 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 # CLIP ViT-L/14-336 (LLaVA-1.5's tower); --quick shrinks it to seconds.
-FULL = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "patch_size": 14,
-        "image_size": 336, "num_hidden_layers": 4}
-QUICK = {"hidden_size": 128, "intermediate_size": 512, "num_attention_heads": 4, "patch_size": 14,
-         "image_size": 112, "num_hidden_layers": 2}
+FULL = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "patch_size": 14,
+    "image_size": 336,
+    "num_hidden_layers": 4,
+}
+QUICK = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "patch_size": 14,
+    "image_size": 112,
+    "num_hidden_layers": 2,
+}
 
 
 def clip_l_llava(vision: dict, text_hidden: int = 256):
@@ -32,10 +44,21 @@ def clip_l_llava(vision: dict, text_hidden: int = 256):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     v = CLIPVisionConfig(projection_dim=768, **vision)
-    t = LlamaConfig(vocab_size=320, hidden_size=text_hidden, intermediate_size=2 * text_hidden, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
-                    eos_token_id=2, pad_token_id=0)
-    cfg = LlavaConfig(vision_config=v, text_config=t, image_token_index=319, vision_feature_layer=-2, pad_token_id=0)
+    t = LlamaConfig(
+        vocab_size=320,
+        hidden_size=text_hidden,
+        intermediate_size=2 * text_hidden,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg = LlavaConfig(
+        vision_config=v, text_config=t, image_token_index=319, vision_feature_layer=-2, pad_token_id=0
+    )
     for c in (cfg, v, t):
         c._attn_implementation = "eager"
     state = torch.random.get_rng_state()
@@ -52,7 +75,9 @@ def export_package(vision: dict, out: Path):
     from vlmc.exporters import Source, export
 
     model = clip_l_llava(vision)
-    export(Source(name="clip-l-bench", model=model, config=model.config, family="llava")).save(out, force=True)
+    export(Source(name="clip-l-bench", model=model, config=model.config, family="llava")).save(
+        out, force=True
+    )
     return out
 
 
@@ -81,8 +106,11 @@ def run(rows: list, quick: bool = False) -> list:
     repeats = 5 if quick else 7
     with tempfile.TemporaryDirectory(prefix="vlmc-bench-quant-") as tmp:
         src = export_package(vision, Path(tmp) / "fp32")
-        plans = {"fp32": None, "fp16": {"weights": "fp16"},
-                 "int8": {"weights": "int8", "activations": "int8", "calibration": {"count": 4}}}
+        plans = {
+            "fp32": None,
+            "fp16": {"weights": "fp16"},
+            "int8": {"weights": "int8", "activations": "int8", "calibration": {"count": 4}},
+        }
         pkgs = {}
         for variant, plan in plans.items():
             pkg = Package.load(src)
@@ -90,8 +118,11 @@ def run(rows: list, quick: bool = False) -> list:
                 get("quantize")(vision_encoder=plan, eval_tokens=0, eval_samples=0).run(pkg)
                 pkg = Package.load(pkg.save(Path(tmp) / variant))
             pkgs[variant] = pkg
-        feeds = {"pixel_values": np.random.default_rng(0).standard_normal(
-            (1, 3, vision["image_size"], vision["image_size"])).astype(np.float32)}
+        feeds = {
+            "pixel_values": np.random.default_rng(0)
+            .standard_normal((1, 3, vision["image_size"], vision["image_size"]))
+            .astype(np.float32)
+        }
         sessions = {v: ortsession.for_graph(p, "vision_encoder") for v, p in pkgs.items()}
         ref = sessions["fp32"].run(None, feeds)[0]
         lat: dict[str, list[float]] = {v: [] for v in sessions}
@@ -106,12 +137,26 @@ def run(rows: list, quick: bool = False) -> list:
             b = G.initializer_bytes(p.graph("vision_encoder"))
             out = sessions[v].run(None, feeds)[0]
             ms = statistics.median(lat[v])
-            rows.append({"benchmark": "quantize", "setting": setting.format(v), "metric": "ORT CPU latency ms",
-                         "value": round(1000 * ms, 2), "ratio": f"{ms / base_lat:.2f}× fp32",
-                         "notes": f"median of {repeats} interleaved runs, batch 1"})
-            rows.append({"benchmark": "quantize", "setting": setting.format(v), "metric": "weight bytes",
-                         "value": b, "ratio": f"{b / base_bytes:.3f}× fp32",
-                         "notes": f"image_features cosine vs fp32 {cosine(ref, out.astype(np.float32)):.4f}"})
+            rows.append(
+                {
+                    "benchmark": "quantize",
+                    "setting": setting.format(v),
+                    "metric": "ORT CPU latency ms",
+                    "value": round(1000 * ms, 2),
+                    "ratio": f"{ms / base_lat:.2f}× fp32",
+                    "notes": f"median of {repeats} interleaved runs, batch 1",
+                }
+            )
+            rows.append(
+                {
+                    "benchmark": "quantize",
+                    "setting": setting.format(v),
+                    "metric": "weight bytes",
+                    "value": b,
+                    "ratio": f"{b / base_bytes:.3f}× fp32",
+                    "notes": f"image_features cosine vs fp32 {cosine(ref, out.astype(np.float32)):.4f}",
+                }
+            )
     return rows
 
 

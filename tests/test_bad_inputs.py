@@ -74,7 +74,9 @@ def unsupported_architecture(work, pkg):
     from transformers import BertConfig
 
     d = work / "bert"
-    BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(d)
+    BertConfig(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
+    ).save_pretrained(d)
     return ["export", str(d), "-o", str(work / "out")]
 
 
@@ -99,9 +101,15 @@ class _Tripwire:
 def remote_code_without_flag(work, pkg):
     d = work / "custom"
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({
-        "model_type": "my_custom_vlm", "architectures": ["MyVLM"],
-        "auto_map": {"AutoConfig": "configuration_my.MyConfig"}}))
+    (d / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "my_custom_vlm",
+                "architectures": ["MyVLM"],
+                "auto_map": {"AutoConfig": "configuration_my.MyConfig"},
+            }
+        )
+    )
     (d / "configuration_my.py").write_text(f"open({str(work / 'PWNED')!r}, 'w').close()\n")
     return ["export", str(d), "-o", str(work / "out")]
 
@@ -175,7 +183,14 @@ def not_a_package(work, pkg):
 
 # ---- recipes ------------------------------------------------------------------------------------
 def recipe_bad_yaml(work, pkg):
-    return ["optimize", str(pkg), "-r", _recipe(work, "passes:\n  - simplify\n   - x: [\n"), "-o", str(work / "out")]
+    return [
+        "optimize",
+        str(pkg),
+        "-r",
+        _recipe(work, "passes:\n  - simplify\n   - x: [\n"),
+        "-o",
+        str(work / "out"),
+    ]
 
 
 def recipe_unknown_pass(work, pkg):
@@ -183,15 +198,36 @@ def recipe_unknown_pass(work, pkg):
 
 
 def recipe_unknown_option(work, pkg):
-    return ["optimize", str(pkg), "-r", _recipe(work, "passes: [{simplify: {skip_fuse: true}}]\n"), "-o", str(work / "out")]
+    return [
+        "optimize",
+        str(pkg),
+        "-r",
+        _recipe(work, "passes: [{simplify: {skip_fuse: true}}]\n"),
+        "-o",
+        str(work / "out"),
+    ]
 
 
 def recipe_wrong_type(work, pkg):
-    return ["optimize", str(pkg), "-r", _recipe(work, "passes: [{paged_kv: {block_size: sixteen}}]\n"), "-o", str(work / "out")]
+    return [
+        "optimize",
+        str(pkg),
+        "-r",
+        _recipe(work, "passes: [{paged_kv: {block_size: sixteen}}]\n"),
+        "-o",
+        str(work / "out"),
+    ]
 
 
 def recipe_out_of_range(work, pkg):
-    return ["optimize", str(pkg), "-r", _recipe(work, "passes: [{paged_kv: {block_size: 100}}]\n"), "-o", str(work / "out")]
+    return [
+        "optimize",
+        str(pkg),
+        "-r",
+        _recipe(work, "passes: [{paged_kv: {block_size: 100}}]\n"),
+        "-o",
+        str(work / "out"),
+    ]
 
 
 def recipe_python_tag(work, pkg):
@@ -262,27 +298,55 @@ def fewer_images_than_placeholders(work, pkg):
 
 
 CASES = [
-    Case("nonexistent-model-path", nonexistent_model, ("does not exist", "local Hugging Face model directory")),
+    Case(
+        "nonexistent-model-path", nonexistent_model, ("does not exist", "local Hugging Face model directory")
+    ),
     Case("hub-id-offline", hub_id_offline, ("offline", "pass the local directory")),
-    Case("unsupported-architecture", unsupported_architecture, ("unsupported architecture", "model_type 'bert'", "supported families: llava")),
+    Case(
+        "unsupported-architecture",
+        unsupported_architecture,
+        ("unsupported architecture", "model_type 'bert'", "supported families: llava"),
+    ),
     Case("pickle-weights", pickle_weights, ("pickle", "--allow-pickle")),
     Case("remote-code-without-flag", remote_code_without_flag, ("--trust-remote-code",)),
     Case("truncated-onnx", truncated_onnx, ("decoder.onnx is not a readable ONNX file", "re-export")),
     Case("missing-external-data", missing_external_data, ("decoder.onnx.data", "missing", "re-export")),
-    Case("truncated-external-data", truncated_external_data, ("vision_encoder.onnx.data is truncated", "re-export")),
+    Case(
+        "truncated-external-data",
+        truncated_external_data,
+        ("vision_encoder.onnx.data is truncated", "re-export"),
+    ),
     Case("newer-format-version", newer_format_version, ("newer than this vlmc supports", "upgrade vlmc")),
     Case("manifest-not-json", manifest_not_json, ("not valid JSON", "line 3")),
     Case("pipeline-names-missing-graph", pipeline_names_missing_graph, ("pipeline.embed", "no_such_graph")),
-    Case("signature-edited-by-hand", signature_edited, ("graphs.decoder.inputs do not match decoder.onnx", "re-export")),
+    Case(
+        "signature-edited-by-hand",
+        signature_edited,
+        ("graphs.decoder.inputs do not match decoder.onnx", "re-export"),
+    ),
     Case("graph-file-swapped", graph_file_swapped, ("graphs.decoder.inputs do not match embed_tokens.onnx",)),
-    Case("unknown-preprocess-kind", unknown_preprocess_kind,
-         ("unknown preprocessing kind 'from_the_future'", "known kinds: clip, resize, packed_patches", "upgrade vlmc")),
-    Case("unknown-position-kind", unknown_position_kind,
-         ("unknown position kind 'from_the_future'", "known kinds: 1d, mrope", "upgrade vlmc")),
+    Case(
+        "unknown-preprocess-kind",
+        unknown_preprocess_kind,
+        (
+            "unknown preprocessing kind 'from_the_future'",
+            "known kinds: clip, resize, packed_patches",
+            "upgrade vlmc",
+        ),
+    ),
+    Case(
+        "unknown-position-kind",
+        unknown_position_kind,
+        ("unknown position kind 'from_the_future'", "known kinds: 1d, mrope", "upgrade vlmc"),
+    ),
     Case("not-a-package", not_a_package, ("is not a vlmc package", "vlmc export")),
     Case("recipe-bad-yaml", recipe_bad_yaml, ("YAML error at line 3",)),
     Case("recipe-unknown-pass", recipe_unknown_pass, ("unknown pass 'simplfy'", "valid passes:", "simplify")),
-    Case("recipe-unknown-option", recipe_unknown_option, ("unknown option 'skip_fuse'", "valid options:", "skip_fuse_bn")),
+    Case(
+        "recipe-unknown-option",
+        recipe_unknown_option,
+        ("unknown option 'skip_fuse'", "valid options:", "skip_fuse_bn"),
+    ),
     Case("recipe-wrong-type", recipe_wrong_type, ("block_size", "int")),
     Case("recipe-out-of-range", recipe_out_of_range, ("block_size", "100", "multiple of 16")),
     Case("recipe-python-tag", recipe_python_tag, ("YAML error", "python/object")),
@@ -296,9 +360,19 @@ CASES = [
     Case("image-not-an-image", image_not_an_image, ("not a readable image", "PNG or JPEG")),
     Case("image-is-a-directory", image_is_a_directory, ("is not a file", "image file")),
     Case("image-missing", image_missing, ("does not exist",)),
-    Case("prompt-longer-than-context", prompt_too_long, ("longer than the model's context of 512", "shorten")),
-    Case("more-images-than-placeholders", more_images_than_placeholders, ("2 image(s) given but the prompts take 1",)),
-    Case("fewer-images-than-placeholders", fewer_images_than_placeholders, ("1 image(s) given but the prompts take 2",)),
+    Case(
+        "prompt-longer-than-context", prompt_too_long, ("longer than the model's context of 512", "shorten")
+    ),
+    Case(
+        "more-images-than-placeholders",
+        more_images_than_placeholders,
+        ("2 image(s) given but the prompts take 1",),
+    ),
+    Case(
+        "fewer-images-than-placeholders",
+        fewer_images_than_placeholders,
+        ("1 image(s) given but the prompts take 2",),
+    ),
 ]
 
 
@@ -368,10 +442,15 @@ def test_force_replaces_a_previous_vlmc_package(tiny_llava, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(tiny_llava, out)
     (out / "stale.txt").write_text("from an older export")
-    result = CliRunner().invoke(main, ["optimize", str(tiny_llava), "-r", _recipe(tmp_path), "-o", str(out), "--force"])
+    result = CliRunner().invoke(
+        main, ["optimize", str(tiny_llava), "-r", _recipe(tmp_path), "-o", str(out), "--force"]
+    )
     assert result.exit_code == 0, result.stderr
     assert not (out / "stale.txt").exists()
-    assert [h["pass"] for h in json.loads((out / "vlmc.json").read_text())["history"]] == ["fold_constants", "simplify"]
+    assert [h["pass"] for h in json.loads((out / "vlmc.json").read_text())["history"]] == [
+        "fold_constants",
+        "simplify",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "recipe.yaml"]  # no .tmp-/.old- leftovers
 
 
@@ -418,7 +497,10 @@ def test_unknown_kv_layout_is_a_one_line_error():
     from vlmc.errors import VlmcError
     from vlmc.runtime import kv
 
-    with pytest.raises(VlmcError, match=r"unknown KV layout 'ring' \(kv.layout\); known layouts: contiguous, paged"):
+    with pytest.raises(
+        VlmcError, match=r"unknown KV layout 'ring' \(kv.layout\); known layouts: contiguous, paged"
+    ):
         kv.make({"layout": "ring", "layers": 1, "kv_heads": 1, "head_dim": 4}, batch=1)
-    assert isinstance(kv.make({"layout": "contiguous", "layers": 1, "kv_heads": 1, "head_dim": 4}, batch=1),
-                      kv.ContiguousKV)
+    assert isinstance(
+        kv.make({"layout": "contiguous", "layers": 1, "kv_heads": 1, "head_dim": 4}, batch=1), kv.ContiguousKV
+    )

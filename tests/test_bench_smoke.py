@@ -11,8 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_bench_quick_writes_report_and_plots(tmp_path):
     out = tmp_path / "benchmarks.md"
-    res = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     text = out.read_text()
     assert "| tiny |" in text and "time ratio" in text

@@ -31,13 +31,25 @@ def test_tiny_blip2_manifest_describes_the_stage_chain(tiny_blip2):
     m = pkg.manifest
     assert m["model"]["family"] == "blip2"
     assert m["model"]["architecture"] == "Blip2ForConditionalGeneration"
-    assert m["pipeline"] == {"image": ["vision_encoder", "fusion"], "embed": "embed_tokens", "decoder": ["decoder"]}
+    assert m["pipeline"] == {
+        "image": ["vision_encoder", "fusion"],
+        "embed": "embed_tokens",
+        "decoder": ["decoder"],
+    }
     assert {n: pkg.info(n)["role"] for n in pkg.graph_names} == {
-        "vision_encoder": "vision", "fusion": "fusion", "embed_tokens": "embed", "decoder": "decoder"}
+        "vision_encoder": "vision",
+        "fusion": "fusion",
+        "embed_tokens": "embed",
+        "decoder": "decoder",
+    }
     vision, fusion = pkg.info("vision_encoder"), pkg.info("fusion")
     assert [i["name"] for i in vision["inputs"]] == ["pixel_values"]
     # the fusion graph consumes the vision graph's output by name: that is how the runtime chains them
-    assert [o["name"] for o in vision["outputs"]] == [i["name"] for i in fusion["inputs"]] == ["vision_hidden_states"]
+    assert (
+        [o["name"] for o in vision["outputs"]]
+        == [i["name"] for i in fusion["inputs"]]
+        == ["vision_hidden_states"]
+    )
     n_query = m["vision"]["tokens_per_image"]
     assert n_query == m["vision"]["num_query_tokens"] == 8
     assert fusion["outputs"][0]["name"] == "image_features"
@@ -92,8 +104,14 @@ def test_resize_preprocessing_matches_blip_image_processor():
     proc = BlipImageProcessorPil(size={"height": 32, "width": 48})
     img = preprocess.demo_image(96, seed=3)[:, :70]  # not square: the resize must not keep the aspect
     want = proc(images=[img], return_tensors="np")["pixel_values"]
-    facts = {"kind": "resize", "size": [32, 48], "mean": proc.image_mean, "std": proc.image_std,
-             "rescale_factor": proc.rescale_factor, "resample": "bicubic"}
+    facts = {
+        "kind": "resize",
+        "size": [32, 48],
+        "mean": proc.image_mean,
+        "std": proc.image_std,
+        "rescale_factor": proc.rescale_factor,
+        "resample": "bicubic",
+    }
     got = preprocess.preprocess([img], facts)["pixel_values"]
     assert got.shape == want.shape == (1, 3, 32, 48)
     np.testing.assert_allclose(got, want, atol=1e-5)
@@ -107,12 +125,18 @@ def test_decoder_takes_zero_based_positions_like_opt(tiny_blip2, reference):
     emb = rng.standard_normal((2, 6, m["text"]["hidden_size"])).astype(np.float32)
     mask = np.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], np.int64)
     kv = m["kv"]
-    empty = {n: np.zeros((2, kv["kv_heads"], 0, kv["head_dim"]), np.float32) for n in base.kv_names(kv["layers"])[0]}
+    empty = {
+        n: np.zeros((2, kv["kv_heads"], 0, kv["head_dim"]), np.float32)
+        for n in base.kv_names(kv["layers"])[0]
+    }
     pos = np.where(mask == 0, 1, np.cumsum(mask, -1) - 1)
-    got = pipe.run_graph("decoder", {"inputs_embeds": emb, "attention_mask": mask, "position_ids": pos, **empty})
+    got = pipe.run_graph(
+        "decoder", {"inputs_embeds": emb, "attention_mask": mask, "position_ids": pos, **empty}
+    )
     with torch.no_grad():
-        want = reference.language_model(inputs_embeds=torch.from_numpy(emb),
-                                        attention_mask=torch.from_numpy(mask)).logits.numpy()
+        want = reference.language_model(
+            inputs_embeds=torch.from_numpy(emb), attention_mask=torch.from_numpy(mask)
+        ).logits.numpy()
     real = mask.astype(bool)
     np.testing.assert_allclose(got["logits"][real], want[real], rtol=1e-4, atol=1e-4)
 
@@ -182,10 +206,22 @@ def test_blip2_with_an_encoder_decoder_language_model_is_rejected(tmp_path):
     from transformers import Blip2Config, Blip2ForConditionalGeneration, T5Config
 
     base_cfg = blip2.tiny_blip2_config()
-    t5 = T5Config(vocab_size=zoo.TINY_VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
-                  decoder_start_token_id=0)
-    cfg = Blip2Config(vision_config=base_cfg.vision_config, qformer_config=base_cfg.qformer_config, text_config=t5,
-                      num_query_tokens=4, image_token_index=zoo.TINY_IMAGE_TOKEN)
+    t5 = T5Config(
+        vocab_size=zoo.TINY_VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+    )
+    cfg = Blip2Config(
+        vision_config=base_cfg.vision_config,
+        qformer_config=base_cfg.qformer_config,
+        text_config=t5,
+        num_query_tokens=4,
+        image_token_index=zoo.TINY_IMAGE_TOKEN,
+    )
     Blip2ForConditionalGeneration(cfg).save_pretrained(tmp_path / "t5")
     src = exporters.load_source(str(tmp_path / "t5"))
     with pytest.raises(VlmcError, match=r"BLIP-2 with a t5 language model is not supported") as err:

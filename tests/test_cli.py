@@ -39,14 +39,18 @@ def test_every_command_has_help_with_an_example():
 
 def test_version_and_python_dash_m():
     assert invoke("--version").output.strip() == f"vlmc, version {__version__}"
-    out = subprocess.run([sys.executable, "-m", "vlmc", "--version"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "vlmc", "--version"], capture_output=True, text=True, check=True
+    )
     assert __version__ in out.stdout
 
 
 def test_export_list_shows_builtins_and_families():
     res = invoke("export", "--list")
     assert res.exit_code == 0
-    assert "tiny-llava" in res.output and "llava" in res.output and "LlavaForConditionalGeneration" in res.output
+    assert (
+        "tiny-llava" in res.output and "llava" in res.output and "LlavaForConditionalGeneration" in res.output
+    )
 
 
 def test_passes_lists_registered_passes_and_schema():
@@ -68,7 +72,17 @@ def test_inspect_json_and_markdown(tiny_llava):
 
 
 def test_run_prints_generated_tokens(tiny_llava):
-    res = invoke("run", str(tiny_llava), "--image", "demo", "--prompt", "Describe the image.", "--max-new-tokens", "4", "--json")
+    res = invoke(
+        "run",
+        str(tiny_llava),
+        "--image",
+        "demo",
+        "--prompt",
+        "Describe the image.",
+        "--max-new-tokens",
+        "4",
+        "--json",
+    )
     assert res.exit_code == 0, res.output
     data = json.loads(res.output)
     assert len(data["tokens"]) == 1 and 1 <= len(data["tokens"][0]) <= 4
@@ -90,7 +104,11 @@ def test_user_errors_are_one_line_exit_2(tiny_llava, tmp_path):
     recipe.write_text("passes: [no_such_pass]\n")
     res = invoke("optimize", str(tiny_llava), "--recipe", str(recipe), "-o", str(tmp_path / "o"))
     assert res.exit_code == 2
-    assert res.stderr.count("\n") == 1 and res.stderr.startswith("vlmc: error: ") and "valid passes:" in res.stderr
+    assert (
+        res.stderr.count("\n") == 1
+        and res.stderr.startswith("vlmc: error: ")
+        and "valid passes:" in res.stderr
+    )
     assert "Traceback" not in res.stderr
     assert not (tmp_path / "o").exists()
     res = invoke("inspect", str(tmp_path / "missing"))
@@ -124,7 +142,9 @@ def test_verify_passes_and_writes_verify_json(tiny_llava, tmp_path):
 def _readme_commands() -> list[str]:
     text = (REPO / "README.md").read_text()
     blocks = re.findall(r"```\n(.*?)```", text, flags=re.S)
-    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("vlmc ")]
+    return [
+        line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("vlmc ")
+    ]
 
 
 def test_readme_commands_run_as_written(tmp_path):
@@ -146,13 +166,16 @@ def test_global_flags(tiny_llava, flag):
     assert res.exit_code == 0
 
 
-@pytest.mark.parametrize("args, backend, soc", [
-    ([], "ascend", None),
-    (["-r", "{recipe}"], "ascend", "Ascend910B1"),
-    (["--target=ort", "-r", "{recipe}"], "ort", None),
-    (["--target", "ort", "--recipe", "{recipe}"], "ort", None),
-    (["--soc", "Ascend910B4"], "ascend", "Ascend910B4"),
-])
+@pytest.mark.parametrize(
+    "args, backend, soc",
+    [
+        ([], "ascend", None),
+        (["-r", "{recipe}"], "ascend", "Ascend910B1"),
+        (["--target=ort", "-r", "{recipe}"], "ort", None),
+        (["--target", "ort", "--recipe", "{recipe}"], "ort", None),
+        (["--soc", "Ascend910B4"], "ascend", "Ascend910B4"),
+    ],
+)
 def test_compile_picks_backend_from_flags_then_recipe(tiny_llava, tmp_path, args, backend, soc):
     recipe = tmp_path / "asc.yaml"
     recipe.write_text("target: {backend: ascend, soc: Ascend910B1}\n")
@@ -166,6 +189,8 @@ def test_compile_picks_backend_from_flags_then_recipe(tiny_llava, tmp_path, args
 
 
 def test_compile_rejects_ascend_flags_for_ort(tiny_llava, tmp_path):
-    res = invoke("compile", str(tiny_llava), "-o", str(tmp_path / "b"), "--target", "ort", "--soc", "Ascend910B1")
+    res = invoke(
+        "compile", str(tiny_llava), "-o", str(tmp_path / "b"), "--target", "ort", "--soc", "Ascend910B1"
+    )
     assert res.exit_code == 2 and "apply to --target ascend only" in res.stderr
     assert not (tmp_path / "b").exists()

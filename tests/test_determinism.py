@@ -23,8 +23,11 @@ REPORTS = {"report.md", "report.json"}  # timings live here, by design
 
 
 def _files(build: Path) -> dict[str, str]:
-    return {p.relative_to(build).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(build.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(build).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(build.rglob("*"))
+        if p.is_file()
+    }
 
 
 def _build_in_process(recipe: Path, out: Path) -> None:
@@ -40,8 +43,12 @@ def builds(tmp_path_factory) -> tuple[Path, Path, Path]:
     recipe.write_text(RECIPE)
     _build_in_process(recipe, root / "a")
     _build_in_process(recipe, root / "b")
-    subprocess.run([sys.executable, "-m", "vlmc", "-q", "build", "-r", str(recipe), "-o", str(root / "c")],
-                   check=True, timeout=300, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "vlmc", "-q", "build", "-r", str(recipe), "-o", str(root / "c")],
+        check=True,
+        timeout=300,
+        capture_output=True,
+    )
     return root / "a", root / "b", root / "c"
 
 

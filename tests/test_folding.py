@@ -10,8 +10,7 @@ from vlmc.package import Package
 
 @pytest.mark.parametrize("fold", ["simplify", "fold_constants"])
 def test_folding_after_quantize_keeps_compressed_weights(tiny_llava, fold):
-    steps = recipe.parse(
-        "passes:\n  - quantize: {decoder: {weights: int8}}\n" f"  - {fold}\n").steps
+    steps = recipe.parse(f"passes:\n  - quantize: {{decoder: {{weights: int8}}}}\n  - {fold}\n").steps
     pkg = manager.run(Package.load(tiny_llava), steps)
     assert pkg.info("decoder")["precision"] == "int8_weight_only"
     rep = pkg.manifest["history"][-1]["report"]

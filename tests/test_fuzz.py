@@ -22,19 +22,51 @@ from vlmc.package import Package
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # ---- recipes -------------------------------------------------------------------------------------
-_WORDS = list(recipe.TOP_KEYS) + list(recipe.EXPORT_KEYS) + list(pass_api.registry()) + [
-    o.name for cls in pass_api.registry().values() for o in cls.options] + ["backend", "ort", "ascend", "soc"]
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                     st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12), st.sampled_from(_WORDS))
-_values = st.recursive(_scalars, lambda kids: st.one_of(
-    st.lists(kids, max_size=4), st.dictionaries(st.one_of(st.sampled_from(_WORDS), st.text(max_size=6)), kids, max_size=4)),
-    max_leaves=20)
-_recipes = st.fixed_dictionaries({}, optional={
-    "model": _scalars, "export": st.dictionaries(st.sampled_from(recipe.EXPORT_KEYS + ("other",)), _scalars, max_size=3),
-    "passes": st.one_of(_values, st.lists(st.one_of(st.sampled_from(list(pass_api.registry())), st.dictionaries(
-        st.sampled_from(list(pass_api.registry()) + ["nope"]), st.one_of(st.none(), _values), max_size=2)), max_size=4)),
-    "target": _values,
-})
+_WORDS = (
+    list(recipe.TOP_KEYS)
+    + list(recipe.EXPORT_KEYS)
+    + list(pass_api.registry())
+    + [o.name for cls in pass_api.registry().values() for o in cls.options]
+    + ["backend", "ort", "ascend", "soc"]
+)
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(_WORDS),
+)
+_values = st.recursive(
+    _scalars,
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=4),
+        st.dictionaries(st.one_of(st.sampled_from(_WORDS), st.text(max_size=6)), kids, max_size=4),
+    ),
+    max_leaves=20,
+)
+_recipes = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": _scalars,
+        "export": st.dictionaries(st.sampled_from(recipe.EXPORT_KEYS + ("other",)), _scalars, max_size=3),
+        "passes": st.one_of(
+            _values,
+            st.lists(
+                st.one_of(
+                    st.sampled_from(list(pass_api.registry())),
+                    st.dictionaries(
+                        st.sampled_from(list(pass_api.registry()) + ["nope"]),
+                        st.one_of(st.none(), _values),
+                        max_size=2,
+                    ),
+                ),
+                max_size=4,
+            ),
+        ),
+        "target": _values,
+    },
+)
 
 
 def _check_recipe(r: recipe.Recipe) -> None:
@@ -57,8 +89,13 @@ def test_recipe_from_any_mapping(data):
 
 
 @FAST
-@given(st.one_of(st.text(max_size=200), _recipes.map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
-                 _values.map(yaml.safe_dump)))
+@given(
+    st.one_of(
+        st.text(max_size=200),
+        _recipes.map(lambda d: yaml.safe_dump(d, allow_unicode=True)),
+        _values.map(yaml.safe_dump),
+    )
+)
 def test_recipe_from_any_text(text):
     try:
         r = recipe.parse(text)
@@ -93,10 +130,19 @@ def _paths(node, prefix=()):
         yield from _paths(v, prefix + (k,))
 
 
-_json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-(2**40), 2**40), st.floats(allow_nan=False),
-                               st.text(max_size=8)),
-                     lambda kids: st.one_of(st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=6), kids, max_size=3)),
-                     max_leaves=10)
+_json = st.recursive(
+    st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**40), 2**40),
+        st.floats(allow_nan=False),
+        st.text(max_size=8),
+    ),
+    lambda kids: st.one_of(
+        st.lists(kids, max_size=3), st.dictionaries(st.text(max_size=6), kids, max_size=3)
+    ),
+    max_leaves=10,
+)
 
 
 @st.composite
@@ -105,7 +151,9 @@ def mutated_manifests(draw, base: dict):
     m = copy.deepcopy(base)
     for _ in range(draw(st.integers(1, 4))):
         paths = list(_paths(m))
-        shallow = [p for p in paths if len(p) <= 3]  # sections, their fields and one level down: most checks live there
+        shallow = [
+            p for p in paths if len(p) <= 3
+        ]  # sections, their fields and one level down: most checks live there
         if not paths:
             break
         path = draw(st.sampled_from(shallow if shallow and draw(st.booleans()) else paths))
@@ -181,24 +229,55 @@ def cli_files(tmp_path_factory) -> dict[str, str]:
     (root / "bad.yaml").write_text("passes: [nope]\n")
     (root / "text.png").write_text("not an image")
     (root / "plain").mkdir()
-    return {"recipe": str(root / "r.yaml"), "bad_recipe": str(root / "bad.yaml"), "not_image": str(root / "text.png"),
-            "dir": str(root / "plain"), "missing": str(root / "missing"), "out": str(root / "out" / "x")}
+    return {
+        "recipe": str(root / "r.yaml"),
+        "bad_recipe": str(root / "bad.yaml"),
+        "not_image": str(root / "text.png"),
+        "dir": str(root / "plain"),
+        "missing": str(root / "missing"),
+        "out": str(root / "out" / "x"),
+    }
 
 
 _COMMANDS = sorted(main.commands)
-_OPTIONS = ["-o", "--output", "-r", "--recipe", "--force", "--check", "--image", "--prompt", "--max-new-tokens",
-            "--json", "--schema", "--list", "--allow-pickle", "--trust-remote-code", "--target", "--soc",
-            "--device-memory", "--config", "-v", "-q", "--help", "--bogus"]
+_OPTIONS = [
+    "-o",
+    "--output",
+    "-r",
+    "--recipe",
+    "--force",
+    "--check",
+    "--image",
+    "--prompt",
+    "--max-new-tokens",
+    "--json",
+    "--schema",
+    "--list",
+    "--allow-pickle",
+    "--trust-remote-code",
+    "--target",
+    "--soc",
+    "--device-memory",
+    "--config",
+    "-v",
+    "-q",
+    "--help",
+    "--bogus",
+]
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_cli_any_arguments(cli_files, data):
     """Random command lines never show a traceback; exit codes are 0 (ok), 1 (check failed) or 2 (bad input)."""
-    values = st.one_of(st.sampled_from(sorted(cli_files.values())), st.sampled_from(["demo", "0", "-1", "99999", "x"]),
-                       st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"),
-                               max_size=10))
-    argv = data.draw(st.lists(st.one_of(st.sampled_from(_COMMANDS), st.sampled_from(_OPTIONS), values), max_size=7))
+    values = st.one_of(
+        st.sampled_from(sorted(cli_files.values())),
+        st.sampled_from(["demo", "0", "-1", "99999", "x"]),
+        st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=10),
+    )
+    argv = data.draw(
+        st.lists(st.one_of(st.sampled_from(_COMMANDS), st.sampled_from(_OPTIONS), values), max_size=7)
+    )
     if argv and argv[0] not in ("-v", "-q", "--help") and data.draw(st.booleans()):
         argv.insert(0, data.draw(st.sampled_from(_COMMANDS)))
     if "export" in argv or "build" in argv:
@@ -207,6 +286,9 @@ def test_cli_any_arguments(cli_files, data):
     result = CliRunner().invoke(main, argv)
     assert result.exit_code in (0, 1, 2), (argv, result.exit_code, result.output)
     assert "Traceback" not in result.output, argv
-    assert result.exception is None or isinstance(result.exception, SystemExit), (argv, repr(result.exception))
+    assert result.exception is None or isinstance(result.exception, SystemExit), (
+        argv,
+        repr(result.exception),
+    )
     assert "internal error" not in result.stderr, (argv, result.stderr)
     assert not Path(cli_files["out"]).exists() or result.exit_code == 0, argv

@@ -57,17 +57,23 @@ def library_caches(tmp_path_factory) -> set[str]:
     recipe = root / "recipe.yaml"
     recipe.write_text(RECIPE)
     out = root / "out"
-    proc = subprocess.run([sys.executable, "-c", SLOW_DISK, "-q", "build", "-r", str(recipe), "-o", str(out)],
-                          capture_output=True, timeout=300, env=dict(os.environ, TMPDIR=str(root / "tmp")))
+    proc = subprocess.run(
+        [sys.executable, "-c", SLOW_DISK, "-q", "build", "-r", str(recipe), "-o", str(out)],
+        capture_output=True,
+        timeout=300,
+        env=dict(os.environ, TMPDIR=str(root / "tmp")),
+    )
     assert proc.returncode == 0, proc.stderr.decode()
     assert (out / "package" / "vlmc.json").is_file() and (out / "vlmc-build.json").is_file()
     assert _leftovers(root, "out") == []
     return {p.name for p in (root / "tmp").iterdir()}
 
 
-@pytest.mark.parametrize(("phase", "sig"), [("exporting", signal.SIGTERM), ("writing", signal.SIGINT),
-                                            ("writing", signal.SIGTERM)],
-                         ids=["exporting-SIGTERM", "writing-SIGINT", "writing-SIGTERM"])
+@pytest.mark.parametrize(
+    ("phase", "sig"),
+    [("exporting", signal.SIGTERM), ("writing", signal.SIGINT), ("writing", signal.SIGTERM)],
+    ids=["exporting-SIGTERM", "writing-SIGINT", "writing-SIGTERM"],
+)
 def test_signal_during_build_leaves_nothing(phase: str, sig: signal.Signals, tmp_path: Path, library_caches):
     work, tmpdir = tmp_path / "work", tmp_path / "tmp"
     work.mkdir()
@@ -79,8 +85,14 @@ def test_signal_during_build_leaves_nothing(phase: str, sig: signal.Signals, tmp
     env = dict(os.environ, TMPDIR=str(tmpdir))  # torch.onnx.export's temp files must go too
     cmd = [sys.executable, "-c", SLOW_DISK] if phase == "writing" else [sys.executable, "-m", "vlmc"]
     with open(err, "wb") as stderr:
-        proc = subprocess.Popen(cmd + ["build", "-r", str(recipe), "-o", str(out)], cwd=work, env=env,
-                                stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd + ["build", "-r", str(recipe), "-o", str(out)],
+            cwd=work,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         if phase == "exporting":
             _wait_for(lambda: b"exporting tiny-llava" in err.read_bytes(), "the export to start", proc)

@@ -19,9 +19,11 @@ def test_tiny_llava_graphs_follow_the_interfaces(tiny_llava):
     dec = pkg.info("decoder")
     layers = m["kv"]["layers"]
     assert [i["name"] for i in dec["inputs"]] == ["inputs_embeds", "attention_mask", "position_ids"] + [
-        f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")
+    ]
     assert [o["name"] for o in dec["outputs"]] == ["logits"] + [
-        f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")
+    ]
     assert dec["inputs"][0]["shape"][:2] == ["batch", "sequence"]
     assert dec["inputs"][3]["shape"][2] == "past_sequence"
     assert pkg.info("vision_encoder")["outputs"][0]["name"] == "image_features"
@@ -38,8 +40,15 @@ def test_vision_graph_takes_any_image_count(tiny_llava, images):
     pkg = Package.load(tiny_llava)
     sess = ortsession.for_graph(pkg, "vision_encoder")
     size = pkg.manifest["vision"]["image_size"]
-    out = sess.run(None, {"pixel_values": np.random.default_rng(0).standard_normal((images, 3, *size)).astype(np.float32)})[0]
-    assert out.shape == (images, pkg.manifest["vision"]["tokens_per_image"], pkg.manifest["text"]["hidden_size"])
+    out = sess.run(
+        None,
+        {"pixel_values": np.random.default_rng(0).standard_normal((images, 3, *size)).astype(np.float32)},
+    )[0]
+    assert out.shape == (
+        images,
+        pkg.manifest["vision"]["tokens_per_image"],
+        pkg.manifest["text"]["hidden_size"],
+    )
 
 
 def test_decoder_prefill_then_decode_matches_one_pass(tiny_llava):
@@ -50,14 +59,41 @@ def test_decoder_prefill_then_decode_matches_one_pass(tiny_llava):
     hidden, layers = pkg.manifest["text"]["hidden_size"], pkg.manifest["kv"]["layers"]
     kvh, hd = pkg.manifest["kv"]["kv_heads"], pkg.manifest["kv"]["head_dim"]
     emb = rng.standard_normal((1, 6, hidden)).astype(np.float32)
-    empty = {f"past_key_values.{i}.{k}": np.zeros((1, kvh, 0, hd), np.float32) for i in range(layers) for k in ("key", "value")}
-    full = pipe.run_graph("decoder", {"inputs_embeds": emb, "attention_mask": np.ones((1, 6), np.int64),
-                                      "position_ids": np.arange(6)[None], **empty})
-    first = pipe.run_graph("decoder", {"inputs_embeds": emb[:, :5], "attention_mask": np.ones((1, 5), np.int64),
-                                       "position_ids": np.arange(5)[None], **empty})
-    past = {f"past_key_values.{i}.{k}": first[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")}
-    step = pipe.run_graph("decoder", {"inputs_embeds": emb[:, 5:], "attention_mask": np.ones((1, 6), np.int64),
-                                      "position_ids": np.array([[5]]), **past})
+    empty = {
+        f"past_key_values.{i}.{k}": np.zeros((1, kvh, 0, hd), np.float32)
+        for i in range(layers)
+        for k in ("key", "value")
+    }
+    full = pipe.run_graph(
+        "decoder",
+        {
+            "inputs_embeds": emb,
+            "attention_mask": np.ones((1, 6), np.int64),
+            "position_ids": np.arange(6)[None],
+            **empty,
+        },
+    )
+    first = pipe.run_graph(
+        "decoder",
+        {
+            "inputs_embeds": emb[:, :5],
+            "attention_mask": np.ones((1, 5), np.int64),
+            "position_ids": np.arange(5)[None],
+            **empty,
+        },
+    )
+    past = {
+        f"past_key_values.{i}.{k}": first[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")
+    }
+    step = pipe.run_graph(
+        "decoder",
+        {
+            "inputs_embeds": emb[:, 5:],
+            "attention_mask": np.ones((1, 6), np.int64),
+            "position_ids": np.array([[5]]),
+            **past,
+        },
+    )
     np.testing.assert_allclose(step["logits"][:, -1], full["logits"][:, -1], rtol=1e-5, atol=1e-5)
 
 
@@ -85,8 +121,10 @@ LOCAL_CONFIGS = {
 @pytest.fixture(scope="module")
 def local_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("llava_local")
-    return {name: _save_local(root, name, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()})
-            for name, over in LOCAL_CONFIGS.items()}
+    return {
+        name: _save_local(root, name, **{k: (dict(v) if isinstance(v, dict) else v) for k, v in over.items()})
+        for name, over in LOCAL_CONFIGS.items()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(LOCAL_CONFIGS))
@@ -109,8 +147,12 @@ def test_layer_list_config_concatenates_hidden_states(local_dirs):
 
 def test_verify_builtin_batch_of_two_images_with_different_prompts(tiny_llava):
     pkg = Package.load(tiny_llava)
-    res = verify.verify(pkg, max_new_tokens=20, prompts=["Describe the image.", "What colour is the large circle here?"],
-                        images=[["demo:3"], ["demo:4"]])
+    res = verify.verify(
+        pkg,
+        max_new_tokens=20,
+        prompts=["Describe the image.", "What colour is the large circle here?"],
+        images=[["demo:3"], ["demo:4"]],
+    )
     assert res.passed and res.prompts == 2
     assert res.tokens_package == res.tokens_reference
     assert res.prefill_logits_max_abs_diff <= 1e-4

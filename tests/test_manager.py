@@ -95,8 +95,13 @@ def test_noop_pass_records_history_with_modified_false(tiny_llava):
     assert pkg.report["passes"][-1]["seconds"] >= 0
 
 
-@pytest.mark.parametrize("cls, text", [(Liar, "reported modified=False but it changed embed_tokens"),
-                                       (Boaster, "reported modified=True but it changed nothing")])
+@pytest.mark.parametrize(
+    "cls, text",
+    [
+        (Liar, "reported modified=False but it changed embed_tokens"),
+        (Boaster, "reported modified=True but it changed nothing"),
+    ],
+)
 def test_misreported_modified_is_rejected(tiny_llava, cls, text):
     with pytest.raises(PassFailed) as err:
         manager.run(Package.load(tiny_llava), [_Step(Noop, 1), _Step(cls, 2)])
@@ -116,7 +121,9 @@ def test_invalid_graph_is_caught_by_the_checker(tiny_llava):
 
 
 def test_check_catches_a_numerics_changing_pass(tiny_llava):
-    with pytest.raises(CheckFailed, match=r"pass #1 'scale' changed the numerics of embed_tokens:inputs_embeds"):
+    with pytest.raises(
+        CheckFailed, match=r"pass #1 'scale' changed the numerics of embed_tokens:inputs_embeds"
+    ):
         manager.run(Package.load(tiny_llava), [_Step(ScaleEmbeddings, 1, factor=2.0)], check=True)
 
 

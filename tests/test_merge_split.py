@@ -24,9 +24,13 @@ PROMPTS = ["Describe the image.", "What is in it?"]
 IMAGES = [["demo:0"], ["demo:1"]]
 TOKENS = 6
 # ops the ATC ONNX parser registers; Constant is converted by the parser itself (see the file's header)
-ATC_OPS = {line.split("\t")[0] for line in
-           (Path(__file__).resolve().parents[1] / "vlmc/backends/ascend/data/onnx_ops.tsv").read_text().splitlines()
-           if line and not line.startswith("#")} | {"Constant"}
+ATC_OPS = {
+    line.split("\t")[0]
+    for line in (Path(__file__).resolve().parents[1] / "vlmc/backends/ascend/data/onnx_ops.tsv")
+    .read_text()
+    .splitlines()
+    if line and not line.startswith("#")
+} | {"Constant"}
 
 
 def _run(pkg_dir: Path, passes: list[dict]) -> Package:
@@ -103,7 +107,9 @@ def deep(tmp_path_factory):
             torch.manual_seed(0)
             d = type(model)(cfg).eval()
             exporters._eager(d)
-            src = exporters.Source(name=name, model=d, config=d.config, family=zoo.BUILTINS[name][0], builtin=True)
+            src = exporters.Source(
+                name=name, model=d, config=d.config, family=zoo.BUILTINS[name][0], builtin=True
+            )
             out = tmp_path_factory.mktemp("deep") / name
             exporters.export(src).save(out)
             cache[name] = out
@@ -113,6 +119,7 @@ def deep(tmp_path_factory):
 
 
 # ---- merge ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", BUILTINS)
 def test_merged_greedy_equals_split(name, source, merged):
@@ -124,8 +131,8 @@ def test_merged_greedy_equals_split(name, source, merged):
     G.check(vlm, "vlm")
     ins = [i.name for i in vlm.graph.input]
     vision_inputs = [i["name"] for i in split_pkg.info(split_pkg.manifest["pipeline"]["image"][0])["inputs"]]
-    assert ins[:len(vision_inputs) + 1] == [*vision_inputs, "input_ids"]
-    assert ins[len(vision_inputs) + 1:] == [i["name"] for i in split_pkg.info("decoder")["inputs"]][1:]
+    assert ins[: len(vision_inputs) + 1] == [*vision_inputs, "input_ids"]
+    assert ins[len(vision_inputs) + 1 :] == [i["name"] for i in split_pkg.info("decoder")["inputs"]][1:]
     assert [o.name for o in vlm.graph.output] == [o["name"] for o in split_pkg.info("decoder")["outputs"]]
     hist = G.op_histogram(vlm)
     for op in ("Equal", "CumSum", "Max", "Gather", "Where"):
@@ -137,8 +144,10 @@ def test_merged_greedy_equals_split(name, source, merged):
 
 @pytest.mark.parametrize("name", BUILTINS[:1])
 def test_merged_text_only_prompt_uses_decode_path(name, source, merged):
-    _assert_same_generation(_generate(Package.load(source(name)), ["Hello"], [[]]),
-                            _generate(Package.load(merged(name)), ["Hello"], [[]]))
+    _assert_same_generation(
+        _generate(Package.load(source(name)), ["Hello"], [[]]),
+        _generate(Package.load(merged(name)), ["Hello"], [[]]),
+    )
 
 
 def _external_regions(pkg_dir: Path) -> dict[tuple[str, int], bytes]:
@@ -164,7 +173,10 @@ def test_merged_package_stores_each_weight_once(name, source, merged):
     data = (out / "weights.onnx.data").stat().st_size
     assert data - sum(len(b) for b in regions.values()) < 64 * len(regions)  # only alignment padding
     vlm = Package.load(out).graph("vlm")
-    inits = [hashlib.sha256(t.raw_data).hexdigest() + str(list(t.dims)) + str(t.data_type) for t in vlm.graph.initializer]
+    inits = [
+        hashlib.sha256(t.raw_data).hexdigest() + str(list(t.dims)) + str(t.data_type)
+        for t in vlm.graph.initializer
+    ]
     assert len(inits) == len(set(inits))
     after, before = report.summary(Package.load(out)), report.summary(Package.load(source(name)))
     # the decode graphs repeat the decoder: summed per graph it is there twice, stored once
@@ -174,6 +186,7 @@ def test_merged_package_stores_each_weight_once(name, source, merged):
 
 # ---- split ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", BUILTINS)
 def test_split_of_merge_restores_the_package(name, source, merged, tmp_path):
     original = Package.load(source(name))
@@ -182,8 +195,9 @@ def test_split_of_merge_restores_the_package(name, source, merged, tmp_path):
     assert sorted(restored.graph_names) == sorted(original.graph_names)
     for g in original.graph_names:
         a, b = original.info(g), restored.info(g)
-        assert {k: a[k] for k in ("inputs", "outputs", "role", "precision", "file")} == \
-               {k: b[k] for k in ("inputs", "outputs", "role", "precision", "file")}
+        assert {k: a[k] for k in ("inputs", "outputs", "role", "precision", "file")} == {
+            k: b[k] for k in ("inputs", "outputs", "role", "precision", "file")
+        }
         assert "weights_file" not in b
         G.check(restored.graph(g), g)
         feeds = samples.inputs_for(original, g)
@@ -226,6 +240,7 @@ def test_merge_of_decoder_ranges_and_back(name, deep, tmp_path):
 
 
 # ---- refusals and no-ops -------------------------------------------------------------------------
+
 
 def test_split_without_work_is_a_noop(source):
     pkg = Package.load(source(BUILTINS[0]))
@@ -283,9 +298,12 @@ def test_lossy_pass_after_merge_is_refused(step, merged, source, tmp_path):
 def test_merge_refuses_a_pruned_package_whose_positions_need_the_kept_indices(source):
     pruned = _run(source("tiny-qwen2-vl"), [PRUNE])
     assert pruned.manifest["vision"]["pruning"]["positions"] == "original"
-    with pytest.raises(PassFailed, match=r"merge: this pruned package computes mrope positions from the vision "
-                                         r"graph's 'image_token_indices' output, which a merged graph hides; deploy "
-                                         r"the pruned package unmerged, or merge it unpruned"):
+    with pytest.raises(
+        PassFailed,
+        match=r"merge: this pruned package computes mrope positions from the vision "
+        r"graph's 'image_token_indices' output, which a merged graph hides; deploy "
+        r"the pruned package unmerged, or merge it unpruned",
+    ):
         manager.run(pruned, recipe.from_dict({"passes": [{"merge": {}}]}).steps)
     assert _generate(pruned).prefill_logits.shape[0] == len(PROMPTS)  # unmerged, it runs
     # Why: merged anyway (run without the check), no run of the package can compute its positions.

@@ -30,8 +30,12 @@ def test_kl_matches_torch(logits):
 def test_cosine_rows_and_flattened_match_torch(logits):
     ref, got = logits
     a, b = torch.from_numpy(ref).double(), torch.from_numpy(got).double()
-    assert metrics.cosine(ref, got, axis=-1) == pytest.approx(F.cosine_similarity(a, b, dim=-1).mean().item(), rel=1e-12)
-    assert metrics.cosine(ref, got) == pytest.approx(F.cosine_similarity(a.ravel(), b.ravel(), dim=0).item(), rel=1e-12)
+    assert metrics.cosine(ref, got, axis=-1) == pytest.approx(
+        F.cosine_similarity(a, b, dim=-1).mean().item(), rel=1e-12
+    )
+    assert metrics.cosine(ref, got) == pytest.approx(
+        F.cosine_similarity(a.ravel(), b.ravel(), dim=0).item(), rel=1e-12
+    )
 
 
 def test_cosine_of_zero_arrays_is_one_only_when_equal():
@@ -57,11 +61,20 @@ def test_top_k_agreement_matches_torch_topk(logits, k):
 def test_logits_agreement_collects_every_metric(logits):
     ref, got = logits
     out = metrics.logits_agreement(ref, got)
-    assert out == {"kl": metrics.kl(ref, got), "cosine": metrics.cosine(ref, got, axis=-1),
-                   "top1": metrics.top_k_agreement(ref, got, 1), "top5": metrics.top_k_agreement(ref, got, 5),
-                   "max_abs_diff": float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))}
-    assert metrics.logits_agreement(ref, ref) == {"kl": 0.0, "cosine": pytest.approx(1.0), "top1": 1.0, "top5": 1.0,
-                                                  "max_abs_diff": 0.0}
+    assert out == {
+        "kl": metrics.kl(ref, got),
+        "cosine": metrics.cosine(ref, got, axis=-1),
+        "top1": metrics.top_k_agreement(ref, got, 1),
+        "top5": metrics.top_k_agreement(ref, got, 5),
+        "max_abs_diff": float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64)))),
+    }
+    assert metrics.logits_agreement(ref, ref) == {
+        "kl": 0.0,
+        "cosine": pytest.approx(1.0),
+        "top1": 1.0,
+        "top5": 1.0,
+        "max_abs_diff": 0.0,
+    }
 
 
 def test_token_metrics():
@@ -72,4 +85,8 @@ def test_token_metrics():
     assert metrics.token_agreement(ref, got) == pytest.approx(5 / 8)
     assert metrics.token_agreement([], []) == 0.0
     out = metrics.generation_agreement(np.eye(3), ref, np.eye(3), got)
-    assert out["common_prefix"] == [2, 2, 0] and out["token_agreement"] == pytest.approx(5 / 8) and out["top1"] == 1.0
+    assert (
+        out["common_prefix"] == [2, 2, 0]
+        and out["token_agreement"] == pytest.approx(5 / 8)
+        and out["top1"] == 1.0
+    )

@@ -50,8 +50,11 @@ def use_allocator(monkeypatch):
     """Route paged generation through a given allocator (the runtime's default makes its own)."""
 
     def install(alloc: BlockAllocator) -> None:
-        monkeypatch.setitem(kvmod.LAYOUTS, "paged",
-                            lambda kv, batch, dtype, **ex: PagedKV(kv, batch, dtype, allocator=alloc, **ex))
+        monkeypatch.setitem(
+            kvmod.LAYOUTS,
+            "paged",
+            lambda kv, batch, dtype, **ex: PagedKV(kv, batch, dtype, allocator=alloc, **ex),
+        )
 
     return install
 
@@ -110,7 +113,9 @@ def test_merged_package_is_rewritten_too(exported, use_allocator):
     # The merged prefill graph (role vlm) has the same KV interface; both it and the decode path go paged.
     path = exported("tiny-llava")
     merged = manager.run(Package.load(path), [Step("merge", {}, 1)])
-    paged = manager.run(Package.load(path), [Step("merge", {}, 1), Step("paged_kv", {"block_size": BLOCK}, 2)])
+    paged = manager.run(
+        Package.load(path), [Step("merge", {}, 1), Step("paged_kv", {"block_size": BLOCK}, 2)]
+    )
     assert set(paged.manifest["history"][-1]["report"]["graphs"]) == {"vlm", "decoder"}
     assert "block_tables" in [i["name"] for i in paged.info("vlm")["inputs"]]
     images = [["demo:1"], ["demo:3"], ["demo:2"]]
@@ -144,26 +149,52 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     slots = np.zeros((batch, seq), np.int32)
     pos = np.ones((batch, seq), np.int64)
     for b in range(batch):
-        mask[b, seq - real[b]:] = 1
+        mask[b, seq - real[b] :] = 1
         p = np.arange(real[b])
-        slots[b, seq - real[b]:] = tables[b][p // BLOCK] * BLOCK + p % BLOCK
-        pos[b, seq - real[b]:] = p
-    slots[1, :seq - real[1]] = -1 - np.arange(seq - real[1])  # padding -> scratch slots 0..6 of block 0
-    pools = {f"{k}_cache.{i}": (100 * rng.standard_normal((nb, BLOCK, heads, dim))).astype(np.float32)
-             for i in range(layers) for k in ("key", "value")}
+        slots[b, seq - real[b] :] = tables[b][p // BLOCK] * BLOCK + p % BLOCK
+        pos[b, seq - real[b] :] = p
+    slots[1, : seq - real[1]] = -1 - np.arange(seq - real[1])  # padding -> scratch slots 0..6 of block 0
+    pools = {
+        f"{k}_cache.{i}": (100 * rng.standard_normal((nb, BLOCK, heads, dim))).astype(np.float32)
+        for i in range(layers)
+        for k in ("key", "value")
+    }
     embeds = rng.standard_normal((batch, seq, hidden)).astype(np.float32)
-    empty = {f"past_key_values.{i}.{k}": np.zeros((batch, heads, 0, dim), np.float32)
-             for i in range(layers) for k in ("key", "value")}
-    ref = dict(zip([o.name for o in s_cont.get_outputs()],
-                   s_cont.run(None, {"inputs_embeds": embeds, "attention_mask": mask,
-                                     "position_ids": _positions(specs["position_ids"], pos), **empty})))
-    feeds = {"inputs_embeds": embeds, "position_ids": _positions(specs["position_ids"], pos), **pools,
-             "block_tables": tables, "slot_mapping": slots, "context_lens": np.array(real, np.int32)}
+    empty = {
+        f"past_key_values.{i}.{k}": np.zeros((batch, heads, 0, dim), np.float32)
+        for i in range(layers)
+        for k in ("key", "value")
+    }
+    ref = dict(
+        zip(
+            [o.name for o in s_cont.get_outputs()],
+            s_cont.run(
+                None,
+                {
+                    "inputs_embeds": embeds,
+                    "attention_mask": mask,
+                    "position_ids": _positions(specs["position_ids"], pos),
+                    **empty,
+                },
+            ),
+        )
+    )
+    feeds = {
+        "inputs_embeds": embeds,
+        "position_ids": _positions(specs["position_ids"], pos),
+        **pools,
+        "block_tables": tables,
+        "slot_mapping": slots,
+        "context_lens": np.array(real, np.int32),
+    }
     got = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, feeds)))
-    assert sorted(got) == sorted(["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")])
+    assert sorted(got) == sorted(
+        ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")]
+    )
     for b in range(batch):  # logits of real positions only (padding rows are garbage in both)
-        np.testing.assert_allclose(got["logits"][b, seq - real[b]:], ref["logits"][b, seq - real[b]:],
-                                   rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            got["logits"][b, seq - real[b] :], ref["logits"][b, seq - real[b] :], rtol=1e-4, atol=1e-4
+        )
     written = set()
     for i in range(layers):
         for k in ("key", "value"):
@@ -183,14 +214,38 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     # Decode: one token per row, attending to the pool just written (holes past each context length).
     step = rng.standard_normal((batch, 1, hidden)).astype(np.float32)
     nxt = np.array([[real[0]], [real[1]]], np.int64)
-    new_slots = np.array([[tables[b][real[b] // BLOCK] * BLOCK + real[b] % BLOCK] for b in range(batch)], np.int32)
+    new_slots = np.array(
+        [[tables[b][real[b] // BLOCK] * BLOCK + real[b] % BLOCK] for b in range(batch)], np.int32
+    )
     pools2 = {n.replace("_out", ""): v for n, v in got.items() if n != "logits"}
-    got2 = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, {
-        "inputs_embeds": step, "position_ids": _positions(specs["position_ids"], nxt), **pools2,
-        "block_tables": tables, "slot_mapping": new_slots, "context_lens": np.array(real, np.int32) + 1})))
-    past = {f"past_key_values.{i}.{k}": ref[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")}
-    ref2 = s_cont.run(None, {"inputs_embeds": step, "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
-                             "position_ids": _positions(specs["position_ids"], nxt), **past})
+    got2 = dict(
+        zip(
+            [o.name for o in s_paged.get_outputs()],
+            s_paged.run(
+                None,
+                {
+                    "inputs_embeds": step,
+                    "position_ids": _positions(specs["position_ids"], nxt),
+                    **pools2,
+                    "block_tables": tables,
+                    "slot_mapping": new_slots,
+                    "context_lens": np.array(real, np.int32) + 1,
+                },
+            ),
+        )
+    )
+    past = {
+        f"past_key_values.{i}.{k}": ref[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")
+    }
+    ref2 = s_cont.run(
+        None,
+        {
+            "inputs_embeds": step,
+            "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
+            "position_ids": _positions(specs["position_ids"], nxt),
+            **past,
+        },
+    )
     np.testing.assert_allclose(got2["logits"], ref2[0], rtol=1e-4, atol=1e-4)
 
 
@@ -207,9 +262,28 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     # Exactly: per K/V pool a Gather+Reshape+Transpose read and a Slice+Transpose+3 Reshape+ScatterND write.
     assert added.count("ScatterND") == 2 * layers
     assert added.count("Gather") == 2 * layers + 1
-    assert set(added) == {"Shape", "Gather", "Mul", "Squeeze", "Cast", "GreaterOrEqual", "ReduceSum", "Unsqueeze",
-                          "Sub", "Range", "Less", "Concat", "Where", "Reshape", "Transpose", "Slice", "ScatterND"}
-    assert all(not a.name == "reduction" for n in model.graph.node if n.op_type == "ScatterND" for a in n.attribute)
+    assert set(added) == {
+        "Shape",
+        "Gather",
+        "Mul",
+        "Squeeze",
+        "Cast",
+        "GreaterOrEqual",
+        "ReduceSum",
+        "Unsqueeze",
+        "Sub",
+        "Range",
+        "Less",
+        "Concat",
+        "Where",
+        "Reshape",
+        "Transpose",
+        "Slice",
+        "ScatterND",
+    }
+    assert all(
+        not a.name == "reduction" for n in model.graph.node if n.op_type == "ScatterND" for a in n.attribute
+    )
     assert len(model.graph.node) == len(before.graph.node) + len(added)
     with open(REPO / "vlmc/backends/ascend/data/onnx_ops.tsv") as f:
         atc = {row[0] for row in csv.reader((ln for ln in f if not ln.startswith("#")), delimiter="\t")}
@@ -217,17 +291,22 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     assert (old_ops | set(added)) - {"Constant"} <= atc
     sig = pkg.info("decoder")
     names = [i["name"] for i in sig["inputs"]]
-    assert names == ["inputs_embeds", "position_ids"] + [f"{k}_cache.{i}" for i in range(layers)
-                                                         for k in ("key", "value")] + ["block_tables", "slot_mapping", "context_lens"]
+    assert names == ["inputs_embeds", "position_ids"] + [
+        f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")
+    ] + ["block_tables", "slot_mapping", "context_lens"]
     by = {i["name"]: i for i in sig["inputs"]}
     kv = pkg.manifest["kv"]
     assert by["key_cache.0"]["shape"] == ["num_blocks", BLOCK, kv["kv_heads"], kv["head_dim"]]
     assert by["block_tables"] == {"name": "block_tables", "dtype": "int32", "shape": ["batch", "max_blocks"]}
     assert by["slot_mapping"]["dtype"] == by["context_lens"]["dtype"] == "int32"
-    assert [o["name"] for o in sig["outputs"]] == ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers)
-                                                                for k in ("key", "value")]
-    assert {k: kv[k] for k in ("layout", "block_size", "num_blocks")} == {"layout": "paged", "block_size": BLOCK,
-                                                                         "num_blocks": "num_blocks"}
+    assert [o["name"] for o in sig["outputs"]] == ["logits"] + [
+        f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")
+    ]
+    assert {k: kv[k] for k in ("layout", "block_size", "num_blocks")} == {
+        "layout": "paged",
+        "block_size": BLOCK,
+        "num_blocks": "num_blocks",
+    }
 
 
 def test_manager_runs_the_pass_and_saves_a_loadable_package(exported, tmp_path):
@@ -259,14 +338,20 @@ def test_already_paged_and_no_decoder_are_unchanged(exported):
     manifest_before = copy.deepcopy(only_embed.manifest)
     out = manager.run(only_embed, [Step("paged_kv", {}, 1)])
     assert out.manifest["history"][-1]["modified"] is False
-    assert {k: v for k, v in out.manifest.items() if k != "history"} == \
-        {k: v for k, v in manifest_before.items() if k != "history"}
+    assert {k: v for k, v in out.manifest.items() if k != "history"} == {
+        k: v for k, v in manifest_before.items() if k != "history"
+    }
 
 
-@pytest.mark.parametrize("value, message", [(100, "block_size=100 must be a multiple of 16"),
-                                            (528, "block_size=528 is above the maximum 512"),
-                                            (0, "block_size=0 is below the minimum 16"),
-                                            ("128", "block_size must be integer")])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        (100, "block_size=100 must be a multiple of 16"),
+        (528, "block_size=528 is above the maximum 512"),
+        (0, "block_size=0 is below the minimum 16"),
+        ("128", "block_size must be integer"),
+    ],
+)
 def test_block_size_validation(value, message):
     with pytest.raises(VlmcError, match=message):
         pass_api.get("paged_kv")(block_size=value)

@@ -25,10 +25,24 @@ MIB = 2**20
 
 
 def _spec(**over) -> PL.Spec:
-    kw = dict(name="toy", graphs=[PL.GraphWeights("decoder", "decoder", "fp16", 1000, 2000),
-                                  PL.GraphWeights("vision_encoder", "vision", "int8", 500, 500)],
-              layers=2, kv_heads=4, head_dim=8, kv_dtype="float16", tokens_per_image=10, tokens_per_image_unpruned=10,
-              max_positions=100, hidden=32, heads=4, intermediate=64, vocab=50)
+    kw = dict(
+        name="toy",
+        graphs=[
+            PL.GraphWeights("decoder", "decoder", "fp16", 1000, 2000),
+            PL.GraphWeights("vision_encoder", "vision", "int8", 500, 500),
+        ],
+        layers=2,
+        kv_heads=4,
+        head_dim=8,
+        kv_dtype="float16",
+        tokens_per_image=10,
+        tokens_per_image_unpruned=10,
+        max_positions=100,
+        hidden=32,
+        heads=4,
+        intermediate=64,
+        vocab=50,
+    )
     kw.update(over)
     return PL.Spec(**kw)
 
@@ -74,10 +88,29 @@ def test_meta_count_of_llava_config_equals_the_sizing_formula():
     # Two independent counts: transformers on the meta device, and the neutral spec's formula.
     hf = PL.load_spec(LLAVA_CONFIG)
     projector = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
-    neutral = PL.spec_from_dict({"vlmc_spec": 1, "llm": {"layers": 32, "hidden": 4096, "heads": 32, "intermediate": 11008,
-                                                         "vocab": 32064, "max_positions": 4096},
-                                 "vision": {"layers": 24, "width": 1024, "heads": 16, "intermediate": 4096, "patch_size": 14,
-                                            "image_size": 336, "tokens_per_image": 576, "extra_params": projector}})
+    neutral = PL.spec_from_dict(
+        {
+            "vlmc_spec": 1,
+            "llm": {
+                "layers": 32,
+                "hidden": 4096,
+                "heads": 32,
+                "intermediate": 11008,
+                "vocab": 32064,
+                "max_positions": 4096,
+            },
+            "vision": {
+                "layers": 24,
+                "width": 1024,
+                "heads": 16,
+                "intermediate": 4096,
+                "patch_size": 14,
+                "image_size": 336,
+                "tokens_per_image": 576,
+                "extra_params": projector,
+            },
+        }
+    )
     assert [(g.role, g.params) for g in hf.graphs] == [(g.role, g.params) for g in neutral.graphs]
     assert hf.tokens_per_image == 576 and hf.kv_bytes_per_token == 2 * 32 * 32 * 128 * 2
     assert hf.max_positions == 4096
@@ -113,8 +146,20 @@ def test_plan_from_packages_paged_and_pruned(exported):
 
 def test_cli_plan_on_a_package_and_errors(exported):
     runner = CliRunner()
-    res = runner.invoke(main, ["plan", str(exported("tiny-llava")), "--device-memory", "1GiB", "--images", "2",
-                               "--batch", "3", "--json"])
+    res = runner.invoke(
+        main,
+        [
+            "plan",
+            str(exported("tiny-llava")),
+            "--device-memory",
+            "1GiB",
+            "--images",
+            "2",
+            "--batch",
+            "3",
+            "--json",
+        ],
+    )
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["batch"] == 3 and d["images"] == 2 and d["device_memory"] == 2**30 and d["fits_paged"]
@@ -122,13 +167,19 @@ def test_cli_plan_on_a_package_and_errors(exported):
     assert res.exit_code == 2 and "cannot read size 'lots'" in res.output
     res = runner.invoke(main, ["plan", "--device-memory", "16GB"])
     assert res.exit_code == 2 and "PACKAGE or --config" in res.output
-    res = runner.invoke(main, ["plan", "--config", str(QWEN_SPEC), "--device-memory", "16GB", "--precision", "decoder"])
+    res = runner.invoke(
+        main, ["plan", "--config", str(QWEN_SPEC), "--device-memory", "16GB", "--precision", "decoder"]
+    )
     assert res.exit_code == 2 and "ROLE=PRECISION" in res.output
     assert "Example:" in runner.invoke(main, ["plan", "--help"]).output
 
 
 def _doc_commands() -> list[str]:
-    return [ln.strip() for ln in DOC.read_text().splitlines() if re.match(r"^vlmc plan --config docs/", ln.strip())]
+    return [
+        ln.strip()
+        for ln in DOC.read_text().splitlines()
+        if re.match(r"^vlmc plan --config docs/", ln.strip())
+    ]
 
 
 @pytest.mark.parametrize("command", _doc_commands())
@@ -158,8 +209,20 @@ def test_claim_qwen_vl_chat_fp16_llm_does_not_fit_16gb(monkeypatch):
 
 def test_claim_llava_paged_saves_about_4gb_of_28gb_on_two_cards(monkeypatch):
     monkeypatch.chdir(REPO)
-    d = _plan_json("--config", str(LLAVA_CONFIG), "--device-memory", "16GB", "--cards", "2", "--images", "1",
-                   "--text-tokens", "2048", "--batch", "6")
+    d = _plan_json(
+        "--config",
+        str(LLAVA_CONFIG),
+        "--device-memory",
+        "16GB",
+        "--cards",
+        "2",
+        "--images",
+        "1",
+        "--text-tokens",
+        "2048",
+        "--batch",
+        "6",
+    )
     total_contiguous = d["weight_bytes"] + d["cards"] * d["activation_bytes"] + d["contiguous_reservation"]
     assert 27e9 < total_contiguous < 30e9
     assert 3.5e9 < d["paged_saving"] < 5e9

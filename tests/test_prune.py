@@ -93,11 +93,15 @@ def test_cls_attention_matches_torch_attention_topk(tiny_llava, llava_pixels):
     np.testing.assert_array_equal(got, expected)
     assert np.all(np.diff(got, axis=1) > 0)  # original order kept
     full = Pipeline(Package.load(tiny_llava)).run_graph("vision_encoder", {"pixel_values": llava_pixels})
-    np.testing.assert_array_equal(out["image_features"], np.take_along_axis(full["image_features"], got[..., None], 1))
+    np.testing.assert_array_equal(
+        out["image_features"], np.take_along_axis(full["image_features"], got[..., None], 1)
+    )
 
 
 def test_recomputed_attention_side_branch_gives_the_same_indices(tiny_llava, llava_pixels):
-    exposed = Pipeline(_prune(tiny_llava, keep=20)).run_graph("vision_encoder", {"pixel_values": llava_pixels})
+    exposed = Pipeline(_prune(tiny_llava, keep=20)).run_graph(
+        "vision_encoder", {"pixel_values": llava_pixels}
+    )
     side = _prune(tiny_llava, keep=20, recompute_attention=True)
     assert side.manifest["vision"]["pruning"]["score_source"] == "recomputed"
     ops = {n.op_type for n in side.graph("vision_encoder").graph.node}
@@ -113,7 +117,8 @@ def test_llava_attention_received_matches_numpy(tiny_llava, llava_pixels):
     probs = sess.run([probs_name], {"pixel_values": llava_pixels})[0]
     expected = _topk_sorted(probs.mean(2).mean(1)[:, 1:], 10)
     out = Pipeline(_prune(tiny_llava, keep=10, method="attention_received")).run_graph(
-        "vision_encoder", {"pixel_values": llava_pixels})
+        "vision_encoder", {"pixel_values": llava_pixels}
+    )
     np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT], expected)
 
 
@@ -125,7 +130,8 @@ def test_llava_baselines_match_numpy(tiny_llava, llava_pixels, method):
     else:
         expected = np.sort(np.argsort(-np.random.default_rng(seed).random(n).astype(np.float32))[:k])
     out = Pipeline(_prune(tiny_llava, keep=k, method=method, seed=seed)).run_graph(
-        "vision_encoder", {"pixel_values": llava_pixels})
+        "vision_encoder", {"pixel_values": llava_pixels}
+    )
     np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT], np.broadcast_to(expected, (3, k)))
     assert out["image_features"].shape == (3, k, 64)
 
@@ -138,18 +144,22 @@ def test_qwen_attention_received_per_image_topk_on_packed_tokens(tiny_qwen, qwen
     feats, probs = sess.run(["image_features", probs_name], qwen_inputs)
     token_scores = probs.mean(1).mean(0).reshape(-1, 4).mean(1)
     k, start = 12, 0
-    out = Pipeline(_prune(tiny_qwen, keep=k, method="attention_received")).run_graph("vision_encoder", qwen_inputs)
+    out = Pipeline(_prune(tiny_qwen, keep=k, method="attention_received")).run_graph(
+        "vision_encoder", qwen_inputs
+    )
     for i, n in enumerate([36, 48]):
-        expected = _topk_sorted(token_scores[start:start + n][None], k)[0]
+        expected = _topk_sorted(token_scores[start : start + n][None], k)[0]
         np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT][i], expected)
-        np.testing.assert_array_equal(out["image_features"][i * k:(i + 1) * k], feats[start + expected])
+        np.testing.assert_array_equal(out["image_features"][i * k : (i + 1) * k], feats[start + expected])
         start += n
 
 
 @pytest.mark.parametrize("method", ["uniform", "random"])
 def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method):
     k, seed = 12, 3
-    out = Pipeline(_prune(tiny_qwen, keep=k, method=method, seed=seed)).run_graph("vision_encoder", qwen_inputs)
+    out = Pipeline(_prune(tiny_qwen, keep=k, method=method, seed=seed)).run_graph(
+        "vision_encoder", qwen_inputs
+    )
     for i, n in enumerate([36, 48]):
         if method == "uniform":
             expected = np.floor((np.arange(k) + 0.5) * n / k).astype(np.int64)
@@ -159,9 +169,15 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
 
 
 # ---- graph properties ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,opts", [("tiny-llava", {"keep": 16}), ("tiny-llava", {"ratio": 0.25, "method": "random"}),
-                                       ("tiny-qwen2-vl", {"keep": 8, "method": "attention_received"}),
-                                       ("tiny-qwen2-vl", {"keep": 8, "method": "random"})])
+@pytest.mark.parametrize(
+    "name,opts",
+    [
+        ("tiny-llava", {"keep": 16}),
+        ("tiny-llava", {"ratio": 0.25, "method": "random"}),
+        ("tiny-qwen2-vl", {"keep": 8, "method": "attention_received"}),
+        ("tiny-qwen2-vl", {"keep": 8, "method": "random"}),
+    ],
+)
 def test_rewrite_uses_only_static_atc_ops_and_stays_valid(exported, name, opts):
     pruned = _prune(exported(name), **opts)
     model = pruned.graph("vision_encoder")
@@ -176,22 +192,31 @@ def test_rewrite_uses_only_static_atc_ops_and_stays_valid(exported, name, opts):
 
 
 # ---- refusals and options ------------------------------------------------------------------------------
-@pytest.mark.parametrize("opts,message", [
-    ({}, "exactly one of keep"), ({"keep": 4, "ratio": 0.5}, "exactly one of keep"), ({"ratio": 0.0}, "above 0"),
-    ({"keep": 0}, "below the minimum"), ({"keep": 4, "method": "topk"}, "is not one of"),
-    ({"keep": 4, "bogus": 1}, "unknown option"),
-])
+@pytest.mark.parametrize(
+    "opts,message",
+    [
+        ({}, "exactly one of keep"),
+        ({"keep": 4, "ratio": 0.5}, "exactly one of keep"),
+        ({"ratio": 0.0}, "above 0"),
+        ({"keep": 0}, "below the minimum"),
+        ({"keep": 4, "method": "topk"}, "is not one of"),
+        ({"keep": 4, "bogus": 1}, "unknown option"),
+    ],
+)
 def test_option_errors(opts, message):
     with pytest.raises(VlmcError, match=message):
         get("prune_visual_tokens")(**opts)
 
 
-@pytest.mark.parametrize("name,opts,message", [
-    ("tiny-llava", {"keep": 64}, "not below the 64 visual tokens"),
-    ("tiny-qwen2-vl", {"keep": 8}, "needs a CLS token"),
-    ("tiny-qwen2-vl", {"ratio": 0.5, "method": "uniform"}, "give keep"),
-    ("tiny-qwen2-vl", {"keep": 8, "method": "attention_received", "recompute_attention": True}, "masked"),
-])
+@pytest.mark.parametrize(
+    "name,opts,message",
+    [
+        ("tiny-llava", {"keep": 64}, "not below the 64 visual tokens"),
+        ("tiny-qwen2-vl", {"keep": 8}, "needs a CLS token"),
+        ("tiny-qwen2-vl", {"ratio": 0.5, "method": "uniform"}, "give keep"),
+        ("tiny-qwen2-vl", {"keep": 8, "method": "attention_received", "recompute_attention": True}, "masked"),
+    ],
+)
 def test_package_refusals_leave_the_package_unchanged(exported, name, opts, message):
     pkg = Package.load(exported(name))
     before = json.dumps(pkg.manifest, sort_keys=True)
@@ -223,12 +248,17 @@ def test_fusion_chain_is_refused_unless_forced(exported):
 def test_mrope_kept_tokens_keep_original_positions(tiny_qwen):
     full = Pipeline(Package.load(tiny_qwen))
     pruned = Pipeline(_prune(tiny_qwen, keep=12, method="attention_received"))
-    ref_inp, inp = full.prepare(["Describe <image> it."], [["demo"]]), pruned.prepare(["Describe <image> it."], [["demo"]])
+    ref_inp, inp = (
+        full.prepare(["Describe <image> it."], [["demo"]]),
+        pruned.prepare(["Describe <image> it."], [["demo"]]),
+    )
     pruned.prefill_embeds(inp)
     kept = inp.image_outputs[pruning.INDICES_OUTPUT][0]
     ctx = {"manifest": pruned.m, "vision": inp.vision, "image_outputs": inp.image_outputs}
     pos = mrope.positions_mrope(inp.input_ids, inp.attention_mask, ctx)[:, 0]
-    ref = mrope.positions_mrope(ref_inp.input_ids, ref_inp.attention_mask, {"manifest": full.m, "vision": ref_inp.vision})[:, 0]
+    ref = mrope.positions_mrope(
+        ref_inp.input_ids, ref_inp.attention_mask, {"manifest": full.m, "vision": ref_inp.vision}
+    )[:, 0]
     image_id = full.m["vision"]["image_token_id"]
     ref_img, img = ref_inp.input_ids[0] == image_id, inp.input_ids[0] == image_id
     np.testing.assert_array_equal(pos[:, img], ref[:, ref_img][:, kept])
@@ -242,8 +272,10 @@ def test_image_with_fewer_tokens_than_k_is_refused(tiny_qwen):
 
 
 # ---- end to end through the CLI ------------------------------------------------------------------------
-@pytest.mark.parametrize("name,options", [("tiny-llava", "{keep: 16}"),
-                                          ("tiny-qwen2-vl", "{keep: 12, method: attention_received}")])
+@pytest.mark.parametrize(
+    "name,options",
+    [("tiny-llava", "{keep: 16}"), ("tiny-qwen2-vl", "{keep: 12, method: attention_received}")],
+)
 def test_cli_optimize_run_verify_inspect(exported, tmp_path, name, options):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(f"passes:\n  - prune_visual_tokens: {options}\n")
@@ -267,8 +299,20 @@ def test_cli_optimize_run_verify_inspect(exported, tmp_path, name, options):
     assert (out / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![pruning](pruning.png)" in (out / "report.md").read_text()
     assert "## Visual-token pruning" in (out / "report.md").read_text()
-    r = runner.invoke(main, ["run", str(out), "--image", "demo", "--prompt", "Describe the image.",
-                             "--max-new-tokens", "4", "--json"])
+    r = runner.invoke(
+        main,
+        [
+            "run",
+            str(out),
+            "--image",
+            "demo",
+            "--prompt",
+            "Describe the image.",
+            "--max-new-tokens",
+            "4",
+            "--json",
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["tokens"][0]) >= 1
     r = runner.invoke(main, ["verify", str(out), "--max-new-tokens", "4"])
@@ -283,7 +327,9 @@ def test_cli_optimize_run_verify_inspect(exported, tmp_path, name, options):
 
 
 def test_inspect_pruning_on_unpruned_package_is_a_user_error(tiny_llava, tmp_path):
-    r = CliRunner().invoke(main, ["inspect", str(tiny_llava), "--pruning", "demo", "-o", str(tmp_path / "x.png")])
+    r = CliRunner().invoke(
+        main, ["inspect", str(tiny_llava), "--pruning", "demo", "-o", str(tmp_path / "x.png")]
+    )
     assert r.exit_code == 2
     assert "not pruned" in r.output
 

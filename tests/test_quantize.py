@@ -56,16 +56,31 @@ def _cos(a, b) -> float:
 
 
 # ---- options --------------------------------------------------------------------------------
-@pytest.mark.parametrize("opts, message", [
-    ({"vision_encoder": {"weights": "int8", "bits": 8}}, "unknown key 'bits'; valid keys: weights, activations"),
-    ({"vision_encoder": {"weights": "int3"}}, "weights='int3' is not one of fp32, fp16, int8, int4"),
-    ({"vision_encoder": {"activations": "int8"}}, "'weights' is required"),
-    ({"vision_encoder": {"weights": "fp16", "activations": "int8"}}, "activations: int8 needs weights: int8"),
-    ({"decoder": {"weights": "int4", "group_size": 40}}, "must be a multiple of 16 and at least 32"),
-    ({"decoder": {"weights": "int4", "calibration": {"count": 4, "how": "x"}}}, "unknown key 'how'; valid keys: images"),
-    ({"decoder": {"weights": "int4"}, "keep_fp32": {"ops": ["Softmax"]}}, "unknown key 'ops'; valid keys: op_types, nodes"),
-    ({"keep_fp32": {"op_types": ["Softmax"]}}, "name at least one graph to quantize"),
-])
+@pytest.mark.parametrize(
+    "opts, message",
+    [
+        (
+            {"vision_encoder": {"weights": "int8", "bits": 8}},
+            "unknown key 'bits'; valid keys: weights, activations",
+        ),
+        ({"vision_encoder": {"weights": "int3"}}, "weights='int3' is not one of fp32, fp16, int8, int4"),
+        ({"vision_encoder": {"activations": "int8"}}, "'weights' is required"),
+        (
+            {"vision_encoder": {"weights": "fp16", "activations": "int8"}},
+            "activations: int8 needs weights: int8",
+        ),
+        ({"decoder": {"weights": "int4", "group_size": 40}}, "must be a multiple of 16 and at least 32"),
+        (
+            {"decoder": {"weights": "int4", "calibration": {"count": 4, "how": "x"}}},
+            "unknown key 'how'; valid keys: images",
+        ),
+        (
+            {"decoder": {"weights": "int4"}, "keep_fp32": {"ops": ["Softmax"]}},
+            "unknown key 'ops'; valid keys: op_types, nodes",
+        ),
+        ({"keep_fp32": {"op_types": ["Softmax"]}}, "name at least one graph to quantize"),
+    ],
+)
 def test_bad_options_are_one_line_errors(opts, message):
     with pytest.raises(VlmcError, match="quantize") as err:
         get("quantize")(**opts)
@@ -76,7 +91,11 @@ def test_json_schema_documents_the_per_graph_plan():
     schema = get("quantize").json_schema()
     graph = schema["additionalProperties"]
     assert graph["properties"]["weights"]["enum"] == ["fp32", "fp16", "int8", "int4"]
-    assert graph["properties"]["calibration"]["properties"]["method"]["enum"] == ["minmax", "percentile", "entropy"]
+    assert graph["properties"]["calibration"]["properties"]["method"]["enum"] == [
+        "minmax",
+        "percentile",
+        "entropy",
+    ]
     assert schema["properties"]["keep_fp32"]["additionalProperties"] is False
     assert "eval_tokens" in schema["properties"]
 
@@ -92,26 +111,41 @@ def test_all_recipes_validate():
 
 def test_unknown_graph_name_lists_the_package_graphs(tiny_llava):
     p = get("quantize")(vision_tower={"weights": "int8"})
-    with pytest.raises(VlmcError, match="no graph or role 'vision_tower'; graphs: decoder, embed_tokens, vision_encoder"):
+    with pytest.raises(
+        VlmcError, match="no graph or role 'vision_tower'; graphs: decoder, embed_tokens, vision_encoder"
+    ):
         p.check_package(Package.load(tiny_llava))
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda d: d / "missing", "does not exist"),
-    (lambda d: d, "has no images"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, "has no images"),
+    ],
+)
 def test_bad_calibration_directory(tiny_llava, tmp_path, make, message):
     (tmp_path / "notes.txt").write_text("not an image")
-    p = get("quantize")(vision_encoder={"weights": "int8", "activations": "int8",
-                                        "calibration": {"images": str(make(tmp_path))}})
+    p = get("quantize")(
+        vision_encoder={
+            "weights": "int8",
+            "activations": "int8",
+            "calibration": {"images": str(make(tmp_path))},
+        }
+    )
     with pytest.raises(VlmcError, match=message):
         p.check_package(Package.load(tiny_llava))
 
 
 def test_unreadable_calibration_image(tiny_llava, tmp_path):
     (tmp_path / "broken.png").write_bytes(b"\x89PNG but not really")
-    p = get("quantize")(vision_encoder={"weights": "int8", "activations": "int8",
-                                        "calibration": {"images": str(tmp_path), "count": 2}})
+    p = get("quantize")(
+        vision_encoder={
+            "weights": "int8",
+            "activations": "int8",
+            "calibration": {"images": str(tmp_path), "count": 2},
+        }
+    )
     pkg = Package.load(tiny_llava)
     p.check_package(pkg)
     with pytest.raises(VlmcError, match="broken.png is not a readable image"):
@@ -125,9 +159,16 @@ def test_calibration_directory_images_are_used(tiny_llava, tmp_path):
 
     for i in range(2):
         Image.fromarray(demo_image(80, seed=10 + i)).save(tmp_path / f"img{i}.png")
-    pkg, res = _quantize(tiny_llava, vision_encoder={"weights": "int8", "activations": "int8",
-                                                     "calibration": {"images": str(tmp_path), "count": 3}},
-                         eval_tokens=0, eval_samples=1)
+    pkg, res = _quantize(
+        tiny_llava,
+        vision_encoder={
+            "weights": "int8",
+            "activations": "int8",
+            "calibration": {"images": str(tmp_path), "count": 3},
+        },
+        eval_tokens=0,
+        eval_samples=1,
+    )
     q = pkg.info("vision_encoder")["quantization"]
     assert q["calibration"] == {"method": "minmax", "samples": 3, "images": str(tmp_path)}
     assert res.report["graphs"]["vision_encoder"]["fidelity"]["image_features"]["cosine"] >= 0.99
@@ -140,9 +181,15 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
     ref_pkg = Package.load(src)
     image_graphs = ref_pkg.manifest["pipeline"]["image"]
     ref = _image_features(ref_pkg)
-    fp16, r16 = _quantize(src, **{g: {"weights": "fp16"} for g in image_graphs}, eval_tokens=0, eval_samples=1)
-    int8, r8 = _quantize(src, **{g: {"weights": "int8", "activations": "int8", "calibration": {"count": 4}}
-                                 for g in image_graphs}, eval_tokens=0, eval_samples=1)
+    fp16, r16 = _quantize(
+        src, **{g: {"weights": "fp16"} for g in image_graphs}, eval_tokens=0, eval_samples=1
+    )
+    int8, r8 = _quantize(
+        src,
+        **{g: {"weights": "int8", "activations": "int8", "calibration": {"count": 4}} for g in image_graphs},
+        eval_tokens=0,
+        eval_samples=1,
+    )
     assert r16.modified and r8.modified
     assert _cos(ref, _image_features(fp16)) >= 0.999
     assert _cos(ref, _image_features(int8)) >= 0.99
@@ -165,15 +212,26 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
 
 
 def test_int8_qdq_form_and_int32_bias(tiny_llava):
-    pkg, res = _quantize(tiny_llava, vision_encoder={"weights": "int8", "activations": "int8",
-                                                     "calibration": {"count": 2, "method": "percentile"}},
-                         eval_tokens=0, eval_samples=1)
+    pkg, res = _quantize(
+        tiny_llava,
+        vision_encoder={
+            "weights": "int8",
+            "activations": "int8",
+            "calibration": {"count": 2, "method": "percentile"},
+        },
+        eval_tokens=0,
+        eval_samples=1,
+    )
     m = pkg.graph("vision_encoder")
     prod = {o: n for n in m.graph.node for o in n.output}
     inits = {t.name: t for t in m.graph.initializer}
     q = pkg.info("vision_encoder")["quantization"]
     assert q["matmul_bias_int32"] >= 1
-    matmuls = [m.graph.node[i] for i, n in enumerate(m.graph.node) if n.name in q["weights"]["nodes"] and n.op_type == "MatMul"]
+    matmuls = [
+        m.graph.node[i]
+        for i, n in enumerate(m.graph.node)
+        if n.name in q["weights"]["nodes"] and n.op_type == "MatMul"
+    ]
     assert matmuls
     for node in matmuls:
         assert [prod[i].op_type for i in node.input] == ["DequantizeLinear", "DequantizeLinear"]
@@ -183,16 +241,22 @@ def test_int8_qdq_form_and_int32_bias(tiny_llava):
     # the output is not requantized: AscendDequant gives float straight from the accumulator
     consumers = [n.op_type for n in m.graph.node if matmuls[0].output[0] in n.input]
     assert "QuantizeLinear" not in consumers
-    int32 = [t for t in m.graph.initializer if t.data_type == onnx.TensorProto.INT32 and t.name.endswith("_int32")]
+    int32 = [
+        t for t in m.graph.initializer if t.data_type == onnx.TensorProto.INT32 and t.name.endswith("_int32")
+    ]
     assert len(int32) == q["matmul_bias_int32"]
 
 
 def test_keep_fp32_node_stays_fp32_in_int8_and_fp16(tiny_llava):
     target = "/vision_tower/encoder/layers.0/mlp/fc1/MatMul"
     keep = {"nodes": ["/vision_tower/encoder/layers.0/mlp/fc1/*"], "op_types": ["LayerNormalization"]}
-    int8, _ = _quantize(tiny_llava, vision_encoder={"weights": "int8", "activations": "int8",
-                                                    "calibration": {"count": 2}}, keep_fp32=keep,
-                        eval_tokens=0, eval_samples=0)
+    int8, _ = _quantize(
+        tiny_llava,
+        vision_encoder={"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
+        keep_fp32=keep,
+        eval_tokens=0,
+        eval_samples=0,
+    )
     m = int8.graph("vision_encoder")
     inits = {t.name: t for t in m.graph.initializer}
     node = next(n for n in m.graph.node if n.name == target)
@@ -200,7 +264,9 @@ def test_keep_fp32_node_stays_fp32_in_int8_and_fp16(tiny_llava):
     assert target in int8.info("vision_encoder")["quantization"]["nodes_kept_fp32"]
     assert target not in int8.info("vision_encoder")["quantization"]["weights"]["nodes"]
 
-    fp16, _ = _quantize(tiny_llava, vision_encoder={"weights": "fp16"}, keep_fp32=keep, eval_tokens=0, eval_samples=0)
+    fp16, _ = _quantize(
+        tiny_llava, vision_encoder={"weights": "fp16"}, keep_fp32=keep, eval_tokens=0, eval_samples=0
+    )
     m = fp16.graph("vision_encoder")
     inits = {t.name: t for t in m.graph.initializer}
     node = next(n for n in m.graph.node if n.name == target)
@@ -214,7 +280,9 @@ def test_keep_fp32_node_stays_fp32_in_int8_and_fp16(tiny_llava):
 
 
 def test_fp16_io_converted_when_asked_and_still_runs(tiny_llava):
-    pkg, res = _quantize(tiny_llava, decoder={"weights": "fp16", "keep_io_fp32": False}, eval_tokens=3, eval_samples=1)
+    pkg, res = _quantize(
+        tiny_llava, decoder={"weights": "fp16", "keep_io_fp32": False}, eval_tokens=3, eval_samples=1
+    )
     dtypes = {i["name"]: i["dtype"] for i in pkg.info("decoder")["inputs"]}
     assert dtypes["inputs_embeds"] == "float16"
     e2e = res.report["end_to_end"]
@@ -234,10 +302,12 @@ def test_nothing_to_quantize_leaves_graph_unchanged(tiny_llava):
 # ---- weight-only ---------------------------------------------------------------------------------
 def _matmul_model(w: np.ndarray, x_shape) -> onnx.ModelProto:
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+        "g",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x_shape))],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [x_shape[0], w.shape[1]])],
-        [numpy_helper.from_array(w, "w")])
+        [numpy_helper.from_array(w, "w")],
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -265,7 +335,8 @@ def test_weight_only_graph_matches_numpy_dequant(weights, storage):
     np.testing.assert_allclose(y, x @ deq, rtol=1e-5, atol=1e-5)
     assert expect_ops <= set(G.op_histogram(model))
     assert facts["nodes_quantized"] == ["mm"] and facts["weights"]["nodes"]["mm"]["group_size"] == (
-        32 if weights == "int4" else None)
+        32 if weights == "int4" else None
+    )
     assert not any(t.data_type == onnx.TensorProto.FLOAT and t.name == "w" for t in model.graph.initializer)
 
 
@@ -285,9 +356,18 @@ def test_awq_beats_rtn_on_outlier_channels():
 
 
 def test_int4_awq_decoder_on_builtin(tiny_llava):
-    pkg, res = _quantize(tiny_llava, decoder={"weights": "int4", "method": "awq", "group_size": 32,
-                                              "calibration": {"count": 2}, "keep_fp32": {"nodes": ["/lm_head/*"]}},
-                         eval_tokens=2, eval_samples=1)
+    pkg, res = _quantize(
+        tiny_llava,
+        decoder={
+            "weights": "int4",
+            "method": "awq",
+            "group_size": 32,
+            "calibration": {"count": 2},
+            "keep_fp32": {"nodes": ["/lm_head/*"]},
+        },
+        eval_tokens=2,
+        eval_samples=1,
+    )
     m = pkg.graph("decoder")
     G.check(m, "decoder")
     q = pkg.info("decoder")["quantization"]
@@ -297,7 +377,11 @@ def test_int4_awq_decoder_on_builtin(tiny_llava):
     assert len(awq_muls) == len(q["nodes_quantized"]) > 0
     r = res.report["graphs"]["decoder"]
     assert r["matmul_weight_bytes_ratio"] <= 0.16
-    assert set(res.report["end_to_end"]) >= {"first_token_logits_kl", "top1_agreement", "greedy_common_prefix"}
+    assert set(res.report["end_to_end"]) >= {
+        "first_token_logits_kl",
+        "top1_agreement",
+        "greedy_common_prefix",
+    }
 
 
 # ---- the package's graph is only replaced, never edited in place ---------------------------------
@@ -305,12 +389,19 @@ def _unnamed_mlp() -> onnx.ModelProto:
     """x [4, 16] -> MatMul -> Add -> Relu -> y, every node unnamed (names are what the tools select by)."""
     rng = np.random.default_rng(3)
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["z"]),
-         helper.make_node("Relu", ["z"], ["y"])], "g",
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"]),
+            helper.make_node("Add", ["h", "b"], ["z"]),
+            helper.make_node("Relu", ["z"], ["y"]),
+        ],
+        "g",
         [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [4, 16])],
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4, 8])],
-        [numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
-         numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")])
+        [
+            numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w"),
+            numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b"),
+        ],
+    )
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -324,10 +415,16 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     model = _unnamed_mlp()
     before = model.SerializeToString()
     x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
-    out, facts = S.convert_fp16(model, P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",))))
+    out, facts = S.convert_fp16(
+        model, P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",)))
+    )
     assert model.SerializeToString() == before  # the input graph, unnamed nodes included, is untouched
     onnx.checker.check_model(out, full_check=True)
-    assert [n.name for n in out.graph.node if n.op_type in ("MatMul", "Add", "Relu")] == ["MatMul_0", "Add_1", "Relu_2"]
+    assert [n.name for n in out.graph.node if n.op_type in ("MatMul", "Add", "Relu")] == [
+        "MatMul_0",
+        "Add_1",
+        "Relu_2",
+    ]
     assert facts["nodes_kept_fp32"] == ["Add_1"] and facts["nodes_converted"] == 2
     types = {t.name: t.data_type for t in out.graph.initializer}
     assert types["b"] == onnx.TensorProto.FLOAT and onnx.TensorProto.FLOAT16 in types.values()
@@ -343,8 +440,20 @@ def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava)
 
     pkg = Package.load(tiny_llava)
     before = G.fingerprint(pkg.graph("embed_tokens"))
-    steps = recipe.from_dict({"passes": [{"quantize": {"embed_tokens": {"weights": "fp16"}, "eval_samples": 0,
-                                                       "eval_tokens": 0, "keep_fp32": {"op_types": ["Gather"]}}}]}).steps
+    steps = recipe.from_dict(
+        {
+            "passes": [
+                {
+                    "quantize": {
+                        "embed_tokens": {"weights": "fp16"},
+                        "eval_samples": 0,
+                        "eval_tokens": 0,
+                        "keep_fp32": {"op_types": ["Gather"]},
+                    }
+                }
+            ]
+        }
+    ).steps
     out = manager.run(pkg, steps)  # the manager fails a pass whose modified flag is not exact
     assert out.manifest["history"][-1]["modified"] is False
     assert G.fingerprint(out.graph("embed_tokens")) == before
@@ -431,7 +540,9 @@ def test_quantized_package_runs_and_verify_reports_fidelity(tmp_path, monkeypatc
         assert r.exit_code == 0, (cmd, r.output)
         outputs.append(r.output)
     m = json.loads((tmp_path / "out" / "tiny-int8" / "vlmc.json").read_text())
-    assert m["graphs"]["vision_encoder"]["precision"] == "int8" and m["graphs"]["decoder"]["precision"] == "fp16"
+    assert (
+        m["graphs"]["vision_encoder"]["precision"] == "int8" and m["graphs"]["decoder"]["precision"] == "fp16"
+    )
     report = m["history"][-1]["report"]
     assert report["graphs"]["vision_encoder"]["bytes_ratio"] < 0.5
     assert report["end_to_end"]["first_token_logits_cosine"] > 0.9
@@ -452,11 +563,21 @@ def test_int32_bias_through_identity_from_older_exports():
         helper.make_node("Identity", ["bias"], ["bias_shared"], name="shared"),
         helper.make_node("Add", ["mm", "bias_shared"], ["y"], name="add"),
     ]
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "bias"),
-             numpy_helper.from_array(np.array(0.05, np.float32), "sx"), numpy_helper.from_array(np.array(0, np.int8), "zx"),
-             numpy_helper.from_array(np.array(0.02, np.float32), "sw"), numpy_helper.from_array(np.array(0, np.int8), "zw")]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])], inits)
+    inits = [
+        numpy_helper.from_array(w, "w"),
+        numpy_helper.from_array(b, "bias"),
+        numpy_helper.from_array(np.array(0.05, np.float32), "sx"),
+        numpy_helper.from_array(np.array(0, np.int8), "zx"),
+        numpy_helper.from_array(np.array(0.02, np.float32), "sw"),
+        numpy_helper.from_array(np.array(0, np.int8), "zw"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     assert S.int32_matmul_bias(model) == 1
     assert "Identity" not in [n.op_type for n in model.graph.node]

@@ -13,8 +13,14 @@ from vlmc.pass_api import get
 
 # CLIP ViT-L/14-336 widths with 3 layers, all feeding the projector (vision_feature_layer -1), to keep
 # the test fast; LLaVA-1.5's 24 layers only lower the ratios (the fixed fp32 position table weighs less).
-VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_attention_heads": 16, "patch_size": 14,
-          "image_size": 336, "num_hidden_layers": 3}
+VISION = {
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_attention_heads": 16,
+    "patch_size": 14,
+    "image_size": 336,
+    "num_hidden_layers": 3,
+}
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +29,21 @@ def clip_l(tmp_path_factory):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
     v = CLIPVisionConfig(projection_dim=768, **VISION)
-    t = LlamaConfig(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
-                    num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    cfg = LlavaConfig(vision_config=v, text_config=t, image_token_index=319, vision_feature_layer=-1, pad_token_id=0)
+    t = LlamaConfig(
+        vocab_size=320,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg = LlavaConfig(
+        vision_config=v, text_config=t, image_token_index=319, vision_feature_layer=-1, pad_token_id=0
+    )
     for c in (cfg, v, t):
         c._attn_implementation = "eager"
     torch.manual_seed(0)
@@ -38,12 +56,18 @@ def clip_l(tmp_path_factory):
 def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
     pkg = Package.load(clip_l)
     fp32_vision = G.initializer_bytes(pkg.graph("vision_encoder"))
-    res = get("quantize")(vision_encoder={"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
-                          decoder={"weights": "int4"}, eval_tokens=0, eval_samples=1).run(pkg)
+    res = get("quantize")(
+        vision_encoder={"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
+        decoder={"weights": "int4"},
+        eval_tokens=0,
+        eval_samples=1,
+    ).run(pkg)
     vis = res.report["graphs"]["vision_encoder"]
     assert vis["bytes_before"] == fp32_vision
-    print(f"int8 vision bytes ratio {vis['bytes_ratio']}, int4 decoder MatMul weights ratio "
-          f"{res.report['graphs']['decoder']['matmul_weight_bytes_ratio']}")
+    print(
+        f"int8 vision bytes ratio {vis['bytes_ratio']}, int4 decoder MatMul weights ratio "
+        f"{res.report['graphs']['decoder']['matmul_weight_bytes_ratio']}"
+    )
     assert G.initializer_bytes(pkg.graph("vision_encoder")) <= 0.27 * fp32_vision
     assert vis["fidelity"]["image_features"]["cosine"] >= 0.99
     dec = res.report["graphs"]["decoder"]
@@ -63,5 +87,8 @@ def test_fp16_vision_byte_ratio(clip_l):
     res = get("quantize")(vision_encoder={"weights": "fp16"}, eval_tokens=0, eval_samples=1).run(pkg)
     assert G.initializer_bytes(pkg.graph("vision_encoder")) <= 0.51 * before
     assert res.report["graphs"]["vision_encoder"]["fidelity"]["image_features"]["cosine"] >= 0.999
-    assert np.isclose(res.report["graphs"]["vision_encoder"]["bytes_ratio"],
-                      G.initializer_bytes(pkg.graph("vision_encoder")) / before, atol=1e-4)
+    assert np.isclose(
+        res.report["graphs"]["vision_encoder"]["bytes_ratio"],
+        G.initializer_bytes(pkg.graph("vision_encoder")) / before,
+        atol=1e-4,
+    )

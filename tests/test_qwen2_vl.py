@@ -36,10 +36,16 @@ def test_graphs_follow_the_interfaces(builtin):
     assert m["pipeline"] == {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
     vis = pkg.info("vision_encoder")
     assert [(i["name"], i["shape"]) for i in vis["inputs"]] == [
-        ("pixel_values", ["patches", vis["inputs"][0]["shape"][1]]), ("image_grid_thw", ["images", 3])]
+        ("pixel_values", ["patches", vis["inputs"][0]["shape"][1]]),
+        ("image_grid_thw", ["images", 3]),
+    ]
     assert vis["outputs"][0]["name"] == "image_features" and vis["outputs"][0]["shape"][0] == "image_tokens"
     dec = pkg.info("decoder")
-    assert dec["inputs"][2]["name"] == "position_ids" and dec["inputs"][2]["shape"] == [3, "batch", "sequence"]
+    assert dec["inputs"][2]["name"] == "position_ids" and dec["inputs"][2]["shape"] == [
+        3,
+        "batch",
+        "sequence",
+    ]
     assert m["text"]["position"] == "mrope" and m["vision"]["tokens_per_image"] is None
     assert m["vision"]["spatial_merge_size"] == 2 and m["vision"]["preprocess"]["kind"] == "packed_patches"
     assert (m["vision"]["window_attention"] is not None) == (name == "tiny-qwen2.5-vl")
@@ -69,8 +75,9 @@ def test_vision_graph_matches_transformers_on_grids_it_was_not_traced_with(built
     pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = torch.cat(model.model.get_image_features(pixels, grid).pooler_output).numpy()
-    got = ortsession.for_graph(pkg, "vision_encoder").run(None, {"pixel_values": pixels.numpy(),
-                                                                  "image_grid_thw": grid.numpy()})[0]
+    got = ortsession.for_graph(pkg, "vision_encoder").run(
+        None, {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()}
+    )[0]
     assert got.shape == ref.shape == (int(grid.prod(-1).sum()) // 4, pkg.manifest["text"]["hidden_size"])
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
 
@@ -118,15 +125,20 @@ def test_mrope_positions_match_get_rope_index(builtin):
     """Batch of two prompts, left padding, images of different sizes (one prompt has two)."""
     name, pkg = builtin
     pipe = Pipeline(pkg)
-    inp = pipe.prepare([f"A {WRAP} and {WRAP}?", "Describe."],
-                       [[_image(64, 96, 1), _image(48, 32, 2)], [_image(80, 80, 3)]])
+    inp = pipe.prepare(
+        [f"A {WRAP} and {WRAP}?", "Describe."], [[_image(64, 96, 1), _image(48, 32, 2)], [_image(80, 80, 3)]]
+    )
     assert inp.attention_mask.min() == 0  # one prompt is left padded
-    got = positions.prefill("mrope", inp.input_ids, inp.attention_mask, {"manifest": pkg.manifest, "vision": inp.vision})
+    got = positions.prefill(
+        "mrope", inp.input_ids, inp.attention_mask, {"manifest": pkg.manifest, "vision": inp.vision}
+    )
     model = exporters.load_source(name).model
-    ref, delta = model.model.get_rope_index(torch.from_numpy(inp.input_ids),
-                                            torch.from_numpy(inp.extra["mm_token_type_ids"]),
-                                            image_grid_thw=torch.from_numpy(inp.vision["image_grid_thw"]),
-                                            attention_mask=torch.from_numpy(inp.attention_mask))
+    ref, delta = model.model.get_rope_index(
+        torch.from_numpy(inp.input_ids),
+        torch.from_numpy(inp.extra["mm_token_type_ids"]),
+        image_grid_thw=torch.from_numpy(inp.vision["image_grid_thw"]),
+        attention_mask=torch.from_numpy(inp.attention_mask),
+    )
     real = inp.attention_mask.astype(bool)
     np.testing.assert_array_equal(got[:, real], ref.numpy()[:, real])
     # decode continues at transformers' text position + rope delta
@@ -149,20 +161,25 @@ def test_text_only_prompt_runs_with_plain_positions(builtin):
     _, pkg = builtin
     pipe = Pipeline(pkg)
     inp = pipe.prepare(["Hello"], [[]])
-    pos = positions.prefill("mrope", inp.input_ids, inp.attention_mask, {"manifest": pkg.manifest, "vision": {}})
+    pos = positions.prefill(
+        "mrope", inp.input_ids, inp.attention_mask, {"manifest": pkg.manifest, "vision": {}}
+    )
     assert (pos == np.arange(inp.input_ids.shape[1])).all()
     assert len(pipe.generate_from(inp, 3).tokens[0]) >= 1
 
 
 # ---- local configs saved with save_pretrained ------------------------------------------------
 
+
 def _qwen2_mha():
     return Q.tiny_qwen2_vl_config(vision_over={"depth": 3, "num_heads": 2}, num_key_value_heads=4)
 
 
 def _qwen2_small_patch():
-    return Q.tiny_qwen2_vl_config(vision_over={"patch_size": 4, "embed_dim": 48, "num_heads": 6},
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1e5, "mrope_section": [4, 2, 2]})
+    return Q.tiny_qwen2_vl_config(
+        vision_over={"patch_size": 4, "embed_dim": 48, "num_heads": 6},
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5, "mrope_section": [4, 2, 2]},
+    )
 
 
 def _qwen25_big_window():
@@ -171,19 +188,25 @@ def _qwen25_big_window():
 
 
 def _qwen25_gqa():
-    return Q.tiny_qwen2_5_vl_config(vision_over={"fullatt_block_indexes": [0, 2]}, num_attention_heads=8,
-                                    num_key_value_heads=2, rope_parameters={"rope_type": "default",
-                                                                            "rope_theta": 10000.0,
-                                                                            "mrope_section": [2, 1, 1]})
+    return Q.tiny_qwen2_5_vl_config(
+        vision_over={"fullatt_block_indexes": [0, 2]},
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]},
+    )
 
 
 def _processor(cfg, min_pixels: int, max_pixels: int):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     v = cfg.vision_config
-    return Qwen2VLImageProcessorPil(patch_size=v.patch_size, merge_size=v.spatial_merge_size,
-                                    temporal_patch_size=v.temporal_patch_size, min_pixels=min_pixels,
-                                    max_pixels=max_pixels)
+    return Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=v.temporal_patch_size,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+    )
 
 
 def _two_images_one_prompt():
@@ -217,7 +240,9 @@ def test_verify_local_configs_token_exact(local_root, tmp_path, name):
     cfg = make_config()
     torch.manual_seed(1)
     Q.model_class(cfg)(cfg).save_pretrained(local_root / name)
-    if name == "qwen2_small_patch_batch":  # a saved processor with its own pixel bounds overrides the defaults
+    if (
+        name == "qwen2_small_patch_batch"
+    ):  # a saved processor with its own pixel bounds overrides the defaults
         _processor(cfg, 1024, 6144).save_pretrained(local_root / name)
     src = exporters.load_source(str(local_root / name))
     assert src.architecture == Q.model_class(cfg).__name__

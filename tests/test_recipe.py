@@ -20,21 +20,30 @@ def test_valid_recipe_fills_defaults():
     assert r.steps[1].options == {"graphs": None, "size_threshold_mb": 8.0}
 
 
-@pytest.mark.parametrize("text, message", [
-    ("modle: x", "unknown key 'modle'; valid keys: model, export, passes, target"),
-    ("passes: [simplfy]", "pass #1: unknown pass 'simplfy'; valid passes: "),
-    ("passes: [{simplify: {fast: true}}]", "unknown option 'fast'; valid options: graphs, skip_fuse_bn, max_weight_bytes"),
-    ("passes: [{simplify: {skip_fuse_bn: 3}}]", "skip_fuse_bn must be boolean, got int 3"),
-    ("passes: [{fold_constants: {size_threshold_mb: -1}}]", "size_threshold_mb=-1.0 is below the minimum 0"),
-    ("passes: [{simplify: {graphs: [1]}}]", "graphs items must be string"),
-    ("passes: simplify", "passes must be a list"),
-    ("passes: [{simplify: {}, fold_constants: {}}]", "each pass is a name or a one-key mapping"),
-    ("model: [1]", "model must be a string"),
-    ("export: {trust_remote_code: yes please}", "export.trust_remote_code must be true or false"),
-    ("target: {backend: tpu}", "backend must be one of"),
-    ("passes: [simplify\n  - x: [", "YAML error at line"),
-    ("- just\n- a list", "a recipe must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("modle: x", "unknown key 'modle'; valid keys: model, export, passes, target"),
+        ("passes: [simplfy]", "pass #1: unknown pass 'simplfy'; valid passes: "),
+        (
+            "passes: [{simplify: {fast: true}}]",
+            "unknown option 'fast'; valid options: graphs, skip_fuse_bn, max_weight_bytes",
+        ),
+        ("passes: [{simplify: {skip_fuse_bn: 3}}]", "skip_fuse_bn must be boolean, got int 3"),
+        (
+            "passes: [{fold_constants: {size_threshold_mb: -1}}]",
+            "size_threshold_mb=-1.0 is below the minimum 0",
+        ),
+        ("passes: [{simplify: {graphs: [1]}}]", "graphs items must be string"),
+        ("passes: simplify", "passes must be a list"),
+        ("passes: [{simplify: {}, fold_constants: {}}]", "each pass is a name or a one-key mapping"),
+        ("model: [1]", "model must be a string"),
+        ("export: {trust_remote_code: yes please}", "export.trust_remote_code must be true or false"),
+        ("target: {backend: tpu}", "backend must be one of"),
+        ("passes: [simplify\n  - x: [", "YAML error at line"),
+        ("- just\n- a list", "a recipe must be a mapping"),
+    ],
+)
 def test_recipe_errors(text, message):
     with pytest.raises(VlmcError) as err:
         recipe.parse(text, source="r.yaml")

@@ -51,14 +51,20 @@ def test_report_has_graphs_ops_weights_precision_tokens_kv(built):
     text = (pkg / "report.md").read_text()
     m = json.loads((pkg / "vlmc.json").read_text())
     for name, info in m["graphs"].items():
-        row = next(line for line in text.splitlines() if line.startswith(f"| {name} | {info['role']} | {info['precision']} |"))
+        row = next(
+            line
+            for line in text.splitlines()
+            if line.startswith(f"| {name} | {info['role']} | {info['precision']} |")
+        )
         for io in info["inputs"][:6] + info["outputs"][:4]:
             assert f"`{io['name']}`" in row, (name, io["name"])
         ops = G.op_histogram(G.load(pkg / info["file"], load_weights=False))
         ops_line = next(line for line in text.splitlines() if line.startswith(f"- **{name}**: "))
         assert ops_line == f"- **{name}**: " + ", ".join(f"{k}×{v}" for k, v in ops.items())
         precision = text.split("## Precision", 1)[1]
-        assert re.search(rf"^\| {name} \| {info['precision']} \| .*float32 [0-9.]+ KiB.* \|$", precision, re.M), name
+        assert re.search(
+            rf"^\| {name} \| {info['precision']} \| .*float32 [0-9.]+ KiB.* \|$", precision, re.M
+        ), name
     assert m["vision"]["tokens_per_image"] == 16
     assert "- visual tokens per image: 16\n" in text
     kv = m["kv"]
@@ -111,7 +117,10 @@ def test_verify_puts_fidelity_numbers_in_the_report(verified):
     assert f"| token agreement | {v['token_agreement']:.3f} over 3 new tokens |" in text
     summary = json.loads(cli("inspect", "--json", str(verified)).stdout)
     assert summary["verify"]["prefill_logits_cosine"] == v["prefill_logits_cosine"]
-    assert json.loads((verified / "report.json").read_text())["verify"]["token_agreement"] == v["token_agreement"]
+    assert (
+        json.loads((verified / "report.json").read_text())["verify"]["token_agreement"]
+        == v["token_agreement"]
+    )
 
 
 def test_exact_package_reports_parity(tiny_llava, tmp_path):
@@ -131,7 +140,9 @@ def test_optimized_package_does_not_inherit_verify_numbers(verified, tmp_path):
     cli("-q", "optimize", str(verified), "-r", str(recipe), "-o", str(out))
     assert not (out / "verify.json").exists()
     assert "not run (run `vlmc verify PACKAGE`)" in (out / "report.md").read_text()
-    assert "## Verification\n\nlossy package" in (verified / "report.md").read_text()  # the input keeps its own
+    assert (
+        "## Verification\n\nlossy package" in (verified / "report.md").read_text()
+    )  # the input keeps its own
 
 
 def test_paged_kv_layout_in_report(tiny_llava, tmp_path):

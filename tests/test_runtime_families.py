@@ -22,8 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 # Shared code that must stay family-agnostic: all of the runtime (generation loop, preprocessing,
 # positions, KV state), the pass manager, the passes and the backends. Manifest kinds name what they
 # do (e.g. preprocessing kind "packed_patches"), never the family that writes them.
-SHARED = [*sorted((REPO / "vlmc/runtime").glob("*.py")), REPO / "vlmc/manager.py",
-          *sorted((REPO / "passes").glob("*.py")), *sorted((REPO / "vlmc/backends").rglob("*.py"))]
+SHARED = [
+    *sorted((REPO / "vlmc/runtime").glob("*.py")),
+    REPO / "vlmc/manager.py",
+    *sorted((REPO / "passes").glob("*.py")),
+    *sorted((REPO / "vlmc/backends").rglob("*.py")),
+]
 
 
 def _builtin_per_family() -> dict[str, str]:
@@ -62,12 +66,20 @@ def _prose_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-                    and isinstance(body[0].value.value, str):
+            if (
+                body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
                 cover(body[0])
         elif isinstance(node, ast.Raise) and node.exc is not None:
             cover(node)
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in _LOG_CALLS:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _LOG_CALLS
+        ):
             cover(node)
     return lines
 
@@ -82,8 +94,12 @@ def family_mentions(source: str) -> list[str]:
     prose = _prose_lines(ast.parse(source))
     hits: list[int] = []
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type in _TEXT_TOKENS and tok.start[0] not in prose \
-                and pattern.search(tok.string) and tok.start[0] not in hits:
+        if (
+            tok.type in _TEXT_TOKENS
+            and tok.start[0] not in prose
+            and pattern.search(tok.string)
+            and tok.start[0] not in hits
+        ):
             hits.append(tok.start[0])
     lines = source.splitlines()
     return [lines[n - 1].strip() for n in hits]
@@ -132,7 +148,9 @@ def test_runtime_walks_each_family_manifest(family_package):
 
 def test_each_family_package_is_token_exact_through_the_shared_loop(family_package):
     _, pkg = family_package
-    res = verify.verify(pkg, max_new_tokens=8, prompts=["Describe the image.", "Hi"], images=[["demo:1"], ["demo:2"]])
+    res = verify.verify(
+        pkg, max_new_tokens=8, prompts=["Describe the image.", "Hi"], images=[["demo:1"], ["demo:2"]]
+    )
     assert res.passed and res.tokens_package == res.tokens_reference
     assert res.prefill_logits_max_abs_diff <= 1e-4
 
@@ -155,15 +173,23 @@ def test_shared_code_names_no_family(path):
 
 def test_family_check_catches_a_branch():
     # The check above must be able to fail: a family branch in any spelling is caught ...
-    code = ('if m["model"]["family"] == "blip2":\n    pass\nx = 1\nif "Qwen2-VL" in arch:\n    pass\n'
-            'KINDS = {"llava": run}\nuse_llava_layout = True\n')
-    assert family_mentions(code) == ['if m["model"]["family"] == "blip2":', 'if "Qwen2-VL" in arch:',
-                                     'KINDS = {"llava": run}', 'use_llava_layout = True']
+    code = (
+        'if m["model"]["family"] == "blip2":\n    pass\nx = 1\nif "Qwen2-VL" in arch:\n    pass\n'
+        'KINDS = {"llava": run}\nuse_llava_layout = True\n'
+    )
+    assert family_mentions(code) == [
+        'if m["model"]["family"] == "blip2":',
+        'if "Qwen2-VL" in arch:',
+        'KINDS = {"llava": run}',
+        "use_llava_layout = True",
+    ]
     # ... while prose that names a family as an example is not a branch.
-    prose = ('"""Prune tokens (e.g. Qwen2-VL merges patches)."""\n'
-             'x = 1  # BLIP-2 has a fusion stage\n'
-             'if role == "fusion":\n    raise VlmcError("learned queries (e.g. BLIP-2\'s Q-Former) cannot be pruned")\n'
-             'logger.warning("llava: %d nodes", 3)\n')
+    prose = (
+        '"""Prune tokens (e.g. Qwen2-VL merges patches)."""\n'
+        "x = 1  # BLIP-2 has a fusion stage\n"
+        'if role == "fusion":\n    raise VlmcError("learned queries (e.g. BLIP-2\'s Q-Former) cannot be pruned")\n'
+        'logger.warning("llava: %d nodes", 3)\n'
+    )
     assert family_mentions(prose) == []
 
 
@@ -180,8 +206,14 @@ def test_export_list_shows_builtins_and_families():
 def _tiny_llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=4, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def _tiny_paligemma_config():
@@ -190,10 +222,13 @@ def _tiny_paligemma_config():
     return PaliGemmaConfig(architectures=["PaliGemmaForConditionalGeneration"])
 
 
-@pytest.mark.parametrize(("make", "arch", "model_type"), [
-    (_tiny_llama_config, "LlamaForCausalLM", "llama"),
-    (_tiny_paligemma_config, "PaliGemmaForConditionalGeneration", "paligemma"),
-])
+@pytest.mark.parametrize(
+    ("make", "arch", "model_type"),
+    [
+        (_tiny_llama_config, "LlamaForCausalLM", "llama"),
+        (_tiny_paligemma_config, "PaliGemmaForConditionalGeneration", "paligemma"),
+    ],
+)
 def test_unsupported_architecture_fails_with_one_line(tmp_path, make, arch, model_type):
     src = tmp_path / "src"
     make().save_pretrained(src)
@@ -210,6 +245,11 @@ def test_unsupported_architecture_fails_with_one_line(tmp_path, make, arch, mode
 
 def test_shared_list_covers_the_generation_loop_and_manager():
     names = {str(p.relative_to(REPO)) for p in SHARED}
-    assert {"vlmc/runtime/pipeline.py", "vlmc/runtime/kv.py", "vlmc/runtime/preprocess.py",
-            "vlmc/runtime/patches.py", "vlmc/manager.py"} <= names
+    assert {
+        "vlmc/runtime/pipeline.py",
+        "vlmc/runtime/kv.py",
+        "vlmc/runtime/preprocess.py",
+        "vlmc/runtime/patches.py",
+        "vlmc/manager.py",
+    } <= names
     assert any(n.startswith("passes/") for n in names)

@@ -27,11 +27,20 @@ def _rss_bytes() -> int:
 
 def _big_model(mib: int = 64) -> onnx.ModelProto:
     w = numpy_helper.from_array(np.full((mib, 256, 1024), 0.5, np.float32), "w")
-    c = helper.make_node("Constant", [], ["c"], value=numpy_helper.from_array(np.arange(512, dtype=np.float32)))
+    c = helper.make_node(
+        "Constant", [], ["c"], value=numpy_helper.from_array(np.arange(512, dtype=np.float32))
+    )
     add = helper.make_node("Add", ["x", "w"], ["y"])
-    graph = helper.make_graph([c, add], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [mib, 256, 1024]),
-                               helper.make_tensor_value_info("c", TensorProto.FLOAT, [512])], initializer=[w])
+    graph = helper.make_graph(
+        [c, add],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT, [mib, 256, 1024]),
+            helper.make_tensor_value_info("c", TensorProto.FLOAT, [512]),
+        ],
+        initializer=[w],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -115,7 +124,9 @@ def test_passes_over_a_staged_package_leave_no_graph_resident(tiny_dir, tmp_path
     staged = manager.run(staged_pkg, R.from_dict({"passes": steps}).steps)
     assert not any(staged.is_loaded(g) for g in staged.graph_names)
     # the same passes, the same modified flags and the same graphs as without staging
-    assert [h["modified"] for h in staged.manifest["history"]] == [h["modified"] for h in plain.manifest["history"]]
+    assert [h["modified"] for h in staged.manifest["history"]] == [
+        h["modified"] for h in plain.manifest["history"]
+    ]
     for g in staged.graph_names:
         assert G.fingerprint(staged.graph(g)) == G.fingerprint(plain.graph(g))
     # superseded staging files are purged: one file per staged graph

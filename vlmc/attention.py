@@ -66,8 +66,13 @@ def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
         if node is None:
             break
         if node.op_type == "MatMul":
-            return {"probs": softmax.output[0], "query": node.input[0], "key_t": node.input[1],
-                    "scale": float(scale), "masked": masked}
+            return {
+                "probs": softmax.output[0],
+                "query": node.input[0],
+                "key_t": node.input[1],
+                "scale": float(scale),
+                "masked": masked,
+            }
         if node.op_type not in _BETWEEN:
             break
         dynamic = [i for i in node.input if i and i not in consts]
@@ -78,12 +83,19 @@ def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
         elif node.op_type in ("Add", "Where"):
             masked = True
             # The scores come from the MatMul side; the mask (or condition) from elsewhere.
-            values = dynamic if node.op_type == "Add" else [i for i in node.input[1:] if i and i not in consts]
-            dynamic = [i for i in values if producers.get(i) is not None
-                       and producers[i].op_type in ("MatMul", "Mul", "Div", "Cast")][:1]
+            values = (
+                dynamic if node.op_type == "Add" else [i for i in node.input[1:] if i and i not in consts]
+            )
+            dynamic = [
+                i
+                for i in values
+                if producers.get(i) is not None and producers[i].op_type in ("MatMul", "Mul", "Div", "Cast")
+            ][:1]
         elif node.op_type != "Cast":
             break
         if len(dynamic) != 1:
             break
         tensor = dynamic[0]
-    raise VlmcError(f"Softmax {softmax.name!r} is not fed by a Q·Kᵀ MatMul; cannot locate its attention inputs")
+    raise VlmcError(
+        f"Softmax {softmax.name!r} is not fed by a Q·Kᵀ MatMul; cannot locate its attention inputs"
+    )

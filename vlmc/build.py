@@ -18,7 +18,6 @@ from vlmc.recipe import Recipe
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class BuildResult:
     package: P.Package
@@ -26,16 +25,25 @@ class BuildResult:
     compile: dict | None
 
 
-def build(recipe: Recipe, output: str | Path, check: bool = False, force: bool = False,
-          trust_remote_code: bool = False, allow_pickle: bool = False) -> BuildResult:
+def build(
+    recipe: Recipe,
+    output: str | Path,
+    check: bool = False,
+    force: bool = False,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> BuildResult:
     """Run the whole recipe; the output appears only when everything succeeded."""
     if not recipe.model:
         raise VlmcError(f"{recipe.source}: `vlmc build` needs a 'model' key in the recipe")
     out = Path(output).resolve()
     P.check_output_dir(out, force, marker=BUILD_MARKER)
-    source = exporters.load_source(recipe.model, trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
-                                   allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
-                                   revision=recipe.export.get("revision"))
+    source = exporters.load_source(
+        recipe.model,
+        trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
+        allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
+        revision=recipe.export.get("revision"),
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
@@ -57,9 +65,18 @@ def build(recipe: Recipe, output: str | Path, check: bool = False, force: bool =
 
             pkg.report["compile"] = report.compile_summary(compiled)  # the ATC commands go into report.md
             report.write(pkg, tmp / "package")
-        (tmp / BUILD_MARKER).write_text(json.dumps({"recipe": recipe.to_dict(), "package": "package",
-                                                    "build": "build" if compiled is not None else None},
-                                                   indent=2, sort_keys=True) + "\n")
+        (tmp / BUILD_MARKER).write_text(
+            json.dumps(
+                {
+                    "recipe": recipe.to_dict(),
+                    "package": "package",
+                    "build": "build" if compiled is not None else None,
+                },
+                indent=2,
+                sort_keys=True,
+            )
+            + "\n"
+        )
         P._replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

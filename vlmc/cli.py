@@ -55,7 +55,11 @@ class _Group(click.Group):
             if ui.is_verbose():
                 logger.exception("error")
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            hint = "; free some space or write elsewhere, nothing was written" if exc.errno == errno.ENOSPC else ""
+            hint = (
+                "; free some space or write elsewhere, nothing was written"
+                if exc.errno == errno.ENOSPC
+                else ""
+            )
             click.echo(f"vlmc: error: {exc.strerror or exc}{where}{hint}", err=True)
             ctx.exit(2)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
@@ -64,7 +68,10 @@ class _Group(click.Group):
             if ui.is_verbose():
                 raise
             first = (str(exc).strip().splitlines() or [""])[0]
-            click.echo(f"vlmc: internal error: {type(exc).__name__}: {first} (run with -v for the traceback)", err=True)
+            click.echo(
+                f"vlmc: internal error: {type(exc).__name__}: {first} (run with -v for the traceback)",
+                err=True,
+            )
             ctx.exit(1)
 
 
@@ -84,7 +91,9 @@ def main(verbose: bool, quiet: bool) -> None:
 
 
 def _export_options(f):
-    f = click.option("--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default).")(f)
+    f = click.option(
+        "--trust-remote-code", is_flag=True, help="Allow the model's own Python code (off by default)."
+    )(f)
     f = click.option("--allow-pickle", is_flag=True, help="Allow pickle (.bin) weights (off by default).")(f)
     return f
 
@@ -125,8 +134,12 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
-@click.option("-r", "--recipe", "recipe_path", required=True, type=click.Path(path_type=Path), help="Recipe YAML.")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Package directory to write.")
+@click.option(
+    "-r", "--recipe", "recipe_path", required=True, type=click.Path(path_type=Path), help="Recipe YAML."
+)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Package directory to write."
+)
 @click.option("--check", is_flag=True, help="Check numerics-preserving passes on onnxruntime.")
 @click.option("--force", is_flag=True, help="Replace an existing vlmc package at the output.")
 def optimize(package, recipe_path, output, check, force):
@@ -149,8 +162,12 @@ def optimize(package, recipe_path, output, check, force):
 
 
 @main.command()
-@click.option("-r", "--recipe", "recipe_path", required=True, type=click.Path(path_type=Path), help="Recipe YAML.")
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Build directory to write.")
+@click.option(
+    "-r", "--recipe", "recipe_path", required=True, type=click.Path(path_type=Path), help="Recipe YAML."
+)
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Build directory to write."
+)
 @click.option("--check", is_flag=True, help="Check numerics-preserving passes on onnxruntime.")
 @click.option("--force", is_flag=True, help="Replace an existing vlmc build at the output.")
 @_export_options
@@ -167,18 +184,26 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     from vlmc import recipe
 
     r = recipe.load(recipe_path)
-    result = B.build(r, output, check=check, force=force, trust_remote_code=trust_remote_code,
-                     allow_pickle=allow_pickle)
+    result = B.build(
+        r, output, check=check, force=force, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle
+    )
     _summary(result.package)
     ui.info(f"wrote {output}")
 
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
-@click.option("--image", "images", multiple=True, help="Image file (repeatable), or 'demo' for a built-in picture.")
+@click.option(
+    "--image", "images", multiple=True, help="Image file (repeatable), or 'demo' for a built-in picture."
+)
 @click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable: a batch).")
-@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096),
-              help="Tokens to generate per prompt (fewer if every prompt reaches end-of-sequence).")
+@click.option(
+    "--max-new-tokens",
+    default=20,
+    show_default=True,
+    type=click.IntRange(1, 4096),
+    help="Tokens to generate per prompt (fewer if every prompt reaches end-of-sequence).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print tokens and text as JSON.")
 def run(package, images, prompts, max_new_tokens, as_json):
     """Generate text for prompts (and images) with the package on onnxruntime CPU.
@@ -208,24 +233,48 @@ def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list
     out, k = [], 0
     for p in prompts:
         n = p.count(marker) or (1 if images else 0)
-        out.append(images[k:k + n])
+        out.append(images[k : k + n])
         k += n
     if k != len(images):
-        raise VlmcError(f"{len(images)} image(s) given but the prompts take {k}; "
-                       f"put one {marker!r} in the prompts for each --image")
+        raise VlmcError(
+            f"{len(images)} image(s) given but the prompts take {k}; "
+            f"put one {marker!r} in the prompts for each --image"
+        )
     return out
 
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
-@click.option("--max-new-tokens", default=20, show_default=True, type=click.IntRange(1, 4096),
-              help="Greedy tokens compared between transformers and the package.")
+@click.option(
+    "--max-new-tokens",
+    default=20,
+    show_default=True,
+    type=click.IntRange(1, 4096),
+    help="Greedy tokens compared between transformers and the package.",
+)
 @click.option("--image", "images", multiple=True, help="Image file(s); default: built-in demo pictures.")
 @click.option("--prompt", "prompts", multiple=True, help="Prompt(s); default: 'Describe the image.'")
-@click.option("--max-logit-diff", type=float, help="Fail above this prefill logits max |diff| (default 1e-4 for exact packages).")
-@click.option("--min-token-agreement", type=float, help="Fail below this fraction of equal tokens (default 1.0 for exact packages).")
+@click.option(
+    "--max-logit-diff",
+    type=float,
+    help="Fail above this prefill logits max |diff| (default 1e-4 for exact packages).",
+)
+@click.option(
+    "--min-token-agreement",
+    type=float,
+    help="Fail below this fraction of equal tokens (default 1.0 for exact packages).",
+)
 @_export_options
-def verify(package, max_new_tokens, images, prompts, max_logit_diff, min_token_agreement, trust_remote_code, allow_pickle):
+def verify(
+    package,
+    max_new_tokens,
+    images,
+    prompts,
+    max_logit_diff,
+    min_token_agreement,
+    trust_remote_code,
+    allow_pickle,
+):
     """Compare the package with transformers on the same inputs; exit 1 past the thresholds.
 
     Example:
@@ -237,37 +286,75 @@ def verify(package, max_new_tokens, images, prompts, max_logit_diff, min_token_a
 
     pkg = Package.load(package)
     prompts = list(prompts) or None
-    per = _distribute(prompts, list(images), pkg.manifest["text"].get("image_marker", "<image>")) if images and prompts else (
-        [[i] for i in images] if images else None)
+    per = (
+        _distribute(prompts, list(images), pkg.manifest["text"].get("image_marker", "<image>"))
+        if images and prompts
+        else ([[i] for i in images] if images else None)
+    )
     if per is not None and prompts is None:
         prompts = V.DEFAULT_PROMPTS * len(per)
-    res = V.verify(pkg, max_new_tokens, prompts, per, max_logit_diff, min_token_agreement, trust_remote_code, allow_pickle)
+    res = V.verify(
+        pkg,
+        max_new_tokens,
+        prompts,
+        per,
+        max_logit_diff,
+        min_token_agreement,
+        trust_remote_code,
+        allow_pickle,
+    )
     V.write(pkg, res)
-    rows = [["prefill logits max |diff|", f"{res.prefill_logits_max_abs_diff:.3g}"],
-            ["prefill logits cosine", f"{res.prefill_logits_cosine:.6f}"],
-            ["top-1 agreement", f"{res.top1_agreement:.3f}"],
-            ["token agreement", f"{res.token_agreement:.3f} over {max_new_tokens} new tokens"],
-            ["common prefix", str(res.common_prefix)],
-            ["result", "PASS" if res.passed else "FAIL"]]
+    rows = [
+        ["prefill logits max |diff|", f"{res.prefill_logits_max_abs_diff:.3g}"],
+        ["prefill logits cosine", f"{res.prefill_logits_cosine:.6f}"],
+        ["top-1 agreement", f"{res.top1_agreement:.3f}"],
+        ["token agreement", f"{res.token_agreement:.3f} over {max_new_tokens} new tokens"],
+        ["common prefix", str(res.common_prefix)],
+        ["result", "PASS" if res.passed else "FAIL"],
+    ]
     if res.prefill_logits_kl is not None:
-        rows[3:3] = [["prefill KL(reference || package)", f"{res.prefill_logits_kl:.4g}"],
-                     ["top-5 agreement", f"{res.top5_agreement:.3f}"]]
+        rows[3:3] = [
+            ["prefill KL(reference || package)", f"{res.prefill_logits_kl:.4g}"],
+            ["top-5 agreement", f"{res.top5_agreement:.3f}"],
+        ]
     if res.visual_tokens and res.visual_tokens["package"] != res.visual_tokens["reference"]:
-        rows.insert(0, ["visual tokens per image", f"{res.visual_tokens['package']} (reference {res.visual_tokens['reference']})"])
-    ui.show(ui.table(f"verify {res.source} ({'exact' if res.exact_package else 'lossy'} package)", ["metric", "value"], rows))
+        rows.insert(
+            0,
+            [
+                "visual tokens per image",
+                f"{res.visual_tokens['package']} (reference {res.visual_tokens['reference']})",
+            ],
+        )
+    ui.show(
+        ui.table(
+            f"verify {res.source} ({'exact' if res.exact_package else 'lossy'} package)",
+            ["metric", "value"],
+            rows,
+        )
+    )
     if not res.passed:
         from vlmc.errors import CheckFailed
 
-        raise CheckFailed(f"verify failed: logits max |diff| {res.prefill_logits_max_abs_diff:.3g}, "
-                          f"token agreement {res.token_agreement:.3f} (thresholds {res.thresholds})")
+        raise CheckFailed(
+            f"verify failed: logits max |diff| {res.prefill_logits_max_abs_diff:.3g}, "
+            f"token agreement {res.token_agreement:.3f} (thresholds {res.thresholds})"
+        )
 
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable summary on stdout.")
-@click.option("--pruning", "pruning_image", help="For a pruned package: draw the patches kept for this image "
-              "(a file, or 'demo') into a PNG.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), help="PNG to write with --pruning (default pruning.png).")
+@click.option(
+    "--pruning",
+    "pruning_image",
+    help="For a pruned package: draw the patches kept for this image (a file, or 'demo') into a PNG.",
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    help="PNG to write with --pruning (default pruning.png).",
+)
 def inspect(package, as_json, pruning_image, output):
     """Show a package: graphs with IO, ops, weights, precision, KV layout and pass history.
 
@@ -297,21 +384,61 @@ def inspect(package, as_json, pruning_image, output):
 
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path), required=False)
-@click.option("--config", "config_path", type=click.Path(path_type=Path),
-              help="Plan from a Hugging Face config.json or a vlmc sizing spec instead of a package.")
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(path_type=Path),
+    help="Plan from a Hugging Face config.json or a vlmc sizing spec instead of a package.",
+)
 @click.option("--device-memory", required=True, help="Memory per card, e.g. 16GiB or 16GB.")
 @click.option("--images", default=1, show_default=True, type=click.IntRange(0), help="Images per sequence.")
-@click.option("--text-tokens", default=512, show_default=True, type=click.IntRange(0),
-              help="Text tokens per sequence (prompt plus generated).")
+@click.option(
+    "--text-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Text tokens per sequence (prompt plus generated).",
+)
 @click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Concurrent sequences.")
-@click.option("--cards", default=1, show_default=True, type=click.IntRange(1), help="Cards sharing the model (tensor parallel).")
-@click.option("--block-size", type=click.IntRange(1), help="Paged block size (default: the package's, else 128).")
-@click.option("--max-context", type=click.IntRange(1), help="Tokens a contiguous cache reserves per sequence (default: max positions).")
-@click.option("--reserve", default="0", show_default=True, help="Memory the runtime keeps per card, e.g. 1GiB.")
-@click.option("--precision", "precisions", multiple=True, help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).")
+@click.option(
+    "--cards",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Cards sharing the model (tensor parallel).",
+)
+@click.option(
+    "--block-size", type=click.IntRange(1), help="Paged block size (default: the package's, else 128)."
+)
+@click.option(
+    "--max-context",
+    type=click.IntRange(1),
+    help="Tokens a contiguous cache reserves per sequence (default: max positions).",
+)
+@click.option(
+    "--reserve", default="0", show_default=True, help="Memory the runtime keeps per card, e.g. 1GiB."
+)
+@click.option(
+    "--precision",
+    "precisions",
+    multiple=True,
+    help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan(package, config_path, device_memory, images, text_tokens, batch, cards, block_size, max_context, reserve,
-         precisions, as_json):
+def plan(
+    package,
+    config_path,
+    device_memory,
+    images,
+    text_tokens,
+    batch,
+    cards,
+    block_size,
+    max_context,
+    reserve,
+    precisions,
+    as_json,
+):
     """Plan device memory: weights, KV per token/block, image tokens, headroom -> sequences and context that fit.
 
     Compares the paged KV reservation with a contiguous cache's worst case for the request mix.
@@ -329,16 +456,29 @@ def plan(package, config_path, device_memory, images, text_tokens, batch, cards,
     for item in precisions:
         role, _, value = item.partition("=")
         if not value or value not in PL.WEIGHT_BYTES:
-            raise VlmcError(f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}")
+            raise VlmcError(
+                f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}"
+            )
         prec[role] = value
     if config_path is not None:
         spec = PL.load_spec(config_path, prec or None)
     else:
         if prec:
-            raise click.UsageError("--precision only applies with --config (a package states its own precisions)")
+            raise click.UsageError(
+                "--precision only applies with --config (a package states its own precisions)"
+            )
         spec = PL.spec_from_package(Package.load(package))
-    result = PL.plan(spec, device_memory, images=images, text_tokens=text_tokens, batch=batch, cards=cards,
-                     block_size=block_size, max_context=max_context, reserve=reserve)
+    result = PL.plan(
+        spec,
+        device_memory,
+        images=images,
+        text_tokens=text_tokens,
+        batch=batch,
+        cards=cards,
+        block_size=block_size,
+        max_context=max_context,
+        reserve=reserve,
+    )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
         return
@@ -370,13 +510,30 @@ def passes(schema):
 
 @main.command(name="compile")
 @click.argument("package", type=click.Path(path_type=Path))
-@click.option("-o", "--output", required=True, type=click.Path(path_type=Path), help="Build directory to write.")
-@click.option("--target", "backend", default="ascend", show_default=True, type=click.Choice(["ascend", "ort"]),
-              help="Backend: ascend (ATC builds) or ort (a package runnable here).")
-@click.option("--soc", default=None, help="Ascend SoC: an exact variant (Ascend910B1…B4-1) or the family Ascend910B.")
-@click.option("--soc-variant", default=None, help="910B variant to use when --soc is the family and npu-smi is absent.")
-@click.option("-r", "--recipe", "recipe_path", type=click.Path(path_type=Path),
-              help="Take the backend and its options from a recipe's target (explicit flags win).")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(path_type=Path), help="Build directory to write."
+)
+@click.option(
+    "--target",
+    "backend",
+    default="ascend",
+    show_default=True,
+    type=click.Choice(["ascend", "ort"]),
+    help="Backend: ascend (ATC builds) or ort (a package runnable here).",
+)
+@click.option(
+    "--soc", default=None, help="Ascend SoC: an exact variant (Ascend910B1…B4-1) or the family Ascend910B."
+)
+@click.option(
+    "--soc-variant", default=None, help="910B variant to use when --soc is the family and npu-smi is absent."
+)
+@click.option(
+    "-r",
+    "--recipe",
+    "recipe_path",
+    type=click.Path(path_type=Path),
+    help="Take the backend and its options from a recipe's target (explicit flags win).",
+)
 @click.option("--run", "run_atc", is_flag=True, help="Run atc when it is on PATH and collect the .om files.")
 @click.option("--force", is_flag=True, help="Replace an existing vlmc build at the output.")
 def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, force):
@@ -413,16 +570,33 @@ def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, f
     target = backends.validate_target(target, where="compile target")
     pkg = Package.load(package)
     summary = backends.get(backend).compile(pkg, output, target, force=force)
-    rows = [[name, pkg.info(name)["role"] if name in pkg.manifest["graphs"] else "", g.get("precision", "")]
-            for name, g in summary.get("graphs", {}).items()]
-    ui.show(ui.table(f"compiled for {backend}" + (f" ({summary.get('soc_version')})" if summary.get("soc_version") else ""),
-                     ["graph", "role", "precision"], rows))
+    rows = [
+        [name, pkg.info(name)["role"] if name in pkg.manifest["graphs"] else "", g.get("precision", "")]
+        for name, g in summary.get("graphs", {}).items()
+    ]
+    ui.show(
+        ui.table(
+            f"compiled for {backend}"
+            + (f" ({summary.get('soc_version')})" if summary.get("soc_version") else ""),
+            ["graph", "role", "precision"],
+            rows,
+        )
+    )
     ui.info(f"wrote {output}")
 
 
 def _summary(pkg) -> None:
-    rows = [[n, g["role"], g["precision"], len(g["inputs"]), len(g["outputs"])] for n, g in pkg.manifest["graphs"].items()]
-    ui.show(ui.table(f"package {pkg.manifest['model']['source']} ({pkg.family})", ["graph", "role", "precision", "inputs", "outputs"], rows))
+    rows = [
+        [n, g["role"], g["precision"], len(g["inputs"]), len(g["outputs"])]
+        for n, g in pkg.manifest["graphs"].items()
+    ]
+    ui.show(
+        ui.table(
+            f"package {pkg.manifest['model']['source']} ({pkg.family})",
+            ["graph", "role", "precision", "inputs", "outputs"],
+            rows,
+        )
+    )
     if pkg.report.get("passes"):
         prow = [[p["index"], p["pass"], p["modified"], f"{p['seconds']:.2f}s"] for p in pkg.report["passes"]]
         ui.show(ui.table("passes", ["#", "pass", "modified", "time"], prow))

@@ -62,7 +62,9 @@ def load(path: str | Path, load_weights: bool = True) -> onnx.ModelProto:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several types for truncated files
-        raise VlmcError(f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package") from exc
+        raise VlmcError(
+            f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package"
+        ) from exc
     if load_weights:
         _load_external(model, path.parent)
     return model
@@ -79,20 +81,28 @@ def check_external_data(model: onnx.ModelProto, base: Path) -> None:
         info = {e.key: e.value for e in tensor.external_data}
         location = (base / info.get("location", "")).resolve()
         if base.resolve() not in location.parents:
-            raise VlmcError(f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
-                            f"{base}; re-export the package")
+            raise VlmcError(
+                f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
+                f"{base}; re-export the package"
+            )
         if location not in sizes:
             if not location.is_file():
-                raise VlmcError(f"external data {location} for tensor {tensor.name!r} is missing; "
-                                "copy the whole package directory or re-export it")
+                raise VlmcError(
+                    f"external data {location} for tensor {tensor.name!r} is missing; "
+                    "copy the whole package directory or re-export it"
+                )
             sizes[location] = location.stat().st_size
         try:
             end = int(info.get("offset", 0)) + int(info.get("length", 0))
         except ValueError:
-            raise VlmcError(f"tensor {tensor.name!r} has a malformed external data entry; re-export the package") from None
+            raise VlmcError(
+                f"tensor {tensor.name!r} has a malformed external data entry; re-export the package"
+            ) from None
         if end > sizes[location]:
-            raise VlmcError(f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {end}, "
-                            f"the file has {sizes[location]}); copy the whole package again or re-export it")
+            raise VlmcError(
+                f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {end}, "
+                f"the file has {sizes[location]}); copy the whole package again or re-export it"
+            )
 
 
 def _load_external(model: onnx.ModelProto, base: Path) -> None:
@@ -107,9 +117,13 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
             raise VlmcError(f"external data {location} for tensor {tensor.name!r} is missing")
         offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
         if length >= 0 and offset + length > location.stat().st_size:
-            raise VlmcError(f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})")
+            raise VlmcError(
+                f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})"
+            )
         if base.resolve() not in location.resolve().parents:
-            raise VlmcError(f"tensor {tensor.name!r} points at external data outside {base}; re-export the package")
+            raise VlmcError(
+                f"tensor {tensor.name!r} points at external data outside {base}; re-export the package"
+            )
         # Read the bytes directly: the bounds and location were checked above, and one read per tensor
         # avoids onnx's loader reopening the file for every tensor.
         with open(location, "rb") as f:
@@ -148,8 +162,11 @@ def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple
     _copy_fields(model.graph, copy.graph, skip="initializer")
     moved: list[tuple[onnx.TensorProto, object]] = []
     for tensor in model.graph.initializer:
-        large = (tensor.data_location != onnx.TensorProto.EXTERNAL and tensor.HasField("raw_data")
-                 and _tensor_nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD)
+        large = (
+            tensor.data_location != onnx.TensorProto.EXTERNAL
+            and tensor.HasField("raw_data")
+            and _tensor_nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD
+        )
         if not large:
             copy.graph.initializer.add().CopyFrom(tensor)
             continue
@@ -160,7 +177,10 @@ def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple
     # Tensors in node attributes and subgraphs were copied with the nodes (they are rarely large);
     # their bytes move out of the copy, which is private, so nothing needs to go back.
     for tensor in _all_tensors(copy):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD:
+        if (
+            tensor.data_location == onnx.TensorProto.EXTERNAL
+            or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD
+        ):
             continue
         raw = tensor.raw_data
         tensor.ClearField("raw_data")
@@ -209,8 +229,11 @@ def save_shared(models: dict[Path, onnx.ModelProto], data_path: Path, dedupe: bo
             for tensor, source in moved:
                 any_moved = True
                 raw = _source_bytes(source)  # one tensor's bytes at a time
-                key = (hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode() + raw).hexdigest()
-                       if dedupe else str(len(written)))
+                key = (
+                    hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode() + raw).hexdigest()
+                    if dedupe
+                    else str(len(written))
+                )
                 if key not in written:
                     pad = (-offset) % 64  # aligned offsets let runtimes mmap tensors
                     data.write(b"\0" * pad)
@@ -243,7 +266,11 @@ def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str
             info = {e.key: e.value for e in t.external_data}
             key = f"{(Path(base) / info.get('location', '')).resolve()}@{info.get('offset', 0)}+{info.get('length')}"
         else:
-            raw = t.raw_data if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL else to_array(t).tobytes()
+            raw = (
+                t.raw_data
+                if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL
+                else to_array(t).tobytes()
+            )
             key = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode() + raw).hexdigest()
         out[key] = _tensor_nbytes(t)
     return out
@@ -283,9 +310,14 @@ def fingerprint(model: onnx.ModelProto) -> str:
             view = memoryview(raw)
             step = (len(raw) - _WINDOW_BYTES) // (_WINDOWS - 1)
             for i in range(_WINDOWS):
-                h.update(view[i * step:i * step + _WINDOW_BYTES])
-    for part in (model.graph.node, model.graph.input, model.graph.output, model.opset_import,
-                 model.graph.sparse_initializer):
+                h.update(view[i * step : i * step + _WINDOW_BYTES])
+    for part in (
+        model.graph.node,
+        model.graph.input,
+        model.graph.output,
+        model.opset_import,
+        model.graph.sparse_initializer,
+    ):
         for item in part:
             h.update(item.SerializeToString(deterministic=True))
     return h.hexdigest()
@@ -321,8 +353,9 @@ def check_path(path: str | Path, name: str = "graph") -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             onnx.checker.check_model(path, full_check=True)
-            onnx.shape_inference.infer_shapes_path(path, os.path.join(tmp, "inferred.onnx"), check_type=True,
-                                                   strict_mode=True, data_prop=True)
+            onnx.shape_inference.infer_shapes_path(
+                path, os.path.join(tmp, "inferred.onnx"), check_type=True, strict_mode=True, data_prop=True
+            )
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise VlmcError(f"{name}: ONNX check failed: {first}") from exc
@@ -340,7 +373,9 @@ def initializer_bytes(model: onnx.ModelProto) -> int:
 
 
 # 4-bit types store two values per byte in raw_data.
-_PACKED_4BIT = {getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n)}
+_PACKED_4BIT = {
+    getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n)
+}
 
 
 def _tensor_nbytes(t: onnx.TensorProto) -> int:

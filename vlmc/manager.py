@@ -87,10 +87,23 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                 report["numerics_check"] = _numerics(before, out, changed, label)
             out.purge_staging()  # the before-state (--check) no longer needs replaced files
             out.manifest["history"].append(
-                {"pass": step.name, "index": step.index, "options": step.options, "modified": actual, "report": report}
+                {
+                    "pass": step.name,
+                    "index": step.index,
+                    "options": step.options,
+                    "modified": actual,
+                    "report": report,
+                }
             )
-            out.report["passes"].append({"pass": step.name, "index": step.index, "seconds": round(seconds, 4),
-                                         "modified": actual, "changed": changed})
+            out.report["passes"].append(
+                {
+                    "pass": step.name,
+                    "index": step.index,
+                    "seconds": round(seconds, 4),
+                    "modified": actual,
+                    "changed": changed,
+                }
+            )
             pkg = out
             ran.append(step.name)
             bar.advance()
@@ -102,9 +115,11 @@ def _refuse_weight_change_on_merged(p, name: str, pkg: Package) -> None:
     pass that changes numerics on purpose (pruning, quantization) would make prefill and decode disagree."""
     merged = pkg.manifest.get("pipeline", {}).get("vlm")
     if merged and p.lossy:
-        raise VlmcError(f"{name} cannot run on a merged package: graph {merged!r} repeats the stages that the "
-                        f"decode graphs keep, and changing one copy would make prefill and decode disagree; "
-                        f"run {name} before merge, or run split first")
+        raise VlmcError(
+            f"{name} cannot run on a merged package: graph {merged!r} repeats the stages that the "
+            f"decode graphs keep, and changing one copy would make prefill and decode disagree; "
+            f"run {name} before merge, or run split first"
+        )
 
 
 def _snapshot(pkg: Package, keep_graphs: bool) -> _Before:
@@ -142,8 +157,11 @@ def _numerics(before: _Before, pkg: Package, changed: list[str], label: str) -> 
             continue
         import onnxruntime as ort
 
-        sess_old = (ortsession.from_path(old) if not isinstance(old, bytes)
-                    else ort.InferenceSession(old, ortsession.options(), providers=["CPUExecutionProvider"]))
+        sess_old = (
+            ortsession.from_path(old)
+            if not isinstance(old, bytes)
+            else ort.InferenceSession(old, ortsession.options(), providers=["CPUExecutionProvider"])
+        )
         sess_new = ortsession.for_graph(pkg, name)
         old_inputs = sorted(i.name for i in sess_old.get_inputs())
         new_inputs = sorted(i.name for i in sess_new.get_inputs())
@@ -155,22 +173,31 @@ def _numerics(before: _Before, pkg: Package, changed: list[str], label: str) -> 
             outs_new = dict(zip([o.name for o in sess_new.get_outputs()], sess_new.run(None, feeds)))
         except Exception as exc:  # onnxruntime's own error types; the inputs may not suit the graph
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise CheckFailed(f"{label}: cannot compare {name} on onnxruntime with its sample inputs ({first}); "
-                              "re-export the package so it carries sample inputs for this graph") from exc
+            raise CheckFailed(
+                f"{label}: cannot compare {name} on onnxruntime with its sample inputs ({first}); "
+                "re-export the package so it carries sample inputs for this graph"
+            ) from exc
         worst = 0.0
         for oname, ref in outs_old.items():
             if oname not in outs_new:
                 raise CheckFailed(f"{label} removed output {oname!r} of {name}")
             got = outs_new[oname]
             if ref.shape != got.shape:
-                raise CheckFailed(f"{label} changed the shape of {name}:{oname} from {ref.shape} to {got.shape}")
+                raise CheckFailed(
+                    f"{label} changed the shape of {name}:{oname} from {ref.shape} to {got.shape}"
+                )
             if ref.dtype.kind == "f":
-                diff = float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64)))) if ref.size else 0.0
+                diff = (
+                    float(np.max(np.abs(ref.astype(np.float64) - got.astype(np.float64))))
+                    if ref.size
+                    else 0.0
+                )
                 if not np.allclose(got, ref, rtol=NUMERICS_RTOL, atol=NUMERICS_ATOL):
-                    raise CheckFailed(f"{label} changed the numerics of {name}:{oname} (max |diff| {diff:.3g})")
+                    raise CheckFailed(
+                        f"{label} changed the numerics of {name}:{oname} (max |diff| {diff:.3g})"
+                    )
                 worst = max(worst, diff)
             elif not np.array_equal(ref, got):
                 raise CheckFailed(f"{label} changed the integer output {name}:{oname}")
         results[name] = {"max_abs_diff": worst}
     return results
-

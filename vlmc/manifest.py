@@ -74,7 +74,12 @@ def new(family: str, architecture: str, source: str, config_hash: str) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "vlmc_version": __version__,
-        "model": {"family": family, "architecture": architecture, "source": source, "config_hash": config_hash},
+        "model": {
+            "family": family,
+            "architecture": architecture,
+            "source": source,
+            "config_hash": config_hash,
+        },
         "vision": {},
         "text": {},
         "kv": {},
@@ -113,7 +118,12 @@ def validate(m: Any, where: str = "vlmc.json") -> dict:
                 raise VlmcError(f"{where}: graphs.{name}.{k} is missing")
         if g["role"] not in ROLES:
             raise VlmcError(f"{where}: graphs.{name}.role {g['role']!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(g["file"], str) or "/" in g["file"] or "\\" in g["file"] or g["file"].startswith("."):
+        if (
+            not isinstance(g["file"], str)
+            or "/" in g["file"]
+            or "\\" in g["file"]
+            or g["file"].startswith(".")
+        ):
             raise VlmcError(f"{where}: graphs.{name}.file must be a plain file name inside the package")
         for io in ("inputs", "outputs"):
             if not isinstance(g[io], list) or not all(isinstance(e, dict) and "name" in e for e in g[io]):
@@ -132,7 +142,9 @@ def validate(m: Any, where: str = "vlmc.json") -> dict:
             if n is not None and not isinstance(n, str):
                 raise VlmcError(f"{where}: pipeline.{key} must name graphs (strings), got {type(n).__name__}")
             if n is not None and n not in graphs:
-                raise VlmcError(f"{where}: pipeline.{key} names graph {n!r}, which the manifest does not list")
+                raise VlmcError(
+                    f"{where}: pipeline.{key} names graph {n!r}, which the manifest does not list"
+                )
     if not isinstance(m.get("history", []), list):
         raise VlmcError(f"{where}: 'history' must be a list")
     return m

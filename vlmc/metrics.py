@@ -54,8 +54,13 @@ def logits_agreement(ref: np.ndarray, got: np.ndarray) -> dict:
         ``top5`` (share of ref's 5 best tokens also among got's 5 best) and ``max_abs_diff``.
     """
     a, b = ref.astype(np.float64), got.astype(np.float64)
-    return {"kl": kl(a, b), "cosine": cosine(a, b, axis=-1), "top1": top_k_agreement(a, b, 1),
-            "top5": top_k_agreement(a, b, 5), "max_abs_diff": float(np.max(np.abs(a - b)))}
+    return {
+        "kl": kl(a, b),
+        "cosine": cosine(a, b, axis=-1),
+        "top1": top_k_agreement(a, b, 1),
+        "top5": top_k_agreement(a, b, 5),
+        "max_abs_diff": float(np.max(np.abs(a - b))),
+    }
 
 
 def common_prefix(ref: list[list[int]], got: list[list[int]]) -> list[int]:
@@ -76,9 +81,13 @@ def token_agreement(ref: list[list[int]], got: list[list[int]]) -> float:
     return agree / max(total, 1)
 
 
-def generation_agreement(ref_logits: np.ndarray, ref_tokens: list[list[int]], got_logits: np.ndarray,
-                         got_tokens: list[list[int]]) -> dict:
+def generation_agreement(
+    ref_logits: np.ndarray, ref_tokens: list[list[int]], got_logits: np.ndarray, got_tokens: list[list[int]]
+) -> dict:
     """:func:`logits_agreement` of the first-token logits plus ``token_agreement`` and ``common_prefix``."""
     out = logits_agreement(ref_logits, got_logits)
-    out.update(token_agreement=token_agreement(ref_tokens, got_tokens), common_prefix=common_prefix(ref_tokens, got_tokens))
+    out.update(
+        token_agreement=token_agreement(ref_tokens, got_tokens),
+        common_prefix=common_prefix(ref_tokens, got_tokens),
+    )
     return out

@@ -31,8 +31,9 @@ def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.Infere
     return ort.InferenceSession(str(path), options(threads), providers=["CPUExecutionProvider"])
 
 
-def from_model(model: onnx.ModelProto, threads: int | None = None,
-               extra_outputs: list[onnx.ValueInfoProto] = ()) -> ort.InferenceSession:
+def from_model(
+    model: onnx.ModelProto, threads: int | None = None, extra_outputs: list[onnx.ValueInfoProto] = ()
+) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
     Args:
@@ -49,8 +50,9 @@ def from_model(model: onnx.ModelProto, threads: int | None = None,
         extra.graph.output.extend(extra_outputs)
         suffix = extra.SerializeToString()
     if model.ByteSize() < MAX_IN_MEMORY_BYTES:
-        return ort.InferenceSession(model.SerializeToString() + suffix, options(threads),
-                                    providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            model.SerializeToString() + suffix, options(threads), providers=["CPUExecutionProvider"]
+        )
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "m.onnx")
         G.save(model, p)

@@ -55,7 +55,9 @@ class Package:
             raise VlmcError(f"package {root} does not exist")
         mpath = root / M.MANIFEST_NAME
         if not mpath.is_file():
-            raise VlmcError(f"{root} is not a vlmc package (no {M.MANIFEST_NAME}); create one with `vlmc export`")
+            raise VlmcError(
+                f"{root} is not a vlmc package (no {M.MANIFEST_NAME}); create one with `vlmc export`"
+            )
         try:
             text = mpath.read_text()
         except (OSError, UnicodeDecodeError) as exc:
@@ -86,7 +88,9 @@ class Package:
         try:
             return self.manifest["graphs"][name]
         except KeyError:
-            raise VlmcError(f"package has no graph {name!r} (graphs: {', '.join(self.graph_names)})") from None
+            raise VlmcError(
+                f"package has no graph {name!r} (graphs: {', '.join(self.graph_names)})"
+            ) from None
 
     def path_of(self, name: str) -> Path | None:
         """The on-disk file of a graph not loaded in memory (in the package or staged), else None."""
@@ -121,16 +125,27 @@ class Package:
             self._models[name] = model
         return self._models[name]
 
-    def set_graph(self, name: str, model: onnx.ModelProto, role: str | None = None, precision: str | None = None,
-                  **extra: object) -> None:
+    def set_graph(
+        self,
+        name: str,
+        model: onnx.ModelProto,
+        role: str | None = None,
+        precision: str | None = None,
+        **extra: object,
+    ) -> None:
         """Add or replace a graph; its manifest signature is recomputed from the model."""
         entry = self.manifest["graphs"].get(name, {})
         role = role or entry.get("role")
         if role not in M.ROLES:
             raise VlmcError(f"graph {name!r}: role {role!r} is not one of {', '.join(M.ROLES)}")
         entry = dict(entry)
-        entry.update({"file": entry.get("file", f"{name}.onnx"), "role": role,
-                      "precision": precision or entry.get("precision", "fp32")})
+        entry.update(
+            {
+                "file": entry.get("file", f"{name}.onnx"),
+                "role": role,
+                "precision": precision or entry.get("precision", "fp32"),
+            }
+        )
         entry.update(extra)
         entry.update(G.signature(model))
         self.manifest["graphs"][name] = entry
@@ -265,7 +280,9 @@ class Package:
             (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
             from vlmc import report as R
 
-            (tmp / "report.json").write_text(json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n")
+            (tmp / "report.json").write_text(
+                json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n"
+            )
             (tmp / "report.md").write_text(R.render_markdown(self, tmp))
             _replace_dir(tmp, out)
         except BaseException:
@@ -289,16 +306,23 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]
         if want != have:
-            diff = next(((w, h) for w, h in zip(want, have) if w != h), (want[len(have):] or None, have[len(want):] or None))
-            raise VlmcError(f"{where}: graphs.{name}.{io} do not match {info['file']} (manifest {diff[0]}, file {diff[1]}); "
-                            "the manifest was edited or the file replaced: re-export the package")
+            diff = next(
+                ((w, h) for w, h in zip(want, have) if w != h),
+                (want[len(have) :] or None, have[len(want) :] or None),
+            )
+            raise VlmcError(
+                f"{where}: graphs.{name}.{io} do not match {info['file']} (manifest {diff[0]}, file {diff[1]}); "
+                "the manifest was edited or the file replaced: re-export the package"
+            )
 
 
 def is_package(path: Path) -> bool:
     return (path / M.MANIFEST_NAME).is_file()
 
 
-def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME, source: Path | None = None) -> None:
+def check_output_dir(
+    out: Path, force: bool, marker: str = M.MANIFEST_NAME, source: Path | None = None
+) -> None:
     """Refuse to overwrite a directory unless --force and it is a previous vlmc output.
 
     With ``source`` (the input package), an output nested inside it or around it is refused too:
@@ -307,15 +331,21 @@ def check_output_dir(out: Path, force: bool, marker: str = M.MANIFEST_NAME, sour
     if source is not None:
         src, dest = Path(source).resolve(), Path(out).resolve()
         if src in dest.parents:
-            raise VlmcError(f"output {out} is inside the input package {source}; choose a directory outside it")
+            raise VlmcError(
+                f"output {out} is inside the input package {source}; choose a directory outside it"
+            )
         if dest in src.parents:
-            raise VlmcError(f"output {out} contains the input package {source}; choose a directory outside it")
+            raise VlmcError(
+                f"output {out} contains the input package {source}; choose a directory outside it"
+            )
     if not out.exists():
         return
     if not force:
         raise VlmcError(f"output {out} already exists; pass --force to replace it")
     if not out.is_dir() or not ((out / marker).is_file() or (out / "vlmc-build.json").is_file()):
-        raise VlmcError(f"output {out} exists and is not a vlmc output; refusing to replace it even with --force")
+        raise VlmcError(
+            f"output {out} exists and is not a vlmc output; refusing to replace it even with --force"
+        )
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:

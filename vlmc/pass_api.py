@@ -60,9 +60,13 @@ class Option:
         if t is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if not ok:
-            raise VlmcError(f"{where}: {self.name} must be {_JSON_TYPES.get(t, t.__name__)}, got {type(value).__name__} {value!r}")
+            raise VlmcError(
+                f"{where}: {self.name} must be {_JSON_TYPES.get(t, t.__name__)}, got {type(value).__name__} {value!r}"
+            )
         if self.choices is not None and value not in self.choices:
-            raise VlmcError(f"{where}: {self.name}={value!r} is not one of {', '.join(map(str, self.choices))}")
+            raise VlmcError(
+                f"{where}: {self.name}={value!r} is not one of {', '.join(map(str, self.choices))}"
+            )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             if self.min is not None and value < self.min:
                 raise VlmcError(f"{where}: {self.name}={value} is below the minimum {self.min}")
@@ -73,7 +77,9 @@ class Option:
         if t is list and self.items is not None:
             for v in value:
                 if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
-                    raise VlmcError(f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}")
+                    raise VlmcError(
+                        f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}"
+                    )
         return value
 
     def json_schema(self) -> dict:
@@ -187,7 +193,9 @@ def register(cls: type[Pass]) -> type[Pass]:
         raise TypeError(f"{cls.__qualname__} has no name")
     existing = _REGISTRY.get(cls.name)
     if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
-        raise ValueError(f"pass name {cls.name!r} is registered twice ({existing.__module__} and {cls.__module__})")
+        raise ValueError(
+            f"pass name {cls.name!r} is registered twice ({existing.__module__} and {cls.__module__})"
+        )
     _REGISTRY[cls.name] = cls
     return cls
 

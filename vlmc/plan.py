@@ -20,11 +20,28 @@ from vlmc.errors import VlmcError
 logger = logging.getLogger(__name__)
 
 # Bytes per weight element by manifest precision ("mixed" is counted as fp16, its usual bulk).
-WEIGHT_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "mixed": 2.0, "int8": 1.0, "int8_weight_only": 1.0,
-                "int4_weight_only": 0.5}
+WEIGHT_BYTES = {
+    "fp32": 4.0,
+    "fp16": 2.0,
+    "bf16": 2.0,
+    "mixed": 2.0,
+    "int8": 1.0,
+    "int8_weight_only": 1.0,
+    "int4_weight_only": 0.5,
+}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str | int | float) -> int:
@@ -129,34 +146,61 @@ class Plan:
 
     def rows(self) -> list[list[str]]:
         """Label/value rows for a table."""
-        w = [[f"weights: {g['name']} ({g['role']}, {g['precision']})", fmt_bytes(g["bytes"])] for g in self.weights]
-        prune = (f" (pruned from {self.tokens_per_image_unpruned})"
-                 if self.tokens_per_image != self.tokens_per_image_unpruned else "")
+        w = [
+            [f"weights: {g['name']} ({g['role']}, {g['precision']})", fmt_bytes(g["bytes"])]
+            for g in self.weights
+        ]
+        prune = (
+            f" (pruned from {self.tokens_per_image_unpruned})"
+            if self.tokens_per_image != self.tokens_per_image_unpruned
+            else ""
+        )
         return [
-            ["device memory", f"{fmt_bytes(self.device_memory)}" + (f" x {self.cards} cards" if self.cards > 1 else "")],
+            [
+                "device memory",
+                f"{fmt_bytes(self.device_memory)}" + (f" x {self.cards} cards" if self.cards > 1 else ""),
+            ],
             *w,
             ["weights total", fmt_bytes(self.weight_bytes)],
             ["KV per token", fmt_bytes(self.kv_bytes_per_token)],
             [f"KV per block ({self.block_size} tokens)", fmt_bytes(self.kv_bytes_per_block)],
             ["image tokens", f"{self.images} x {self.tokens_per_image}{prune} = {self.image_tokens}"],
-            ["tokens per sequence", f"{self.image_tokens} image + {self.text_tokens} text = {self.sequence_tokens}"],
+            [
+                "tokens per sequence",
+                f"{self.image_tokens} image + {self.text_tokens} text = {self.sequence_tokens}",
+            ],
             ["activation headroom (prefill peak)", fmt_bytes(self.activation_bytes)],
             ["runtime reserve", fmt_bytes(self.reserve_bytes)],
             ["left for KV", fmt_bytes(self.free_for_kv)],
             [f"paged KV for {self.batch} sequence(s)", fmt_bytes(self.paged_reservation)],
-            [f"contiguous KV for {self.batch} (worst case {self.max_context} tokens each)",
-             fmt_bytes(self.contiguous_reservation)],
+            [
+                f"contiguous KV for {self.batch} (worst case {self.max_context} tokens each)",
+                fmt_bytes(self.contiguous_reservation),
+            ],
             ["paged saves", fmt_bytes(self.paged_saving)],
-            ["fits (paged / contiguous)", f"{'yes' if self.fits_paged else 'NO'} / {'yes' if self.fits_contiguous else 'NO'}"],
-            ["max concurrent sequences (paged / contiguous)",
-             f"{self.max_sequences_paged} / {self.max_sequences_contiguous}"],
+            [
+                "fits (paged / contiguous)",
+                f"{'yes' if self.fits_paged else 'NO'} / {'yes' if self.fits_contiguous else 'NO'}",
+            ],
+            [
+                "max concurrent sequences (paged / contiguous)",
+                f"{self.max_sequences_paged} / {self.max_sequences_contiguous}",
+            ],
             ["max context of one sequence", str(self.max_context_one_sequence)],
         ]
 
 
-def plan(spec: Spec, device_memory: int | str, images: int = 1, text_tokens: int = 512, batch: int = 1,
-         cards: int = 1, block_size: int | None = None, max_context: int | None = None,
-         reserve: int | str = 0) -> Plan:
+def plan(
+    spec: Spec,
+    device_memory: int | str,
+    images: int = 1,
+    text_tokens: int = 512,
+    batch: int = 1,
+    cards: int = 1,
+    block_size: int | None = None,
+    max_context: int | None = None,
+    reserve: int | str = 0,
+) -> Plan:
     """How a request mix fits in device memory, paged and contiguous.
 
     Args:
@@ -192,14 +236,30 @@ def plan(spec: Spec, device_memory: int | str, images: int = 1, text_tokens: int
     contiguous = batch * ctx_max * per_tok
     seq_paged = math.ceil(seq / bs) * per_block
     return Plan(
-        spec=spec.name, device_memory=mem, cards=cards,
-        weights=[asdict(g) for g in spec.graphs], weight_bytes=spec.weight_bytes,
-        kv_bytes_per_token=per_tok, block_size=bs, kv_bytes_per_block=per_block,
-        images=images, tokens_per_image=spec.tokens_per_image, tokens_per_image_unpruned=spec.tokens_per_image_unpruned,
-        image_tokens=img_tokens, text_tokens=text_tokens, sequence_tokens=seq, batch=batch,
-        activation_bytes=act, reserve_bytes=res, free_for_kv=free, max_context=ctx_max,
-        paged_reservation=paged, contiguous_reservation=contiguous, paged_saving=contiguous - paged,
-        fits_paged=free >= paged, fits_contiguous=free >= contiguous,
+        spec=spec.name,
+        device_memory=mem,
+        cards=cards,
+        weights=[asdict(g) for g in spec.graphs],
+        weight_bytes=spec.weight_bytes,
+        kv_bytes_per_token=per_tok,
+        block_size=bs,
+        kv_bytes_per_block=per_block,
+        images=images,
+        tokens_per_image=spec.tokens_per_image,
+        tokens_per_image_unpruned=spec.tokens_per_image_unpruned,
+        image_tokens=img_tokens,
+        text_tokens=text_tokens,
+        sequence_tokens=seq,
+        batch=batch,
+        activation_bytes=act,
+        reserve_bytes=res,
+        free_for_kv=free,
+        max_context=ctx_max,
+        paged_reservation=paged,
+        contiguous_reservation=contiguous,
+        paged_saving=contiguous - paged,
+        fits_paged=free >= paged,
+        fits_contiguous=free >= contiguous,
         max_sequences_paged=max(0, free // seq_paged) if seq_paged else 0,
         max_sequences_contiguous=max(0, free // (ctx_max * per_tok)),
         max_context_one_sequence=max(0, min(free // per_tok, spec.max_positions)),
@@ -232,23 +292,38 @@ def spec_from_package(pkg) -> Spec:
 
     m = pkg.manifest
     kv, t, v = m["kv"], m["text"], m["vision"]
-    ws = [GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
-          for n, g in m["graphs"].items()]
+    ws = [
+        GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
+        for n, g in m["graphs"].items()
+    ]
     tpi = v.get("tokens_per_image")
     if not isinstance(tpi, int):
-        raise VlmcError("the package has no fixed vision.tokens_per_image (dynamic resolution); "
-                        "plan needs it: export with a fixed image size")
+        raise VlmcError(
+            "the package has no fixed vision.tokens_per_image (dynamic resolution); "
+            "plan needs it: export with a fixed image size"
+        )
     unpruned = int((v.get("pruning") or {}).get("tokens_before", tpi))
     hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
     decoder = next(iter(m["pipeline"].get("decoder", [])), None)
     inter = _widest_inner(pkg.graph(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
     precisions = {g["precision"] for g in m["graphs"].values() if g["role"] in ("decoder", "vlm")}
-    return Spec(name=m["model"]["source"], graphs=ws, layers=int(kv["layers"]), kv_heads=int(kv["kv_heads"]),
-                head_dim=int(kv["head_dim"]), kv_dtype=kv.get("dtype", "float32"), tokens_per_image=tpi,
-                tokens_per_image_unpruned=unpruned, max_positions=int(t.get("max_positions", 4096)), hidden=hidden,
-                heads=max(1, hidden // int(kv["head_dim"])), intermediate=inter, vocab=int(t["vocab_size"]),
-                act_dtype="float32" if precisions <= {"fp32"} else "float16",
-                block_size=kv.get("block_size") if kv.get("layout") == "paged" else None)
+    return Spec(
+        name=m["model"]["source"],
+        graphs=ws,
+        layers=int(kv["layers"]),
+        kv_heads=int(kv["kv_heads"]),
+        head_dim=int(kv["head_dim"]),
+        kv_dtype=kv.get("dtype", "float32"),
+        tokens_per_image=tpi,
+        tokens_per_image_unpruned=unpruned,
+        max_positions=int(t.get("max_positions", 4096)),
+        hidden=hidden,
+        heads=max(1, hidden // int(kv["head_dim"])),
+        intermediate=inter,
+        vocab=int(t["vocab_size"]),
+        act_dtype="float32" if precisions <= {"fp32"} else "float16",
+        block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
+    )
 
 
 def _widest_inner(model, hidden: int, vocab: int) -> int:
@@ -286,21 +361,37 @@ def spec_from_dict(d: dict, name: str = "spec") -> Spec:
         stem = 3 * int(vis["patch_size"]) ** 2 * w + (patches + 1) * w + 5 * w
         vparams = vl * vblock + stem + int(vis.get("extra_params", 0))
         graphs = []
-        for gname, role, params in (("vision_encoder", "vision", vparams), ("embed_tokens", "embed", emb),
-                                    ("decoder", "decoder", dec)):
+        for gname, role, params in (
+            ("vision_encoder", "vision", vparams),
+            ("embed_tokens", "embed", emb),
+            ("decoder", "decoder", dec),
+        ):
             p = prec.get(role, "fp16")
             if p not in WEIGHT_BYTES:
                 raise VlmcError(f"{name}: precision.{role}={p!r} is not one of {', '.join(WEIGHT_BYTES)}")
             graphs.append(GraphWeights(gname, role, p, params, int(params * WEIGHT_BYTES[p])))
         tpi = int(vis["tokens_per_image"])
-        return Spec(name=d.get("name", name), graphs=graphs, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                    kv_dtype=d.get("kv_dtype", "float16"), tokens_per_image=tpi,
-                    tokens_per_image_unpruned=int(vis.get("tokens_per_image_unpruned", tpi)),
-                    max_positions=int(llm["max_positions"]), hidden=h, heads=heads, intermediate=inter, vocab=vocab,
-                    act_dtype=d.get("act_dtype", "float16"),
-                    vision={"patches": patches + 1, "width": w, "intermediate": vi, "heads": int(vis["heads"])})
+        return Spec(
+            name=d.get("name", name),
+            graphs=graphs,
+            layers=layers,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            kv_dtype=d.get("kv_dtype", "float16"),
+            tokens_per_image=tpi,
+            tokens_per_image_unpruned=int(vis.get("tokens_per_image_unpruned", tpi)),
+            max_positions=int(llm["max_positions"]),
+            hidden=h,
+            heads=heads,
+            intermediate=inter,
+            vocab=vocab,
+            act_dtype=d.get("act_dtype", "float16"),
+            vision={"patches": patches + 1, "width": w, "intermediate": vi, "heads": int(vis["heads"])},
+        )
     except KeyError as exc:
-        raise VlmcError(f"{name}: sizing spec lacks {exc.args[0]!r} (see docs/paged_kv.md for the format)") from None
+        raise VlmcError(
+            f"{name}: sizing spec lacks {exc.args[0]!r} (see docs/paged_kv.md for the format)"
+        ) from None
 
 
 def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "config") -> Spec:
@@ -318,8 +409,10 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     try:
         config = AutoConfig.for_model(**d)
     except (ValueError, KeyError, TypeError) as exc:
-        raise VlmcError(f"{name}: transformers cannot read this config ({str(exc).splitlines()[0]}); "
-                        "describe the model with a vlmc sizing spec instead (docs/paged_kv.md)") from exc
+        raise VlmcError(
+            f"{name}: transformers cannot read this config ({str(exc).splitlines()[0]}); "
+            "describe the model with a vlmc sizing spec instead (docs/paged_kv.md)"
+        ) from exc
     family = exporters._family_for_config(config, name)
     mod = exporters.families()[family]
     with torch.device("meta"):
@@ -336,8 +429,10 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
         count[role] += p.numel()
     if getattr(config, "tie_word_embeddings", False) or config.get_text_config().tie_word_embeddings:
         count["decoder"] += emb.weight.numel()  # the decoder graph holds its own copy of a tied head
-    graphs = [GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))
-              for g, r in (("vision_encoder", "vision"), ("embed_tokens", "embed"), ("decoder", "decoder"))]
+    graphs = [
+        GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))
+        for g, r in (("vision_encoder", "vision"), ("embed_tokens", "embed"), ("decoder", "decoder"))
+    ]
     t = config.get_text_config()
     v = getattr(config, "vision_config", None)
     heads = int(t.num_attention_heads)
@@ -345,20 +440,37 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     tpi = _tokens_per_image(mod, config)
     vision = {}
     if v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
-        vision = {"patches": (int(v.image_size) // int(v.patch_size)) ** 2 + 1, "width": int(v.hidden_size),
-                  "intermediate": int(v.intermediate_size), "heads": int(v.num_attention_heads)}
-    return Spec(name=name, graphs=graphs, layers=int(t.num_hidden_layers),
-                kv_heads=int(getattr(t, "num_key_value_heads", None) or heads), head_dim=head_dim,
-                kv_dtype="float16", tokens_per_image=tpi, tokens_per_image_unpruned=tpi,
-                max_positions=int(t.max_position_embeddings), hidden=int(t.hidden_size), heads=heads,
-                intermediate=int(t.intermediate_size), vocab=int(t.vocab_size), vision=vision)
+        vision = {
+            "patches": (int(v.image_size) // int(v.patch_size)) ** 2 + 1,
+            "width": int(v.hidden_size),
+            "intermediate": int(v.intermediate_size),
+            "heads": int(v.num_attention_heads),
+        }
+    return Spec(
+        name=name,
+        graphs=graphs,
+        layers=int(t.num_hidden_layers),
+        kv_heads=int(getattr(t, "num_key_value_heads", None) or heads),
+        head_dim=head_dim,
+        kv_dtype="float16",
+        tokens_per_image=tpi,
+        tokens_per_image_unpruned=tpi,
+        max_positions=int(t.max_position_embeddings),
+        hidden=int(t.hidden_size),
+        heads=heads,
+        intermediate=int(t.intermediate_size),
+        vocab=int(t.vocab_size),
+        vision=vision,
+    )
 
 
 def _tokens_per_image(mod, config) -> int:
     fn = getattr(mod, "tokens_per_image", None)
     if fn is None:
-        raise VlmcError(f"the {mod.__name__} exporter does not state tokens per image for a config; "
-                        "use a vlmc sizing spec")
+        raise VlmcError(
+            f"the {mod.__name__} exporter does not state tokens per image for a config; "
+            "use a vlmc sizing spec"
+        )
     return int(fn(config))
 
 

@@ -57,23 +57,41 @@ def savings(manifest: dict, tokens_before: int, tokens_after: int, text_tokens: 
     from vlmc.report import kv_bytes_per_token
 
     per_token = kv_bytes_per_token(manifest)
-    out = {"visual_tokens_before": tokens_before, "visual_tokens_after": tokens_after,
-           "kv_bytes_per_image_before": per_token * tokens_before,
-           "kv_bytes_per_image_after": per_token * tokens_after}
+    out = {
+        "visual_tokens_before": tokens_before,
+        "visual_tokens_after": tokens_after,
+        "kv_bytes_per_image_before": per_token * tokens_before,
+        "kv_bytes_per_image_after": per_token * tokens_after,
+    }
     t, kv = manifest["text"], manifest["kv"]
     inter = t.get("intermediate_size")
     if t.get("hidden_size") and inter:
-        before = prefill_flops(int(kv["layers"]), int(t["hidden_size"]), int(inter), text_tokens + tokens_before)
-        after = prefill_flops(int(kv["layers"]), int(t["hidden_size"]), int(inter), text_tokens + tokens_after)
-        out.update({"prefill_text_tokens": text_tokens, "prefill_flops_before": before, "prefill_flops_after": after,
-                    "prefill_flops_saved": 1.0 - after / before})
+        before = prefill_flops(
+            int(kv["layers"]), int(t["hidden_size"]), int(inter), text_tokens + tokens_before
+        )
+        after = prefill_flops(
+            int(kv["layers"]), int(t["hidden_size"]), int(inter), text_tokens + tokens_after
+        )
+        out.update(
+            {
+                "prefill_text_tokens": text_tokens,
+                "prefill_flops_before": before,
+                "prefill_flops_after": after,
+                "prefill_flops_saved": 1.0 - after / before,
+            }
+        )
     else:
         out["prefill_flops_saved"] = None  # the manifest lacks text.intermediate_size
     return out
 
 
-def fidelity(reference: Package, variants: dict[str, Package], images: list, prompt: str = DEFAULT_PROMPT,
-             max_new_tokens: int = 8) -> dict:
+def fidelity(
+    reference: Package,
+    variants: dict[str, Package],
+    images: list,
+    prompt: str = DEFAULT_PROMPT,
+    max_new_tokens: int = 8,
+) -> dict:
     """Run the unpruned package and each pruned variant on the same images; compare first-token logits and greedy text.
 
     Every image is one prompt of a batch. Sessions of graphs the variants share with the reference
@@ -94,8 +112,13 @@ def fidelity(reference: Package, variants: dict[str, Package], images: list, pro
         got = pipe.generate(prompts, per, max_new_tokens)
         row = metrics.logits_agreement(ref.prefill_logits, got.prefill_logits)
         prefix = metrics.common_prefix(ref.tokens, got.tokens)
-        row.update({"common_prefix": prefix, "common_prefix_mean": float(np.mean(prefix)),
-                    "visual_tokens": got.image_tokens // max(len(images), 1)})
+        row.update(
+            {
+                "common_prefix": prefix,
+                "common_prefix_mean": float(np.mean(prefix)),
+                "visual_tokens": got.image_tokens // max(len(images), 1),
+            }
+        )
         out[name] = row
     out["reference_visual_tokens"] = ref.image_tokens // max(len(images), 1)
     return out
@@ -108,7 +131,9 @@ def kept_indices(pkg: Package, image) -> tuple[np.ndarray, dict]:
 
     p = facts(pkg)
     if p is None:
-        raise VlmcError("the package is not pruned (no vision.pruning in vlmc.json); run the prune_visual_tokens pass first")
+        raise VlmcError(
+            "the package is not pruned (no vision.pruning in vlmc.json); run the prune_visual_tokens pass first"
+        )
     pipe = Pipeline(pkg)
     vision = preprocess.preprocess([image], pkg.manifest["vision"]["preprocess"])
     out = pipe.run_chain(pkg.manifest["pipeline"]["image"], vision)
@@ -155,10 +180,14 @@ def picture(pkg: Package, image, scale_to: int = 336) -> bytes:
         _, h, w = (int(x) for x in np.asarray(vision["image_grid_thw"])[0])
         grid = (h // merge, w // merge)
     if grid is None:
-        raise VlmcError("the manifest gives no patch grid (vision.patch_grid / token_grid); cannot draw the kept patches")
+        raise VlmcError(
+            "the manifest gives no patch grid (vision.patch_grid / token_grid); cannot draw the kept patches"
+        )
     rows, cols = grid
     p = facts(pkg)
-    offset = int(p.get("tokens_before") or rows * cols) - rows * cols  # a leading CLS feature token has no patch
+    offset = (
+        int(p.get("tokens_before") or rows * cols) - rows * cols
+    )  # a leading CLS feature token has no patch
     img = Image.fromarray(_display_image(image, vision, vfacts)).convert("RGB")
     side = max(scale_to, img.width, img.height)
     img = img.resize((side * cols // max(rows, cols), side * rows // max(rows, cols)), Image.BICUBIC)

@@ -132,12 +132,14 @@ def json_schema() -> dict:
     pass_items = []
     for name, cls in pass_api.registry().items():
         pass_items.append({"const": name, "description": cls.summary})
-        pass_items.append({
-            "type": "object",
-            "properties": {name: {"oneOf": [cls.json_schema(), {"type": "null"}]}},
-            "required": [name],
-            "additionalProperties": False,
-        })
+        pass_items.append(
+            {
+                "type": "object",
+                "properties": {name: {"oneOf": [cls.json_schema(), {"type": "null"}]}},
+                "required": [name],
+                "additionalProperties": False,
+            }
+        )
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
         "$id": "https://vlmc.dev/recipe.schema.json",
@@ -145,7 +147,10 @@ def json_schema() -> dict:
         "type": "object",
         "additionalProperties": False,
         "properties": {
-            "model": {"type": "string", "description": "Hugging Face hub id, local directory or built-in name"},
+            "model": {
+                "type": "string",
+                "description": "Hugging Face hub id, local directory or built-in name",
+            },
             "export": {
                 "type": "object",
                 "additionalProperties": False,

@@ -40,9 +40,16 @@ def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
     graphs = {}
     total_weights = 0
     stored: dict[str, int] = {}  # weight copies as stored: a weight shared between graphs counts once
-    for name, info in sorted(m["graphs"].items()):  # vlmc.json stores graphs sorted; a package in memory may not
-        entry = {"role": info["role"], "precision": info["precision"], "file": info["file"],
-                 "inputs": info["inputs"], "outputs": info["outputs"]}
+    for name, info in sorted(
+        m["graphs"].items()
+    ):  # vlmc.json stores graphs sorted; a package in memory may not
+        entry = {
+            "role": info["role"],
+            "precision": info["precision"],
+            "file": info["file"],
+            "inputs": info["inputs"],
+            "outputs": info["outputs"],
+        }
         if with_ops:
             # Unloaded graphs are read without weights: the histogram and byte counts need only the protobuf.
             path = pkg.path_of(name)
@@ -62,8 +69,10 @@ def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
         "unique_weight_bytes": sum(stored.values()) if with_ops else None,
         "total_weight_bytes": total_weights if with_ops else None,
         "history": [{"pass": h["pass"], "modified": h["modified"]} for h in m.get("history", [])],
-        "precision": {name: {"precision": g["precision"], "weights_by_dtype": g.get("weights_by_dtype", {})}
-                      for name, g in graphs.items()},
+        "precision": {
+            name: {"precision": g["precision"], "weights_by_dtype": g.get("weights_by_dtype", {})}
+            for name, g in graphs.items()
+        },
         "verify": verify_data(pkg, root),
         "compile": pkg.report.get("compile"),
         "pictures": pictures(pkg, root),
@@ -126,8 +135,11 @@ def pictures(pkg, root: Path | None = None) -> list[str]:
     root = root or pkg.root
     names = {rel for rel in pkg.files if rel.lower().endswith(PICTURE_SUFFIXES)}
     if root is not None and root.is_dir():
-        names |= {p.relative_to(root).as_posix() for p in root.rglob("*")
-                  if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES}
+        names |= {
+            p.relative_to(root).as_posix()
+            for p in root.rglob("*")
+            if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES
+        }
     return sorted(names)
 
 
@@ -173,13 +185,22 @@ def render_markdown(pkg, root: Path | None = None) -> str:
     s = summary(pkg, root=root)
     m = pkg.manifest
     lines = [f"# vlmc package: {m['model']['source']}", ""]
-    lines += [f"- family: **{m['model']['family']}** ({m['model']['architecture']})",
-              f"- visual tokens per image: {s['vision']['tokens_per_image']}",
-              f"- KV layout: {m['kv']['layout']}" + (f" (block size {m['kv'].get('block_size')})" if m['kv'].get('block_size') else ""),
-              f"- KV bytes per token: {s['kv']['bytes_per_token']}",
-              f"- unique weight bytes: {_fmt_bytes(s['unique_weight_bytes'])} "
-              f"(graphs' weights summed: {_fmt_bytes(s['total_weight_bytes'])})", ""]
-    lines += ["## Graphs", "", "| graph | role | precision | weights | inputs | outputs |", "|---|---|---|---|---|---|"]
+    lines += [
+        f"- family: **{m['model']['family']}** ({m['model']['architecture']})",
+        f"- visual tokens per image: {s['vision']['tokens_per_image']}",
+        f"- KV layout: {m['kv']['layout']}"
+        + (f" (block size {m['kv'].get('block_size')})" if m["kv"].get("block_size") else ""),
+        f"- KV bytes per token: {s['kv']['bytes_per_token']}",
+        f"- unique weight bytes: {_fmt_bytes(s['unique_weight_bytes'])} "
+        f"(graphs' weights summed: {_fmt_bytes(s['total_weight_bytes'])})",
+        "",
+    ]
+    lines += [
+        "## Graphs",
+        "",
+        "| graph | role | precision | weights | inputs | outputs |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, g in s["graphs"].items():
         ins = ", ".join(f"`{i['name']}` {i['dtype']}{i['shape']}" for i in g["inputs"][:6])
         if len(g["inputs"]) > 6:
@@ -187,7 +208,9 @@ def render_markdown(pkg, root: Path | None = None) -> str:
         outs = ", ".join(f"`{o['name']}`" for o in g["outputs"][:4])
         if len(g["outputs"]) > 4:
             outs += f", … ({len(g['outputs'])} in all)"
-        lines.append(f"| {name} | {g['role']} | {g['precision']} | {_fmt_bytes(g['weight_bytes'])} | {ins} | {outs} |")
+        lines.append(
+            f"| {name} | {g['role']} | {g['precision']} | {_fmt_bytes(g['weight_bytes'])} | {ins} | {outs} |"
+        )
     lines += ["", "## Ops", ""]
     for name, g in s["graphs"].items():
         top = ", ".join(f"{k}×{v}" for k, v in g["ops"].items())
@@ -198,7 +221,9 @@ def render_markdown(pkg, root: Path | None = None) -> str:
         for h in m["history"]:
             t = timings.get((h.get("index"), h["pass"]), {})
             rep = "; ".join(f"{k}: {_short(v)}" for k, v in sorted(h.get("report", {}).items()))
-            lines.append(f"| {h.get('index', '')} | {h['pass']} | {h['modified']} | {t.get('seconds', '')} | {rep} |")
+            lines.append(
+                f"| {h.get('index', '')} | {h['pass']} | {h['modified']} | {t.get('seconds', '')} | {rep} |"
+            )
     lines += ["", "## Precision", "", "| graph | precision | weight bytes by dtype |", "|---|---|---|"]
     for name, p in s["precision"].items():
         by = ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in p["weights_by_dtype"].items()) or "-"
@@ -213,27 +238,51 @@ def render_markdown(pkg, root: Path | None = None) -> str:
 
 def _pruning_lines(m: dict) -> list[str]:
     """The prune_visual_tokens fidelity table (method vs baselines at equal k) and what it saves."""
-    rep = next((h.get("report", {}) for h in reversed(m.get("history", []))
-                if h["pass"] == "prune_visual_tokens" and h.get("modified")), None)
+    rep = next(
+        (
+            h.get("report", {})
+            for h in reversed(m.get("history", []))
+            if h["pass"] == "prune_visual_tokens" and h.get("modified")
+        ),
+        None,
+    )
     if not rep:
         return []
-    lines = ["", "## Visual-token pruning", "",
-             f"{rep.get('method')}: {rep.get('keep')} of {rep.get('tokens_before')} visual tokens per image "
-             f"(scores from {rep.get('score_source')})", ""]
+    lines = [
+        "",
+        "## Visual-token pruning",
+        "",
+        f"{rep.get('method')}: {rep.get('keep')} of {rep.get('tokens_before')} visual tokens per image "
+        f"(scores from {rep.get('score_source')})",
+        "",
+    ]
     fid = rep.get("fidelity") or {}
     rows = [(k, v) for k, v in fid.items() if isinstance(v, dict)]
     if rows:
-        lines += [f"Against the unpruned package on {fid.get('calibration_images')} calibration image(s):", "",
-                  "| method | first-token KL | cosine | top-1 | top-5 | greedy common prefix |", "|---|---|---|---|---|---|"]
-        lines += [f"| {k} | {v['kl']:.4g} | {v['cosine']:.4f} | {v['top1']:.2f} | {v['top5']:.2f} | {v['common_prefix']} |"
-                  for k, v in rows]
+        lines += [
+            f"Against the unpruned package on {fid.get('calibration_images')} calibration image(s):",
+            "",
+            "| method | first-token KL | cosine | top-1 | top-5 | greedy common prefix |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {k} | {v['kl']:.4g} | {v['cosine']:.4f} | {v['top1']:.2f} | {v['top5']:.2f} | {v['common_prefix']} |"
+            for k, v in rows
+        ]
     sav = rep.get("savings") or {}
     if sav:
         flops = sav.get("prefill_flops_saved")
-        lines += ["", f"- KV bytes per image: {_fmt_bytes(sav['kv_bytes_per_image_before'])} → "
-                  f"{_fmt_bytes(sav['kv_bytes_per_image_after'])}",
-                  "- prefill FLOPs saved (FastV formula, one image" + (f" + {sav.get('prefill_text_tokens')} text tokens): "
-                                                                      f"{flops:.1%}" if flops is not None else "): unknown")]
+        lines += [
+            "",
+            f"- KV bytes per image: {_fmt_bytes(sav['kv_bytes_per_image_before'])} → "
+            f"{_fmt_bytes(sav['kv_bytes_per_image_after'])}",
+            "- prefill FLOPs saved (FastV formula, one image"
+            + (
+                f" + {sav.get('prefill_text_tokens')} text tokens): {flops:.1%}"
+                if flops is not None
+                else "): unknown"
+            ),
+        ]
     return lines
 
 
@@ -241,15 +290,27 @@ def _verify_lines(v: dict | None) -> list[str]:
     if not v:
         return ["", "## Verification", "", "not run (run `vlmc verify PACKAGE`)"]
     kind = "exact package: parity" if v.get("exact_package") else "lossy package: fidelity"
-    rows = [("prefill logits max abs diff", f"{v.get('prefill_logits_max_abs_diff', float('nan')):.3g}"),
-            ("prefill logits cosine", f"{v.get('prefill_logits_cosine', float('nan')):.6f}"),
-            ("top-1 agreement", f"{v.get('top1_agreement', float('nan')):.3f}"),
-            ("token agreement", f"{v.get('token_agreement', float('nan')):.3f} over {v.get('max_new_tokens')} new tokens"),
-            ("common prefix", str(v.get("common_prefix"))),
-            ("thresholds", _short(v.get("thresholds"))),
-            ("result", "PASS" if v.get("passed") else "FAIL")]
-    return ["", "## Verification", "", f"{kind}, against {v.get('source')} in transformers", "",
-            "| metric | value |", "|---|---|"] + [f"| {k} | {val} |" for k, val in rows]
+    rows = [
+        ("prefill logits max abs diff", f"{v.get('prefill_logits_max_abs_diff', float('nan')):.3g}"),
+        ("prefill logits cosine", f"{v.get('prefill_logits_cosine', float('nan')):.6f}"),
+        ("top-1 agreement", f"{v.get('top1_agreement', float('nan')):.3f}"),
+        (
+            "token agreement",
+            f"{v.get('token_agreement', float('nan')):.3f} over {v.get('max_new_tokens')} new tokens",
+        ),
+        ("common prefix", str(v.get("common_prefix"))),
+        ("thresholds", _short(v.get("thresholds"))),
+        ("result", "PASS" if v.get("passed") else "FAIL"),
+    ]
+    return [
+        "",
+        "## Verification",
+        "",
+        f"{kind}, against {v.get('source')} in transformers",
+        "",
+        "| metric | value |",
+        "|---|---|",
+    ] + [f"| {k} | {val} |" for k, val in rows]
 
 
 def _compile_lines(c: dict | None) -> list[str]:
@@ -258,7 +319,9 @@ def _compile_lines(c: dict | None) -> list[str]:
     head = f"backend {c.get('backend')}" + (f", SoC {c['soc_version']}" if c.get("soc_version") else "")
     lines = ["", "## Compile", "", head]
     if c.get("commands"):
-        lines += ["", "ATC commands:", "", "```sh"] + [cmd for _, cmd in sorted(c["commands"].items())] + ["```"]
+        lines += (
+            ["", "ATC commands:", "", "```sh"] + [cmd for _, cmd in sorted(c["commands"].items())] + ["```"]
+        )
     lines += [f"- warning: {w}" for w in c.get("warnings", [])]
     return lines
 

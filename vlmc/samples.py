@@ -17,8 +17,15 @@ from vlmc.package import Package
 logger = logging.getLogger(__name__)
 
 # Symbolic dimension names used by the exporters, and the sizes generated inputs use for them.
-DIM_SIZES = {"batch": 1, "sequence": 5, "past_sequence": 3, "images": 1, "patches": 16, "num_blocks": 8,
-             "max_blocks": 2}
+DIM_SIZES = {
+    "batch": 1,
+    "sequence": 5,
+    "past_sequence": 3,
+    "images": 1,
+    "patches": 16,
+    "num_blocks": 8,
+    "max_blocks": 2,
+}
 
 
 def sample_path(graph: str) -> str:

@@ -25,7 +25,9 @@ def configure(quiet: bool = False, verbose: bool = False) -> None:
     _state["quiet"] = quiet
     _state["verbose"] = verbose
     level = logging.DEBUG if verbose else (logging.ERROR if quiet else logging.WARNING)
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True
+    )
 
 
 def is_verbose() -> bool:
@@ -66,7 +68,13 @@ def progress(description: str, total: float | None = None) -> Iterator[_Step]:
             console.print(f"{description} ...")
         yield _Step(None, None)
         return
-    columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:.0f}/{task.total:.0f}") if total else TextColumn(""), TimeElapsedColumn()]
+    columns = [
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f}") if total else TextColumn(""),
+        TimeElapsedColumn(),
+    ]
     with Progress(*columns, console=console, transient=True) as bar:
         task_id = bar.add_task(description, total=total)
         yield _Step(bar, task_id)

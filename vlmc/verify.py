@@ -39,7 +39,9 @@ class VerifyResult:
     passed: bool
     thresholds: dict
     prefill_logits_kl: float | None = None  # KL(reference || package) of the first-token distribution, nats
-    top5_agreement: float | None = None  # share of the reference's 5 best first tokens the package also ranks top-5
+    top5_agreement: float | None = (
+        None  # share of the reference's 5 best first tokens the package also ranks top-5
+    )
     visual_tokens: dict | None = None  # per image, package vs reference (differs for pruned packages)
 
     def to_dict(self) -> dict:
@@ -49,7 +51,9 @@ class VerifyResult:
 def is_lossy(pkg: Package) -> bool:
     """True if a pass that changes numerics on purpose (pruning, quantization) modified the package."""
     reg = pass_api.registry()
-    return any(h.get("modified") and getattr(reg.get(h["pass"]), "lossy", False) for h in pkg.manifest["history"])
+    return any(
+        h.get("modified") and getattr(reg.get(h["pass"]), "lossy", False) for h in pkg.manifest["history"]
+    )
 
 
 def reference_model(pkg: Package, trust_remote_code: bool = False, allow_pickle: bool = False):
@@ -59,8 +63,10 @@ def reference_model(pkg: Package, trust_remote_code: bool = False, allow_pickle:
     src = pkg.manifest["model"]["source"]
     source = load_source(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if source.config_hash != pkg.manifest["model"]["config_hash"]:
-        raise VlmcError(f"source {src} has a different config than the one exported "
-                        f"({source.config_hash} vs {pkg.manifest['model']['config_hash']})")
+        raise VlmcError(
+            f"source {src} has a different config than the one exported "
+            f"({source.config_hash} vs {pkg.manifest['model']['config_hash']})"
+        )
     return source.model
 
 
@@ -68,14 +74,23 @@ def reference_generate(model, inp: Inputs, max_new_tokens: int, eos, pad: int):
     """Prefill logits at the last position and greedy tokens from transformers."""
     import torch
 
-    feeds = {"input_ids": torch.from_numpy(inp.input_ids), "attention_mask": torch.from_numpy(inp.attention_mask)}
+    feeds = {
+        "input_ids": torch.from_numpy(inp.input_ids),
+        "attention_mask": torch.from_numpy(inp.attention_mask),
+    }
     feeds.update({k: torch.from_numpy(v) for k, v in inp.vision.items()})
     feeds.update({k: torch.from_numpy(v) for k, v in inp.extra.items()})
     with torch.no_grad():
         logits = model(**feeds).logits[:, -1, :].float().numpy()
-        gen = model.generate(**feeds, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             eos_token_id=eos, pad_token_id=pad)
-    new = gen[:, inp.input_ids.shape[1]:].numpy()
+        gen = model.generate(
+            **feeds,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=eos,
+            pad_token_id=pad,
+        )
+    new = gen[:, inp.input_ids.shape[1] :].numpy()
     eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
     tokens = []
     for row in new:
@@ -97,13 +112,22 @@ def reference_inputs(pkg: Package, prompts: list[str], images: list[list]) -> In
     p = pruning.facts(pkg)
     if not p:
         return None
-    vision = dict(pkg.manifest["vision"], tokens_per_image=p.get("unpruned_tokens_per_image", p["tokens_before"]))
+    vision = dict(
+        pkg.manifest["vision"], tokens_per_image=p.get("unpruned_tokens_per_image", p["tokens_before"])
+    )
     return Pipeline(pruning.variant(pkg, vision=vision)).prepare(prompts, images)
 
 
-def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = None, images: list[list] | None = None,
-           max_logit_diff: float | None = None, min_token_agreement: float | None = None,
-           trust_remote_code: bool = False, allow_pickle: bool = False) -> VerifyResult:
+def verify(
+    pkg: Package,
+    max_new_tokens: int = 20,
+    prompts: list[str] | None = None,
+    images: list[list] | None = None,
+    max_logit_diff: float | None = None,
+    min_token_agreement: float | None = None,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+) -> VerifyResult:
     """Compare the package against transformers on the same inputs (see module docstring)."""
     prompts = prompts or DEFAULT_PROMPTS
     if images is None:
@@ -115,15 +139,18 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
         model = reference_model(pkg, trust_remote_code, allow_pickle)
     t = pkg.manifest["text"]
     with ui.progress(f"verify: transformers generate ({max_new_tokens} tokens)"):
-        ref_logits, ref_tokens = reference_generate(model, ref_inp, max_new_tokens, t.get("eos_token_id"),
-                                                    int(t.get("pad_token_id") or 0))
+        ref_logits, ref_tokens = reference_generate(
+            model, ref_inp, max_new_tokens, t.get("eos_token_id"), int(t.get("pad_token_id") or 0)
+        )
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
         got = pipe.generate_from(inp, max_new_tokens)
     c = metrics.generation_agreement(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
     image_id = int(pkg.manifest["vision"]["image_token_id"])
     n_images = max(sum(inp.image_counts), 1)
-    tokens = {"package": int((inp.input_ids == image_id).sum()) // n_images,
-              "reference": int((ref_inp.input_ids == image_id).sum()) // n_images}
+    tokens = {
+        "package": int((inp.input_ids == image_id).sum()) // n_images,
+        "reference": int((ref_inp.input_ids == image_id).sum()) // n_images,
+    }
     exact = not is_lossy(pkg)
     if exact:
         max_logit_diff = DEFAULT_MAX_LOGIT_DIFF if max_logit_diff is None else max_logit_diff
@@ -133,12 +160,24 @@ def verify(pkg: Package, max_new_tokens: int = 20, prompts: list[str] | None = N
         ok = False
     if min_token_agreement is not None and c["token_agreement"] < min_token_agreement:
         ok = False
-    res = VerifyResult(source=pkg.manifest["model"]["source"], prompts=len(prompts), max_new_tokens=max_new_tokens,
-                       prefill_logits_max_abs_diff=c["max_abs_diff"], prefill_logits_cosine=c["cosine"],
-                       top1_agreement=c["top1"], token_agreement=c["token_agreement"], common_prefix=c["common_prefix"],
-                       tokens_package=got.tokens, tokens_reference=ref_tokens, exact_package=exact, passed=ok,
-                       thresholds={"max_logit_diff": max_logit_diff, "min_token_agreement": min_token_agreement},
-                       prefill_logits_kl=c["kl"], top5_agreement=c["top5"], visual_tokens=tokens)
+    res = VerifyResult(
+        source=pkg.manifest["model"]["source"],
+        prompts=len(prompts),
+        max_new_tokens=max_new_tokens,
+        prefill_logits_max_abs_diff=c["max_abs_diff"],
+        prefill_logits_cosine=c["cosine"],
+        top1_agreement=c["top1"],
+        token_agreement=c["token_agreement"],
+        common_prefix=c["common_prefix"],
+        tokens_package=got.tokens,
+        tokens_reference=ref_tokens,
+        exact_package=exact,
+        passed=ok,
+        thresholds={"max_logit_diff": max_logit_diff, "min_token_agreement": min_token_agreement},
+        prefill_logits_kl=c["kl"],
+        top5_agreement=c["top5"],
+        visual_tokens=tokens,
+    )
     return res
 
 

@@ -48,7 +48,9 @@ def build_output(out_dir: Path, backend: str, summary: dict) -> Iterator[Path]:
         tmp.mkdir()
         yield tmp
         (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        (tmp / BUILD_MARKER).write_text(json.dumps({"backend": backend, "compile": "compile.json"}, indent=2) + "\n")
+        (tmp / BUILD_MARKER).write_text(
+            json.dumps({"backend": backend, "compile": "compile.json"}, indent=2) + "\n"
+        )
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

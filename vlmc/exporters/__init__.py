@@ -69,7 +69,13 @@ class Source:
 
 def config_hash(config) -> str:
     d = config.to_dict()
-    for k in ("transformers_version", "_name_or_path", "_attn_implementation_autoset", "torch_dtype", "dtype"):
+    for k in (
+        "transformers_version",
+        "_name_or_path",
+        "_attn_implementation_autoset",
+        "torch_dtype",
+        "dtype",
+    ):
         d.pop(k, None)
     return "sha256:" + hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -80,8 +86,10 @@ def _family_for_config(config, where: str) -> str:
     if model_type in types:
         return types[model_type]
     arch = (getattr(config, "architectures", None) or [model_type or "unknown"])[0]
-    raise VlmcError(f"{where}: unsupported architecture {arch} (model_type {model_type!r}); "
-                    f"supported families: {', '.join(families())}")
+    raise VlmcError(
+        f"{where}: unsupported architecture {arch} (model_type {model_type!r}); "
+        f"supported families: {', '.join(families())}"
+    )
 
 
 def _require_export_extra() -> None:
@@ -89,11 +97,14 @@ def _require_export_extra() -> None:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     except ModuleNotFoundError as exc:
-        raise VlmcError(f"exporting needs the export extra ({exc.name} is missing): pip install 'vlmc[export]'") from exc
+        raise VlmcError(
+            f"exporting needs the export extra ({exc.name} is missing): pip install 'vlmc[export]'"
+        ) from exc
 
 
-def load_source(name: str, trust_remote_code: bool = False, allow_pickle: bool = False,
-                revision: str | None = None) -> Source:
+def load_source(
+    name: str, trust_remote_code: bool = False, allow_pickle: bool = False, revision: str | None = None
+) -> Source:
     """Resolve a model reference and load it in transformers (fp32, eager attention)."""
     _require_export_extra()
     from vlmc.exporters import zoo
@@ -105,12 +116,16 @@ def load_source(name: str, trust_remote_code: bool = False, allow_pickle: bool =
         _eager(model)
         return Source(name=name, model=model, config=model.config, family=family, builtin=True)
     path = Path(name).expanduser()
-    looks_local = path.exists() or name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+    looks_local = (
+        path.exists() or name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
+    )
     if path.exists():
         return _load_local(path, trust_remote_code, allow_pickle)
     if looks_local or name.count("/") > 1:
-        raise VlmcError(f"model path {name} does not exist; pass a local Hugging Face model directory, a hub id "
-                        f"(org/name) or a built-in ({', '.join(sorted(zoo.BUILTINS))})")
+        raise VlmcError(
+            f"model path {name} does not exist; pass a local Hugging Face model directory, a hub id "
+            f"(org/name) or a built-in ({', '.join(sorted(zoo.BUILTINS))})"
+        )
     return _load_hub(name, trust_remote_code, allow_pickle, revision)
 
 
@@ -122,8 +137,10 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
     try:
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as exc:
-        raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]}); "
-                        f"if the model needs custom code, pass --trust-remote-code") from exc
+        raise VlmcError(
+            f"{path}: cannot read config.json ({str(exc).splitlines()[0]}); "
+            f"if the model needs custom code, pass --trust-remote-code"
+        ) from exc
     except (OSError, json.JSONDecodeError) as exc:
         raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]})") from exc
     family = _family_for_config(config, str(path))
@@ -131,15 +148,21 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors:
         if has_pickle and not allow_pickle:
-            raise VlmcError(f"{path} has only pickle weights (.bin), which can run code when loaded; "
-                            "convert them to safetensors or pass --allow-pickle if you trust the source")
+            raise VlmcError(
+                f"{path} has only pickle weights (.bin), which can run code when loaded; "
+                "convert them to safetensors or pass --allow-pickle if you trust the source"
+            )
         if not has_pickle:
             raise VlmcError(f"{path} has no weights (*.safetensors)")
     mod = families()[family]
     try:
-        model = mod.model_class().from_pretrained(str(path), use_safetensors=has_safetensors,
-                                                  trust_remote_code=trust_remote_code, dtype="float32",
-                                                  attn_implementation="eager")
+        model = mod.model_class().from_pretrained(
+            str(path),
+            use_safetensors=has_safetensors,
+            trust_remote_code=trust_remote_code,
+            dtype="float32",
+            attn_implementation="eager",
+        )
     except (OSError, ValueError, RuntimeError) as exc:
         raise VlmcError(f"{path}: cannot load weights ({str(exc).splitlines()[0]})") from exc
     model.eval()
@@ -151,12 +174,16 @@ def _load_hub(name: str, trust_remote_code: bool, allow_pickle: bool, revision: 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] + (["*.bin"] if allow_pickle else [])
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"] + (
+        ["*.bin"] if allow_pickle else []
+    )
     try:
         local = snapshot_download(name, revision=revision, allow_patterns=patterns)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled, ConnectionError, OSError) as exc:
-        raise VlmcError(f"cannot download {name!r}: the hub is unreachable (offline?) and it is not cached; "
-                        "download it elsewhere and pass the local directory instead") from exc
+        raise VlmcError(
+            f"cannot download {name!r}: the hub is unreachable (offline?) and it is not cached; "
+            "download it elsewhere and pass the local directory instead"
+        ) from exc
     except HfHubHTTPError as exc:
         raise VlmcError(f"cannot download {name!r} from the hub: {str(exc).splitlines()[0]}") from exc
     src = _load_local(Path(local), trust_remote_code, allow_pickle)
@@ -198,9 +225,20 @@ def export(source: Source, staging: str | Path | None = None) -> Package:
     return pkg
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                    "vocab.json", "merges.txt", "preprocessor_config.json", "processor_config.json",
-                    "chat_template.json", "chat_template.jinja", "added_tokens.json", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "chat_template.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 def _attach_source_files(directory: Path, pkg: Package) -> None:

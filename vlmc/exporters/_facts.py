@@ -20,5 +20,11 @@ def kv_facts(text_config) -> dict:
     heads = int(text_config.num_attention_heads)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return {"layers": int(text_config.num_hidden_layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim),
-            "layout": "contiguous", "block_size": None, "dtype": "float32"}
+    return {
+        "layers": int(text_config.num_hidden_layers),
+        "kv_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+        "layout": "contiguous",
+        "block_size": None,
+        "dtype": "float32",
+    }

@@ -26,7 +26,14 @@ from vlmc.package import Package
 logger = logging.getLogger(__name__)
 
 # Symbolic dimension names shared with the runtime, samples and backends.
-BATCH, SEQ, PAST, TOTAL, IMAGES, PATCHES = "batch", "sequence", "past_sequence", "total_sequence", "images", "patches"
+BATCH, SEQ, PAST, TOTAL, IMAGES, PATCHES = (
+    "batch",
+    "sequence",
+    "past_sequence",
+    "total_sequence",
+    "images",
+    "patches",
+)
 
 
 def kv_names(layers: int) -> tuple[list[str], list[str]]:
@@ -55,8 +62,13 @@ class DecoderWrapper(torch.nn.Module):
         cache = DynamicCache(config=self.text_model.config)
         for i in range(self.layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.text_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                              position_ids=position_ids, past_key_values=cache, use_cache=True)
+        out = self.text_model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = self.lm_head(out.last_hidden_state)
         present = []
         for layer in out.past_key_values.layers[: self.layers]:
@@ -75,8 +87,13 @@ class EmbedWrapper(torch.nn.Module):
         return self.embedding(input_ids)
 
 
-def export_graph(module: torch.nn.Module, args: Sequence[torch.Tensor], input_names: list[str],
-                 output_names: list[str], dynamic_axes: dict[str, dict[int, str]]) -> onnx.ModelProto:
+def export_graph(
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_axes: dict[str, dict[int, str]],
+) -> onnx.ModelProto:
     """Trace a module with torch.onnx (TorchScript exporter, opset 17) and return the ModelProto.
 
     The TorchScript exporter is used because it is fast and keeps the dynamic axes we name; its
@@ -88,9 +105,17 @@ def export_graph(module: torch.nn.Module, args: Sequence[torch.Tensor], input_na
         path = os.path.join(tmp, "graph.onnx")
         sink = io.StringIO()
         with contextlib.redirect_stdout(sink):
-            torch.onnx.export(module, tuple(args), path, input_names=input_names, output_names=output_names,
-                              dynamic_axes=dynamic_axes, opset_version=G.EXPORT_OPSET, dynamo=False,
-                              do_constant_folding=True)
+            torch.onnx.export(
+                module,
+                tuple(args),
+                path,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=dynamic_axes,
+                opset_version=G.EXPORT_OPSET,
+                dynamo=False,
+                do_constant_folding=True,
+            )
         model = G.load(path)
     _name_unnamed_nodes(model)
     _inline_shared_small_constants(model)
@@ -132,15 +157,29 @@ def _name_unnamed_nodes(model: onnx.ModelProto) -> None:
 
 def decoder_axes(layers: int, mrope: bool = False) -> dict[str, dict[int, str]]:
     past, present = kv_names(layers)
-    axes = {"inputs_embeds": {0: BATCH, 1: SEQ}, "attention_mask": {0: BATCH, 1: TOTAL},
-            "position_ids": {1: BATCH, 2: SEQ} if mrope else {0: BATCH, 1: SEQ}, "logits": {0: BATCH, 1: SEQ}}
+    axes = {
+        "inputs_embeds": {0: BATCH, 1: SEQ},
+        "attention_mask": {0: BATCH, 1: TOTAL},
+        "position_ids": {1: BATCH, 2: SEQ} if mrope else {0: BATCH, 1: SEQ},
+        "logits": {0: BATCH, 1: SEQ},
+    }
     axes.update({n: {0: BATCH, 2: PAST} for n in past})
     axes.update({n: {0: BATCH, 2: TOTAL} for n in present})
     return axes
 
 
-def export_decoder(pkg: Package, text_model, lm_head, layers: int, kv_heads: int, head_dim: int,
-                   hidden: int, position_ids_fn=None, mrope: bool = False, dtype=torch.float32) -> None:
+def export_decoder(
+    pkg: Package,
+    text_model,
+    lm_head,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    hidden: int,
+    position_ids_fn=None,
+    mrope: bool = False,
+    dtype=torch.float32,
+) -> None:
     """Export the shared decoder graph and store its sample inputs."""
     pkg.release()  # a staged package (vlmc build) keeps earlier stages on disk while the largest one traces
     g = torch.Generator().manual_seed(0)
@@ -150,13 +189,22 @@ def export_decoder(pkg: Package, text_model, lm_head, layers: int, kv_heads: int
     pos = torch.arange(past_len, past_len + seq).unsqueeze(0).expand(batch, seq)
     if mrope:
         pos = pos.unsqueeze(0).expand(3, batch, seq)
-    past = [torch.randn(batch, kv_heads, past_len, head_dim, generator=g, dtype=dtype) for _ in range(2 * layers)]
+    past = [
+        torch.randn(batch, kv_heads, past_len, head_dim, generator=g, dtype=dtype) for _ in range(2 * layers)
+    ]
     past_names, present_names = kv_names(layers)
     names = ["inputs_embeds", "attention_mask", "position_ids", *past_names]
-    model = export_graph(DecoderWrapper(text_model, lm_head, layers), [embeds, mask, pos.contiguous(), *past], names,
-                         ["logits", *present_names], decoder_axes(layers, mrope))
+    model = export_graph(
+        DecoderWrapper(text_model, lm_head, layers),
+        [embeds, mask, pos.contiguous(), *past],
+        names,
+        ["logits", *present_names],
+        decoder_axes(layers, mrope),
+    )
     pkg.set_graph("decoder", model, role="decoder", precision="fp32")
-    samples.store(pkg, "decoder", {n: t.numpy() for n, t in zip(names, [embeds, mask, pos.contiguous(), *past])})
+    samples.store(
+        pkg, "decoder", {n: t.numpy() for n, t in zip(names, [embeds, mask, pos.contiguous(), *past])}
+    )
     del model
     pkg.release("decoder")
 
@@ -164,7 +212,12 @@ def export_decoder(pkg: Package, text_model, lm_head, layers: int, kv_heads: int
 def export_embed(pkg: Package, embedding, vocab: int) -> None:
     pkg.release()  # see export_decoder
     ids = torch.arange(10, dtype=torch.int64).reshape(2, 5) % vocab
-    model = export_graph(EmbedWrapper(embedding), [ids], ["input_ids"], ["inputs_embeds"],
-                         {"input_ids": {0: BATCH, 1: SEQ}, "inputs_embeds": {0: BATCH, 1: SEQ}})
+    model = export_graph(
+        EmbedWrapper(embedding),
+        [ids],
+        ["input_ids"],
+        ["inputs_embeds"],
+        {"input_ids": {0: BATCH, 1: SEQ}, "inputs_embeds": {0: BATCH, 1: SEQ}},
+    )
     pkg.set_graph("embed_tokens", model, role="embed", precision="fp32")
     samples.store(pkg, "embed_tokens", {"input_ids": ids.numpy()})

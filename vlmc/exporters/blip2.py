@@ -56,22 +56,34 @@ class FusionWrapper(torch.nn.Module):
     def forward(self, vision_hidden_states):
         mask = torch.ones(vision_hidden_states.shape[:-1], dtype=torch.long)
         queries = self.query_tokens.expand(vision_hidden_states.shape[0], -1, -1)
-        out = self.qformer(query_embeds=queries, encoder_hidden_states=vision_hidden_states,
-                           encoder_attention_mask=mask, return_dict=True).last_hidden_state
+        out = self.qformer(
+            query_embeds=queries,
+            encoder_hidden_states=vision_hidden_states,
+            encoder_attention_mask=mask,
+            return_dict=True,
+        ).last_hidden_state
         return self.language_projection(out)
 
 
 def preprocess_facts(config, directory) -> dict:
     """BlipImageProcessor: resize straight to (height, width), no crop; its settings win when the source has them."""
     size = int(config.vision_config.image_size)
-    facts = {"kind": "resize", "size": [size, size], "mean": CLIP_MEAN, "std": CLIP_STD,
-             "rescale_factor": 1 / 255, "resample": "bicubic"}
+    facts = {
+        "kind": "resize",
+        "size": [size, size],
+        "mean": CLIP_MEAN,
+        "std": CLIP_STD,
+        "rescale_factor": 1 / 255,
+        "resample": "bicubic",
+    }
     if directory is not None and (directory / "preprocessor_config.json").is_file():
         pc = json.loads((directory / "preprocessor_config.json").read_text())
         s = pc.get("size", size)
         if isinstance(s, dict):
-            facts["size"] = [int(s.get("height", s.get("shortest_edge", size))),
-                             int(s.get("width", s.get("shortest_edge", size)))]
+            facts["size"] = [
+                int(s.get("height", s.get("shortest_edge", size))),
+                int(s.get("width", s.get("shortest_edge", size))),
+            ]
         else:
             facts["size"] = [int(s), int(s)]
         facts["mean"] = pc.get("image_mean", CLIP_MEAN)
@@ -84,12 +96,19 @@ def preprocess_facts(config, directory) -> dict:
 
 def _check_supported(source) -> None:
     cfg = source.config
-    if not getattr(cfg, "use_decoder_only_language_model", False) or cfg.text_config.model_type not in DECODER_TEXT_TYPES:
-        raise VlmcError(f"{source.name}: BLIP-2 with a {cfg.text_config.model_type} language model is not supported; "
-                        f"vlmc exports BLIP-2 with a decoder-only {'/'.join(DECODER_TEXT_TYPES)} language model")
+    if (
+        not getattr(cfg, "use_decoder_only_language_model", False)
+        or cfg.text_config.model_type not in DECODER_TEXT_TYPES
+    ):
+        raise VlmcError(
+            f"{source.name}: BLIP-2 with a {cfg.text_config.model_type} language model is not supported; "
+            f"vlmc exports BLIP-2 with a decoder-only {'/'.join(DECODER_TEXT_TYPES)} language model"
+        )
     if cfg.image_token_index is None:
-        raise VlmcError(f"{source.name}: config has no image_token_index, so the query tokens have no placeholder id; "
-                        "set it in config.json to the id of the processor's <image> token")
+        raise VlmcError(
+            f"{source.name}: config has no image_token_index, so the query tokens have no placeholder id; "
+            "set it in config.json to the id of the processor's <image> token"
+        )
 
 
 def export(source, pkg: Package) -> None:
@@ -104,30 +123,57 @@ def export(source, pkg: Package) -> None:
     n_query = int(cfg.num_query_tokens)
 
     m = pkg.manifest
-    m["vision"] = {"image_size": [size, size], "tokens_per_image": n_query, "image_token_id": int(cfg.image_token_index),
-                   "preprocess": preprocess_facts(cfg, source.directory), "patch_grid": [size // patch] * 2,
-                   "has_cls_token": True, "vision_hidden_size": int(vcfg.hidden_size),
-                   "num_query_tokens": n_query, "hidden_size": embed_dim}
-    m["text"] = {"vocab_size": int(tcfg.vocab_size), "eos_token_id": tcfg.eos_token_id, "bos_token_id": tcfg.bos_token_id,
-                 "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-                 "max_positions": int(tcfg.max_position_embeddings), "hidden_size": embed_dim,
-                 "intermediate_size": int(tcfg.ffn_dim), "tokenizer": "bytes", "prompt_template": BLIP2_TEMPLATE,
-                 "image_marker": "<image>", "position": "1d", "add_bos": True, "image_tokens_first": True}
+    m["vision"] = {
+        "image_size": [size, size],
+        "tokens_per_image": n_query,
+        "image_token_id": int(cfg.image_token_index),
+        "preprocess": preprocess_facts(cfg, source.directory),
+        "patch_grid": [size // patch] * 2,
+        "has_cls_token": True,
+        "vision_hidden_size": int(vcfg.hidden_size),
+        "num_query_tokens": n_query,
+        "hidden_size": embed_dim,
+    }
+    m["text"] = {
+        "vocab_size": int(tcfg.vocab_size),
+        "eos_token_id": tcfg.eos_token_id,
+        "bos_token_id": tcfg.bos_token_id,
+        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
+        "max_positions": int(tcfg.max_position_embeddings),
+        "hidden_size": embed_dim,
+        "intermediate_size": int(tcfg.ffn_dim),
+        "tokenizer": "bytes",
+        "prompt_template": BLIP2_TEMPLATE,
+        "image_marker": "<image>",
+        "position": "1d",
+        "add_bos": True,
+        "image_tokens_first": True,
+    }
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder", "fusion"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
     g = torch.Generator().manual_seed(0)
     pixels = torch.randn(2, 3, size, size, generator=g)
-    vision = base.export_graph(VisionWrapper(model), [pixels], ["pixel_values"], ["vision_hidden_states"],
-                               {"pixel_values": {0: base.IMAGES}, "vision_hidden_states": {0: base.IMAGES}})
+    vision = base.export_graph(
+        VisionWrapper(model),
+        [pixels],
+        ["pixel_values"],
+        ["vision_hidden_states"],
+        {"pixel_values": {0: base.IMAGES}, "vision_hidden_states": {0: base.IMAGES}},
+    )
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
     del vision  # the package holds it (and stages it) while later stages trace
 
     with torch.no_grad():
         hidden = VisionWrapper(model).eval()(pixels)
-    fusion = base.export_graph(FusionWrapper(model), [hidden], ["vision_hidden_states"], ["image_features"],
-                               {"vision_hidden_states": {0: base.IMAGES}, "image_features": {0: base.IMAGES}})
+    fusion = base.export_graph(
+        FusionWrapper(model),
+        [hidden],
+        ["vision_hidden_states"],
+        ["image_features"],
+        {"vision_hidden_states": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
+    )
     # The Q-Former slices its query rows with a traced length, so the exporter names that dim; it is
     # always num_query_tokens, and a static dim lets backends plan the fusion output without a gear.
     fusion.graph.output[0].type.tensor_type.shape.dim[1].dim_value = n_query
@@ -139,26 +185,62 @@ def export(source, pkg: Package) -> None:
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     # OPTDecoder takes position_ids and adds its learned-position offset (2) itself, so the graph keeps
     # the standard 0-based position interface.
-    base.export_decoder(pkg, lm.model.decoder, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], embed_dim)
+    base.export_decoder(
+        pkg, lm.model.decoder, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], embed_dim
+    )
 
 
-def tiny_blip2_config(num_query_tokens: int = 8, qformer_layers: int = 2, text_layers: int = 2,
-                      text_hidden: int = 64, image_size: int = 32):
+def tiny_blip2_config(
+    num_query_tokens: int = 8,
+    qformer_layers: int = 2,
+    text_layers: int = 2,
+    text_hidden: int = 64,
+    image_size: int = 32,
+):
     """A small BLIP-2 + OPT config that fits the byte tokenizer (vocab 320, image token 319)."""
     from transformers import Blip2Config, Blip2QFormerConfig, Blip2VisionConfig, OPTConfig
 
     # std 0.2 everywhere keeps greedy argmax away from ties, so token-exact checks are meaningful.
-    vision = Blip2VisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                               image_size=image_size, patch_size=8, initializer_range=0.2)
-    qformer = Blip2QFormerConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=qformer_layers,
-                                 num_attention_heads=4, cross_attention_frequency=1, vocab_size=zoo.TINY_VOCAB,
-                                 initializer_range=0.2)
-    text = OPTConfig(vocab_size=zoo.TINY_VOCAB, hidden_size=text_hidden, ffn_dim=2 * text_hidden,
-                     num_hidden_layers=text_layers, num_attention_heads=4, max_position_embeddings=512,
-                     bos_token_id=1, eos_token_id=2, pad_token_id=0, init_std=0.2, word_embed_proj_dim=text_hidden,
-                     tie_word_embeddings=False)
-    return Blip2Config(vision_config=vision, qformer_config=qformer, text_config=text,
-                       num_query_tokens=num_query_tokens, image_token_index=zoo.TINY_IMAGE_TOKEN, initializer_range=0.2)
+    vision = Blip2VisionConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=image_size,
+        patch_size=8,
+        initializer_range=0.2,
+    )
+    qformer = Blip2QFormerConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=qformer_layers,
+        num_attention_heads=4,
+        cross_attention_frequency=1,
+        vocab_size=zoo.TINY_VOCAB,
+        initializer_range=0.2,
+    )
+    text = OPTConfig(
+        vocab_size=zoo.TINY_VOCAB,
+        hidden_size=text_hidden,
+        ffn_dim=2 * text_hidden,
+        num_hidden_layers=text_layers,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        init_std=0.2,
+        word_embed_proj_dim=text_hidden,
+        tie_word_embeddings=False,
+    )
+    return Blip2Config(
+        vision_config=vision,
+        qformer_config=qformer,
+        text_config=text,
+        num_query_tokens=num_query_tokens,
+        image_token_index=zoo.TINY_IMAGE_TOKEN,
+        initializer_range=0.2,
+    )
 
 
 def build_tiny(config=None):

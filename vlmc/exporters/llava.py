@@ -37,7 +37,11 @@ class VisionWrapper(torch.nn.Module):
         self.vision_tower = model.model.vision_tower
         self.projector = model.model.multi_modal_projector
         cfg = model.config
-        self.layers = [cfg.vision_feature_layer] if isinstance(cfg.vision_feature_layer, int) else list(cfg.vision_feature_layer)
+        self.layers = (
+            [cfg.vision_feature_layer]
+            if isinstance(cfg.vision_feature_layer, int)
+            else list(cfg.vision_feature_layer)
+        )
         self.drop_cls = cfg.vision_feature_select_strategy == "default"
 
     def forward(self, pixel_values):
@@ -49,14 +53,25 @@ class VisionWrapper(torch.nn.Module):
 def preprocess_facts(config, directory) -> dict:
     """How pixel_values are made: the source processor's settings, else CLIP defaults at the tower size."""
     size = int(config.vision_config.image_size)
-    facts = {"kind": "clip", "resize_shortest_edge": size, "crop_size": [size, size], "mean": CLIP_MEAN,
-             "std": CLIP_STD, "rescale_factor": 1 / 255, "resample": "bicubic"}
+    facts = {
+        "kind": "clip",
+        "resize_shortest_edge": size,
+        "crop_size": [size, size],
+        "mean": CLIP_MEAN,
+        "std": CLIP_STD,
+        "rescale_factor": 1 / 255,
+        "resample": "bicubic",
+    }
     if directory is not None and (directory / "preprocessor_config.json").is_file():
         pc = json.loads((directory / "preprocessor_config.json").read_text())
         s = pc.get("size", {})
-        facts["resize_shortest_edge"] = int(s.get("shortest_edge", s.get("height", size)) if isinstance(s, dict) else s)
+        facts["resize_shortest_edge"] = int(
+            s.get("shortest_edge", s.get("height", size)) if isinstance(s, dict) else s
+        )
         c = pc.get("crop_size", {})
-        facts["crop_size"] = [int(c.get("height", size)), int(c.get("width", size))] if isinstance(c, dict) else [int(c)] * 2
+        facts["crop_size"] = (
+            [int(c.get("height", size)), int(c.get("width", size))] if isinstance(c, dict) else [int(c)] * 2
+        )
         facts["mean"] = pc.get("image_mean", CLIP_MEAN)
         facts["std"] = pc.get("image_std", CLIP_STD)
         facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
@@ -77,21 +92,35 @@ def attention_facts(vision_graph, config) -> dict | None:
     """
     v = config.vision_config
     n_layers = int(v.num_hidden_layers)
-    picked = config.vision_feature_layer if isinstance(config.vision_feature_layer, int) else max(
-        (f if f >= 0 else n_layers + 1 + f) for f in config.vision_feature_layer)
+    picked = (
+        config.vision_feature_layer
+        if isinstance(config.vision_feature_layer, int)
+        else max((f if f >= 0 else n_layers + 1 + f) for f in config.vision_feature_layer)
+    )
     layer = n_layers + picked if picked < 0 else picked - 1
     if layer < 0:
         return None  # features are the patch embeddings: no attention before them
     nodes = attention.softmax_nodes(vision_graph, scope=f"/encoder/layers.{layer}/")
     if len(nodes) != 1:
-        logger.warning("llava: found %d Softmax nodes for vision layer %d; attention facts not written", len(nodes), layer)
+        logger.warning(
+            "llava: found %d Softmax nodes for vision layer %d; attention facts not written",
+            len(nodes),
+            layer,
+        )
         return None
     facts = attention.locate(vision_graph, nodes[0])
     n_patches = (int(v.image_size) // int(v.patch_size)) ** 2
     # Keys are [CLS, patches...]; feature tokens are the patches (default) or CLS + patches (full).
-    facts.update({"graph": "vision_encoder", "layer": layer, "layers": n_layers, "query_index": 0,
-                  "token_offset": 1 if config.vision_feature_select_strategy == "default" else 0,
-                  "keys_per_image": n_patches + 1})
+    facts.update(
+        {
+            "graph": "vision_encoder",
+            "layer": layer,
+            "layers": n_layers,
+            "query_index": 0,
+            "token_offset": 1 if config.vision_feature_select_strategy == "default" else 0,
+            "keys_per_image": n_patches + 1,
+        }
+    )
     return facts
 
 
@@ -102,27 +131,55 @@ def export(source, pkg: Package) -> None:
     size = int(vcfg.image_size)
 
     m = pkg.manifest
-    m["vision"] = {"image_size": [size, size], "tokens_per_image": n_tokens, "image_token_id": int(cfg.image_token_index),
-                   "preprocess": preprocess_facts(cfg, source.directory), "patch_grid": [size // vcfg.patch_size] * 2,
-                   "has_cls_token": True, "feature_layer": cfg.vision_feature_layer,
-                   "select_strategy": cfg.vision_feature_select_strategy, "hidden_size": int(tcfg.hidden_size)}
+    m["vision"] = {
+        "image_size": [size, size],
+        "tokens_per_image": n_tokens,
+        "image_token_id": int(cfg.image_token_index),
+        "preprocess": preprocess_facts(cfg, source.directory),
+        "patch_grid": [size // vcfg.patch_size] * 2,
+        "has_cls_token": True,
+        "feature_layer": cfg.vision_feature_layer,
+        "select_strategy": cfg.vision_feature_select_strategy,
+        "hidden_size": int(tcfg.hidden_size),
+    }
     eos = tcfg.eos_token_id if tcfg.eos_token_id is not None else getattr(cfg, "eos_token_id", None)
-    m["text"] = {"vocab_size": int(tcfg.vocab_size), "eos_token_id": eos, "bos_token_id": tcfg.bos_token_id,
-                 "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-                 "max_positions": int(tcfg.max_position_embeddings), "hidden_size": int(tcfg.hidden_size),
-                 "intermediate_size": getattr(tcfg, "intermediate_size", None), "tokenizer": "bytes", "prompt_template": LLAVA_TEMPLATE, "image_marker": "<image>",
-                 "position": "1d", "add_bos": True}
+    m["text"] = {
+        "vocab_size": int(tcfg.vocab_size),
+        "eos_token_id": eos,
+        "bos_token_id": tcfg.bos_token_id,
+        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
+        "max_positions": int(tcfg.max_position_embeddings),
+        "hidden_size": int(tcfg.hidden_size),
+        "intermediate_size": getattr(tcfg, "intermediate_size", None),
+        "tokenizer": "bytes",
+        "prompt_template": LLAVA_TEMPLATE,
+        "image_marker": "<image>",
+        "position": "1d",
+        "add_bos": True,
+    }
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
     g = torch.Generator().manual_seed(0)
     pixels = torch.randn(2, 3, size, size, generator=g)
-    vision = base.export_graph(VisionWrapper(model), [pixels], ["pixel_values"], ["image_features"],
-                               {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}})
+    vision = base.export_graph(
+        VisionWrapper(model),
+        [pixels],
+        ["pixel_values"],
+        ["image_features"],
+        {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
+    )
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     m["vision"]["attention"] = attention_facts(vision, cfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
     del vision  # the package holds it (and stages it) while later stages trace
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
-    base.export_decoder(pkg, model.model.language_model, model.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"],
-                        tcfg.hidden_size)
+    base.export_decoder(
+        pkg,
+        model.model.language_model,
+        model.lm_head,
+        kv["layers"],
+        kv["kv_heads"],
+        kv["head_dim"],
+        tcfg.hidden_size,
+    )

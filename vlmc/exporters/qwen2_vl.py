@@ -35,8 +35,9 @@ ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGen
 IMAGE_MARKER = "<image>"
 # Qwen chat layout; each image is wrapped in vision_start/vision_end like the Qwen processor does, which
 # also keeps two images' placeholder runs apart (transformers' rope index groups adjacent image tokens).
-QWEN_TEMPLATE = ("<|im_start|>user\n<|vision_start|>{marker}<|vision_end|>{{prompt}}<|im_end|>\n"
-                 "<|im_start|>assistant\n")
+QWEN_TEMPLATE = (
+    "<|im_start|>user\n<|vision_start|>{marker}<|vision_end|>{{prompt}}<|im_end|>\n<|im_start|>assistant\n"
+)
 IMAGE_TOKENS = "image_tokens"  # symbolic dim of the packed features
 
 
@@ -61,43 +62,80 @@ def model_class(config=None):
 
 # ---- built-ins ---------------------------------------------------------------------------------
 
+
 def _tiny_text(**over) -> dict:
     # head_dim 16 -> mrope_section must sum to 8 (temporal, height, width frequency bands)
-    kw = dict(vocab_size=zoo.TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
-              eos_token_id=2, pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    kw = dict(
+        vocab_size=zoo.TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
     kw.update(over)
     return kw
 
 
 def _special_ids() -> dict:
     # Ids above the byte range of the fallback tokenizer; only the image id ever appears in prompts.
-    return dict(image_token_id=zoo.TINY_IMAGE_TOKEN, video_token_id=zoo.TINY_IMAGE_TOKEN - 1,
-                vision_start_token_id=zoo.TINY_IMAGE_TOKEN - 2, vision_end_token_id=zoo.TINY_IMAGE_TOKEN - 3)
+    return dict(
+        image_token_id=zoo.TINY_IMAGE_TOKEN,
+        video_token_id=zoo.TINY_IMAGE_TOKEN - 1,
+        vision_start_token_id=zoo.TINY_IMAGE_TOKEN - 2,
+        vision_end_token_id=zoo.TINY_IMAGE_TOKEN - 3,
+    )
 
 
 def tiny_qwen2_vl_config(vision_over: dict | None = None, **text_over):
     """A small Qwen2-VL config (patch 8, merge 2: a 96x96 image gives 12x12 patches, 36 tokens)."""
     from transformers import Qwen2VLConfig
 
-    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, patch_size=8,
-                  spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2)
+    vision = dict(
+        depth=2,
+        embed_dim=32,
+        hidden_size=64,
+        mlp_ratio=2,
+        num_heads=4,
+        patch_size=8,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        initializer_range=0.2,
+    )
     vision.update(vision_over or {})
-    return Qwen2VLConfig(text_config=_tiny_text(**text_over), vision_config=vision, tie_word_embeddings=False,
-                         **_special_ids())
+    return Qwen2VLConfig(
+        text_config=_tiny_text(**text_over), vision_config=vision, tie_word_embeddings=False, **_special_ids()
+    )
 
 
 def tiny_qwen2_5_vl_config(vision_over: dict | None = None, **text_over):
     """A small Qwen2.5-VL config; window 32 px = 2x2 merged tokens, so a 96x96 image has 9 windows."""
     from transformers import Qwen2_5_VLConfig
 
-    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64, patch_size=8,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=32, fullatt_block_indexes=[1],
-                  initializer_range=0.2)
+    vision = dict(
+        depth=3,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        out_hidden_size=64,
+        patch_size=8,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=32,
+        fullatt_block_indexes=[1],
+        initializer_range=0.2,
+    )
     vision.update(vision_over or {})
-    return Qwen2_5_VLConfig(text_config=_tiny_text(**text_over), vision_config=vision, tie_word_embeddings=False,
-                            **_special_ids())
+    return Qwen2_5_VLConfig(
+        text_config=_tiny_text(**text_over), vision_config=vision, tie_word_embeddings=False, **_special_ids()
+    )
 
 
 def _build_qwen2_vl():
@@ -117,6 +155,7 @@ zoo.register_builtin("tiny-qwen2.5-vl", "qwen2_vl", _build_qwen2_5_vl)
 
 
 # ---- vision graph ------------------------------------------------------------------------------
+
 
 def _idiv(a: torch.Tensor, b) -> torch.Tensor:
     # All operands are non-negative, so truncating division is floor division and exports as a plain Div.
@@ -188,9 +227,12 @@ class VisionWrapper(torch.nn.Module):
         conv = visual.patch_embed.proj
         # Conv3d with stride == kernel over one flattened patch is a matmul; MatMul is what every backend
         # handles best, and the patch layout [C, T, P, P] is exactly the weight's flattening order.
-        self.patch_weight = torch.nn.Parameter(conv.weight.detach().reshape(conv.weight.shape[0], -1).t().contiguous(),
-                                               requires_grad=False)
-        self.patch_bias = None if conv.bias is None else torch.nn.Parameter(conv.bias.detach(), requires_grad=False)
+        self.patch_weight = torch.nn.Parameter(
+            conv.weight.detach().reshape(conv.weight.shape[0], -1).t().contiguous(), requires_grad=False
+        )
+        self.patch_bias = (
+            None if conv.bias is None else torch.nn.Parameter(conv.bias.detach(), requires_grad=False)
+        )
 
     def forward(self, pixel_values, image_grid_thw):
         n = pixel_values.shape[0]
@@ -205,7 +247,9 @@ class VisionWrapper(torch.nn.Module):
         if self.window is not None:
             span = self.window * self.merge  # window edge in patches
             wh, ww = _idiv(hpos, span), _idiv(wpos, span)
-            window_mask = _additive_mask(same & (wh.unsqueeze(1) == wh.unsqueeze(0)) & (ww.unsqueeze(1) == ww.unsqueeze(0)))
+            window_mask = _additive_mask(
+                same & (wh.unsqueeze(1) == wh.unsqueeze(0)) & (ww.unsqueeze(1) == ww.unsqueeze(0))
+            )
         for i, blk in enumerate(self.visual.blocks):
             mask = full_mask if i in self.full_blocks else window_mask
             hidden = hidden + _vision_attention(blk.attn, blk.norm1(hidden), cos, sin, mask, self.apply_rope)
@@ -222,10 +266,18 @@ def preprocess_facts(vcfg, directory) -> dict:
     """Smart-resize + patchify settings: the source processor's, else Qwen's defaults scaled to the patch."""
     patch, merge = int(vcfg.patch_size), int(vcfg.spatial_merge_size)
     factor = patch * merge
-    facts = {"kind": "packed_patches", "patch_size": patch, "merge_size": merge,
-             "temporal_patch_size": int(vcfg.temporal_patch_size), "min_pixels": 4 * factor * factor,
-             "max_pixels": 1280 * factor * factor, "mean": CLIP_MEAN, "std": CLIP_STD, "rescale_factor": 1 / 255,
-             "resample": "bicubic"}
+    facts = {
+        "kind": "packed_patches",
+        "patch_size": patch,
+        "merge_size": merge,
+        "temporal_patch_size": int(vcfg.temporal_patch_size),
+        "min_pixels": 4 * factor * factor,
+        "max_pixels": 1280 * factor * factor,
+        "mean": CLIP_MEAN,
+        "std": CLIP_STD,
+        "rescale_factor": 1 / 255,
+        "resample": "bicubic",
+    }
     if directory is not None and (directory / "preprocessor_config.json").is_file():
         pc = json.loads((directory / "preprocessor_config.json").read_text())
         size = pc.get("size") or {}
@@ -235,8 +287,11 @@ def preprocess_facts(vcfg, directory) -> dict:
         facts["std"] = pc.get("image_std", CLIP_STD)
         facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
         facts["resample"] = _PIL_RESAMPLE.get(pc.get("resample"), "bicubic")
-        for key, name in (("patch_size", "patch_size"), ("merge_size", "merge_size"),
-                          ("temporal_patch_size", "temporal_patch_size")):
+        for key, name in (
+            ("patch_size", "patch_size"),
+            ("merge_size", "merge_size"),
+            ("temporal_patch_size", "temporal_patch_size"),
+        ):
             if name in pc:
                 facts[key] = int(pc[name])
     return facts
@@ -256,19 +311,31 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
     # graph has exactly one Softmax per block, in block order.
     nodes = attention.softmax_nodes(vision_graph)
     if len(nodes) != blocks:
-        logger.warning("qwen2_vl: %d Softmax nodes for %d vision blocks; attention facts not written", len(nodes), blocks)
+        logger.warning(
+            "qwen2_vl: %d Softmax nodes for %d vision blocks; attention facts not written", len(nodes), blocks
+        )
         return None
     facts = attention.locate(vision_graph, nodes[layer])
     merge = int(vcfg.spatial_merge_size)
-    facts.update({"graph": "vision_encoder", "layer": layer, "layers": blocks, "query_index": None,
-                  "token_offset": 0, "merge_group": merge * merge, "keys_per_image": None})
+    facts.update(
+        {
+            "graph": "vision_encoder",
+            "layer": layer,
+            "layers": blocks,
+            "query_index": None,
+            "token_offset": 0,
+            "merge_group": merge * merge,
+            "keys_per_image": None,
+        }
+    )
     return facts
 
 
 def _marker(source) -> str:
     # The byte tokenizer maps "<image>" to the image id; a real Qwen tokenizer has <|image_pad|>.
-    has_tok = source.directory is not None and any((source.directory / f).is_file()
-                                                   for f in ("tokenizer.json", "vocab.json"))
+    has_tok = source.directory is not None and any(
+        (source.directory / f).is_file() for f in ("tokenizer.json", "vocab.json")
+    )
     return "<|image_pad|>" if has_tok else IMAGE_MARKER
 
 
@@ -280,26 +347,45 @@ def export(source, pkg: Package) -> None:
     marker = _marker(source)
 
     m = pkg.manifest
-    m["vision"] = {"image_size": None, "tokens_per_image": None, "dynamic_resolution": True,
-                   "image_token_id": int(cfg.image_token_id), "video_token_id": int(cfg.video_token_id),
-                   "vision_start_token_id": int(cfg.vision_start_token_id),
-                   "vision_end_token_id": int(cfg.vision_end_token_id), "spatial_merge_size": merge,
-                   "patch_size": int(vcfg.patch_size), "temporal_patch_size": int(vcfg.temporal_patch_size),
-                   "packed_features": True, "preprocess": preprocess_facts(vcfg, source.directory),
-                   "hidden_size": int(tcfg.hidden_size),
-                   "window_attention": ({"window_size": int(vcfg.window_size),
-                                         "full_attention_blocks": list(vcfg.fullatt_block_indexes)}
-                                        if windowed else None),
-                   # no single CLS attention row to score tokens with (read by prune_visual_tokens)
-                   "attention": None}
+    m["vision"] = {
+        "image_size": None,
+        "tokens_per_image": None,
+        "dynamic_resolution": True,
+        "image_token_id": int(cfg.image_token_id),
+        "video_token_id": int(cfg.video_token_id),
+        "vision_start_token_id": int(cfg.vision_start_token_id),
+        "vision_end_token_id": int(cfg.vision_end_token_id),
+        "spatial_merge_size": merge,
+        "patch_size": int(vcfg.patch_size),
+        "temporal_patch_size": int(vcfg.temporal_patch_size),
+        "packed_features": True,
+        "preprocess": preprocess_facts(vcfg, source.directory),
+        "hidden_size": int(tcfg.hidden_size),
+        "window_attention": (
+            {"window_size": int(vcfg.window_size), "full_attention_blocks": list(vcfg.fullatt_block_indexes)}
+            if windowed
+            else None
+        ),
+        # no single CLS attention row to score tokens with (read by prune_visual_tokens)
+        "attention": None,
+    }
     eos = tcfg.eos_token_id if tcfg.eos_token_id is not None else getattr(cfg, "eos_token_id", None)
-    m["text"] = {"vocab_size": int(tcfg.vocab_size), "eos_token_id": eos, "bos_token_id": tcfg.bos_token_id,
-                 "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-                 "max_positions": int(tcfg.max_position_embeddings), "hidden_size": int(tcfg.hidden_size),
-                 "intermediate_size": getattr(tcfg, "intermediate_size", None), "tokenizer": "bytes", "prompt_template": QWEN_TEMPLATE.format(marker=marker),
-                 "image_marker": marker, "position": "mrope",
-                 "mrope_section": list(tcfg.rope_parameters.get("mrope_section", [])),
-                 "token_type_ids": "mm_token_type_ids", "add_bos": True}
+    m["text"] = {
+        "vocab_size": int(tcfg.vocab_size),
+        "eos_token_id": eos,
+        "bos_token_id": tcfg.bos_token_id,
+        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
+        "max_positions": int(tcfg.max_position_embeddings),
+        "hidden_size": int(tcfg.hidden_size),
+        "intermediate_size": getattr(tcfg, "intermediate_size", None),
+        "tokenizer": "bytes",
+        "prompt_template": QWEN_TEMPLATE.format(marker=marker),
+        "image_marker": marker,
+        "position": "mrope",
+        "mrope_section": list(tcfg.rope_parameters.get("mrope_section", [])),
+        "token_type_ids": "mm_token_type_ids",
+        "add_bos": True,
+    }
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
@@ -308,14 +394,29 @@ def export(source, pkg: Package) -> None:
     grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
     dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
     pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    vision = base.export_graph(VisionWrapper(model), [pixels, grid], ["pixel_values", "image_grid_thw"],
-                               ["image_features"],
-                               {"pixel_values": {0: base.PATCHES}, "image_grid_thw": {0: base.IMAGES},
-                                "image_features": {0: IMAGE_TOKENS}})
+    vision = base.export_graph(
+        VisionWrapper(model),
+        [pixels, grid],
+        ["pixel_values", "image_grid_thw"],
+        ["image_features"],
+        {
+            "pixel_values": {0: base.PATCHES},
+            "image_grid_thw": {0: base.IMAGES},
+            "image_features": {0: IMAGE_TOKENS},
+        },
+    )
     pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     m["vision"]["attention"] = attention_facts(vision, vcfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
     del vision  # the package holds it (and stages it) while later stages trace
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
-    base.export_decoder(pkg, model.model.language_model, model.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"],
-                        tcfg.hidden_size, mrope=True)
+    base.export_decoder(
+        pkg,
+        model.model.language_model,
+        model.lm_head,
+        kv["layers"],
+        kv["kv_heads"],
+        kv["head_dim"],
+        tcfg.hidden_size,
+        mrope=True,
+    )

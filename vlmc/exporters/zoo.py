@@ -20,9 +20,20 @@ TINY_IMAGE_TOKEN = TINY_VOCAB - 1
 
 
 def _text_kwargs(**over) -> dict:
-    kw = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-              bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.2, tie_word_embeddings=False)
+    kw = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
     kw.update(over)
     return kw
 
@@ -30,12 +41,26 @@ def _text_kwargs(**over) -> dict:
 def tiny_llava_config(**text_over):
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
-    vision = CLIPVisionConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                              image_size=64, patch_size=8, projection_dim=48, initializer_range=0.2)
+    vision = CLIPVisionConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=64,
+        patch_size=8,
+        projection_dim=48,
+        initializer_range=0.2,
+    )
     text = LlamaConfig(**_text_kwargs(**text_over))
-    return LlavaConfig(vision_config=vision, text_config=text, image_token_index=TINY_IMAGE_TOKEN,
-                       vision_feature_layer=-2, vision_feature_select_strategy="default",
-                       projector_hidden_act="gelu", pad_token_id=0)
+    return LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=TINY_IMAGE_TOKEN,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+        pad_token_id=0,
+    )
 
 
 def _build_llava():

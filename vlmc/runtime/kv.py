@@ -17,8 +17,11 @@ class ContiguousKV:
     def __init__(self, kv: dict, batch: int, dtype: str = "float32") -> None:
         self.layers = int(kv["layers"])
         shape = (batch, int(kv["kv_heads"]), 0, int(kv["head_dim"]))
-        self.past = {f"past_key_values.{i}.{k}": np.zeros(shape, np.dtype(dtype))
-                     for i in range(self.layers) for k in ("key", "value")}
+        self.past = {
+            f"past_key_values.{i}.{k}": np.zeros(shape, np.dtype(dtype))
+            for i in range(self.layers)
+            for k in ("key", "value")
+        }
 
     def feeds(self, step: dict) -> dict[str, np.ndarray]:
         return dict(self.past)
@@ -55,6 +58,8 @@ def make(kv: dict, batch: int, dtype: str = "float32", **extra) -> object:
     """
     layout = kv.get("layout")
     if layout not in LAYOUTS:
-        raise VlmcError(f"unknown KV layout {layout!r} (kv.layout); known layouts: {', '.join(LAYOUTS)}; "
-                        "upgrade vlmc, or re-export the package with this one")
+        raise VlmcError(
+            f"unknown KV layout {layout!r} (kv.layout); known layouts: {', '.join(LAYOUTS)}; "
+            "upgrade vlmc, or re-export the package with this one"
+        )
     return LAYOUTS[layout](kv, batch, dtype, **extra)

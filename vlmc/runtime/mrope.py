@@ -43,8 +43,10 @@ def positions_mrope(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict
     if pruned:
         kept = ctx.get("image_outputs", {}).get(pruned.get("indices_output", "image_token_indices"))
         if kept is None:
-            raise VlmcError("a pruned M-RoPE package needs the vision graph's kept token indices for positions, "
-                            "and the image chain did not provide them")
+            raise VlmcError(
+                "a pruned M-RoPE package needs the vision graph's kept token indices for positions, "
+                "and the image chain did not provide them"
+            )
         kept = np.asarray(kept).reshape(-1, int(pruned["keep"]))
     batch, seq = input_ids.shape
     out = np.ones((3, batch, seq), np.int64)
@@ -61,15 +63,17 @@ def positions_mrope(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict
                 i += 1
                 continue
             if k >= len(grids):
-                raise VlmcError(f"prompt {b} has more image placeholder runs than the {len(grids)} image grid(s)")
+                raise VlmcError(
+                    f"prompt {b} has more image placeholder runs than the {len(grids)} image grid(s)"
+                )
             grid = grids[k]
             full = image_positions(cur, grid, merge)
             if kept is not None:
                 full = full[:, kept[k]]
             n = full.shape[1]
-            if not np.all(ids[i:i + n] == image_id):
+            if not np.all(ids[i : i + n] == image_id):
                 raise VlmcError(f"prompt {b}: image {k} needs {n} placeholder tokens in a row")
-            pos[:, i:i + n] = full
+            pos[:, i : i + n] = full
             cur += max(int(grid[1]), int(grid[2])) // merge
             i += n
             k += 1

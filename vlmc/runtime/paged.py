@@ -32,9 +32,13 @@ class BlockAllocator:
             the graph leaves symbolic); the caller resizes its pool tensors to :attr:`num_blocks`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, seed: int | None = None, growable: bool = False) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, seed: int | None = None, growable: bool = False
+    ) -> None:
         if num_blocks < 2:
-            raise VlmcError(f"a KV pool needs at least 2 blocks (block {NULL_BLOCK} is reserved), got {num_blocks}")
+            raise VlmcError(
+                f"a KV pool needs at least 2 blocks (block {NULL_BLOCK} is reserved), got {num_blocks}"
+            )
         if block_size < 1:
             raise VlmcError(f"block_size must be positive, got {block_size}")
         self.block_size = int(block_size)
@@ -76,7 +80,7 @@ class BlockAllocator:
         out = np.full((len(seqs), width), NULL_BLOCK, np.int32)
         for r, s in enumerate(seqs):
             t = self._tables.get(s, [])
-            out[r, :len(t)] = t
+            out[r, : len(t)] = t
         return out
 
     # ---- allocation ------------------------------------------------------------------------
@@ -117,15 +121,19 @@ class BlockAllocator:
         if n > len(blocks) * self.block_size:
             self._ensure_free(len(self._free) + -(-n // self.block_size), f"{n} padding slots")
             blocks = [NULL_BLOCK] + self._free[::-1]
-        slots = (np.asarray(blocks, np.int64)[:, None] * self.block_size + np.arange(self.block_size)).reshape(-1)
+        slots = (
+            np.asarray(blocks, np.int64)[:, None] * self.block_size + np.arange(self.block_size)
+        ).reshape(-1)
         return slots[:n]
 
     def _ensure_free(self, need: int, what: str) -> None:
         if need <= len(self._free):
             return
         if not self.growable:
-            raise OutOfBlocks(f"KV pool out of blocks: {what} but {len(self._free)} of {self.num_blocks} are free; "
-                              "raise num_blocks or run fewer/shorter sequences at once")
+            raise OutOfBlocks(
+                f"KV pool out of blocks: {what} but {len(self._free)} of {self.num_blocks} are free; "
+                "raise num_blocks or run fewer/shorter sequences at once"
+            )
         extra = max(need - len(self._free), self.num_blocks)  # double, so growth is amortized
         new = range(self.num_blocks, self.num_blocks + extra)
         self.num_blocks += extra
@@ -140,8 +148,15 @@ class PagedKV:
     the step's attention mask (left padding) says which new positions are real tokens.
     """
 
-    def __init__(self, kv: dict, batch: int, dtype: str = "float32", attention_mask: np.ndarray | None = None,
-                 allocator: BlockAllocator | None = None, **_: object) -> None:
+    def __init__(
+        self,
+        kv: dict,
+        batch: int,
+        dtype: str = "float32",
+        attention_mask: np.ndarray | None = None,
+        allocator: BlockAllocator | None = None,
+        **_: object,
+    ) -> None:
         self.layers = int(kv["layers"])
         self.kv_heads, self.head_dim = int(kv["kv_heads"]), int(kv["head_dim"])
         self.block_size = int(kv["block_size"])
@@ -157,9 +172,13 @@ class PagedKV:
                 guess = 1 + -(-(tokens + batch * width) // self.block_size) + batch
                 allocator = BlockAllocator(guess, self.block_size, growable=True)
         if allocator.block_size != self.block_size:
-            raise VlmcError(f"allocator block_size {allocator.block_size} != package kv.block_size {self.block_size}")
+            raise VlmcError(
+                f"allocator block_size {allocator.block_size} != package kv.block_size {self.block_size}"
+            )
         if isinstance(fixed, int) and allocator.num_blocks != fixed:
-            raise VlmcError(f"the package's pool has {fixed} blocks but the allocator has {allocator.num_blocks}")
+            raise VlmcError(
+                f"the package's pool has {fixed} blocks but the allocator has {allocator.num_blocks}"
+            )
         self.allocator = allocator
         self.seqs = [object() for _ in range(batch)]  # private ids: several states can share one allocator
         self.dtype = np.dtype(dtype)
@@ -184,12 +203,19 @@ class PagedKV:
             slots[~new] = -1 - self.allocator.scratch_slots(n_pad)
         ctx = np.array([self.allocator.length(s) for s in self.seqs], np.int32)
         if not np.array_equal(ctx, mask.sum(axis=1)):
-            raise VlmcError(f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask "
-                            f"{mask.sum(axis=1).tolist()}")
+            raise VlmcError(
+                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask "
+                f"{mask.sum(axis=1).tolist()}"
+            )
         self._resize()
         out = dict(self.pools)
-        out.update({"block_tables": self.allocator.block_tables(self.seqs), "slot_mapping": slots.astype(np.int32),
-                    "context_lens": ctx})
+        out.update(
+            {
+                "block_tables": self.allocator.block_tables(self.seqs),
+                "slot_mapping": slots.astype(np.int32),
+                "context_lens": ctx,
+            }
+        )
         return out
 
     def _resize(self) -> None:

@@ -20,7 +20,9 @@ logger = logging.getLogger(__name__)
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Target (height, width): multiples of ``factor``, pixel count within [min, max], aspect kept."""
     if max(height, width) / min(height, width) > 200:
-        raise VlmcError(f"image aspect ratio {max(height, width) / min(height, width):.0f} is above 200; crop it first")
+        raise VlmcError(
+            f"image aspect ratio {max(height, width) / min(height, width):.0f} is above 200; crop it first"
+        )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     if h_bar * w_bar > max_pixels:
@@ -48,7 +50,11 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
     """Images (uint8 HWC) -> pixel_values [patches, C*T*P*P] float32 and image_grid_thw [images, 3] int64."""
     from vlmc.runtime.preprocess import _resize  # late: preprocess imports this module for its KINDS table
 
-    patch, merge, temporal = int(facts["patch_size"]), int(facts["merge_size"]), int(facts["temporal_patch_size"])
+    patch, merge, temporal = (
+        int(facts["patch_size"]),
+        int(facts["merge_size"]),
+        int(facts["temporal_patch_size"]),
+    )
     mean, std = np.array(facts["mean"], np.float32), np.array(facts["std"], np.float32)
     rows, grids = [], []
     for img in images:
@@ -59,4 +65,7 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
         flat, gh, gw = patchify(x.transpose(2, 0, 1), patch, merge, temporal)
         rows.append(flat)
         grids.append([1, gh, gw])
-    return {"pixel_values": np.concatenate(rows).astype(np.float32), "image_grid_thw": np.array(grids, np.int64)}
+    return {
+        "pixel_values": np.concatenate(rows).astype(np.float32),
+        "image_grid_thw": np.array(grids, np.int64),
+    }

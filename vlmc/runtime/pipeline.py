@@ -109,8 +109,10 @@ class Pipeline:
                 merge = int(v.get("spatial_merge_size", 1))
                 for i, g in enumerate(grid):
                     if int(np.prod(g)) // (merge * merge) < k:
-                        raise VlmcError(f"image {i} gives {int(np.prod(g)) // (merge * merge)} visual tokens, fewer than "
-                                        f"the {k} this pruned package keeps per image; use a larger image")
+                        raise VlmcError(
+                            f"image {i} gives {int(np.prod(g)) // (merge * merge)} visual tokens, fewer than "
+                            f"the {k} this pruned package keeps per image; use a larger image"
+                        )
             return [k] * n_images
         if grid is None:
             raise VlmcError("manifest gives no tokens_per_image and the preprocessing gives no image grid")
@@ -131,14 +133,21 @@ class Pipeline:
         for prompt, per in zip(prompts, images):
             if marker not in prompt:
                 template = t.get("prompt_template", "{prompt}")
-                prompt = template.replace("{prompt}", prompt) if per else template.replace(marker, "").replace("{prompt}", prompt)
+                prompt = (
+                    template.replace("{prompt}", prompt)
+                    if per
+                    else template.replace(marker, "").replace("{prompt}", prompt)
+                )
             n_markers = prompt.count(marker)
             if n_markers != len(per):
-                raise VlmcError(f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(per)} image(s) were given")
+                raise VlmcError(
+                    f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(per)} image(s) were given"
+                )
             if t.get("image_tokens_first"):
                 # Placeholders for all images lead the sequence, ahead of BOS, where the source's processor puts them.
-                ids = [image_id] * n_markers + self.tokenizer.encode(prompt.replace(marker, ""),
-                                                                      add_bos=t.get("add_bos", True))
+                ids = [image_id] * n_markers + self.tokenizer.encode(
+                    prompt.replace(marker, ""), add_bos=t.get("add_bos", True)
+                )
             else:
                 ids = self.tokenizer.encode(prompt, add_bos=t.get("add_bos", True))
             expanded = []
@@ -152,13 +161,15 @@ class Pipeline:
         longest = max(len(s) for s in seqs)
         limit = int(t.get("max_positions", 1 << 30))
         if longest >= limit:
-            raise VlmcError(f"prompt is {longest} tokens (images included), longer than the model's context of {limit}; shorten the prompt or give fewer images")
+            raise VlmcError(
+                f"prompt is {longest} tokens (images included), longer than the model's context of {limit}; shorten the prompt or give fewer images"
+            )
         pad = int(t.get("pad_token_id") or 0)
         ids = np.full((len(seqs), longest), pad, np.int64)
         mask = np.zeros((len(seqs), longest), np.int64)
         for b, s in enumerate(seqs):
-            ids[b, longest - len(s):] = s
-            mask[b, longest - len(s):] = 1
+            ids[b, longest - len(s) :] = s
+            mask[b, longest - len(s) :] = 1
         extra = {}
         if t.get("token_type_ids"):
             extra[t["token_type_ids"]] = (ids == image_id).astype(np.int64)
@@ -186,7 +197,9 @@ class Pipeline:
             feats = inp.image_outputs["image_features"]
             feats = feats.reshape(-1, feats.shape[-1])
             if feats.shape[0] != n_slots:
-                raise VlmcError(f"{n_slots} image placeholders but the vision graphs produced {feats.shape[0]} features")
+                raise VlmcError(
+                    f"{n_slots} image placeholders but the vision graphs produced {feats.shape[0]} features"
+                )
             embeds = embeds.copy()
             embeds[slots] = feats.astype(embeds.dtype)
         elif n_slots:
@@ -216,8 +229,12 @@ class Pipeline:
         # use the embed + decoder chain, which merged packages keep beside it.
         merged = self.m["pipeline"].get("vlm") if inp.vision else None
         embeds = self._check_merged_slots(inp) if merged else self.prefill_embeds(inp)
-        ctx = {"manifest": self.m, "vision": inp.vision, "image_counts": inp.image_counts,
-               "image_outputs": inp.image_outputs}
+        ctx = {
+            "manifest": self.m,
+            "vision": inp.vision,
+            "image_counts": inp.image_counts,
+            "image_outputs": inp.image_outputs,
+        }
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
         mask = inp.attention_mask
         dtype = self.m["kv"].get("dtype", "float32")
@@ -257,5 +274,10 @@ class Pipeline:
         finally:
             state.release()
         texts = [self.tokenizer.decode([x for x in seq if x not in eos_ids]) for seq in tokens]
-        return GenerationResult(tokens, texts, prefill_logits, step_logits,
-                                image_tokens=int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum()))
+        return GenerationResult(
+            tokens,
+            texts,
+            prefill_logits,
+            step_logits,
+            image_tokens=int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum()),
+        )

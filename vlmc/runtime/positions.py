@@ -20,7 +20,10 @@ def positions_1d(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict) -
 
 
 # name -> fn(input_ids, attention_mask, ctx) -> position_ids; ctx carries the manifest and image grids.
-KINDS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {"1d": positions_1d, "mrope": mrope.positions_mrope}
+KINDS: dict[str, Callable[[np.ndarray, np.ndarray, dict], np.ndarray]] = {
+    "1d": positions_1d,
+    "mrope": mrope.positions_mrope,
+}
 
 
 def prefill(kind: str, input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict) -> np.ndarray:
@@ -30,8 +33,10 @@ def prefill(kind: str, input_ids: np.ndarray, attention_mask: np.ndarray, ctx: d
         VlmcError: the kind is not one this runtime knows (a package from a newer vlmc).
     """
     if kind not in KINDS:
-        raise VlmcError(f"unknown position kind {kind!r} (text.position); known kinds: {', '.join(KINDS)}; "
-                        "upgrade vlmc, or re-export the package with this one")
+        raise VlmcError(
+            f"unknown position kind {kind!r} (text.position); known kinds: {', '.join(KINDS)}; "
+            "upgrade vlmc, or re-export the package with this one"
+        )
     return KINDS[kind](input_ids, attention_mask, ctx)
 
 

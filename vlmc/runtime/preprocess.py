@@ -22,7 +22,9 @@ def demo_image(size: int = 96, seed: int = 0) -> np.ndarray:
     y, x = np.mgrid[0:size, 0:size]
     img = np.stack([x * 255 / size, y * 255 / size, (x + y) * 127 / size], axis=-1)
     for _ in range(3):
-        cx, cy, r = rng.integers(size // 8, size - size // 8, 2).tolist() + [int(rng.integers(size // 10, size // 4))]
+        cx, cy, r = rng.integers(size // 8, size - size // 8, 2).tolist() + [
+            int(rng.integers(size // 10, size // 4))
+        ]
         img[(x - cx) ** 2 + (y - cy) ** 2 < r * r] = rng.integers(0, 256, 3)
     return img.astype(np.uint8)
 
@@ -47,13 +49,17 @@ def load_image(ref) -> np.ndarray:
         with Image.open(path) as im:
             return np.asarray(im.convert("RGB"))
     except (UnidentifiedImageError, OSError, ValueError) as exc:
-        raise VlmcError(f"{ref} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file") from exc
+        raise VlmcError(
+            f"{ref} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file"
+        ) from exc
 
 
 def _resample(name: str) -> int:
     from PIL import Image
 
-    return {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}.get(name, Image.BICUBIC)
+    return {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}.get(
+        name, Image.BICUBIC
+    )
 
 
 def _resize(img: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
@@ -73,7 +79,7 @@ def clip(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
         nh, nw = max(ch, round(h * scale)), max(cw, round(w * scale))
         img = _resize(img, nh, nw, facts.get("resample", "bicubic"))
         top, left = (nh - ch) // 2, (nw - cw) // 2
-        img = img[top:top + ch, left:left + cw]
+        img = img[top : top + ch, left : left + cw]
         x = img.astype(np.float32) * np.float32(facts.get("rescale_factor", 1 / 255))
         x = (x - np.array(facts["mean"], np.float32)) / np.array(facts["std"], np.float32)
         out.append(x.transpose(2, 0, 1))
@@ -94,13 +100,18 @@ def resize(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
 
 # kind -> function(images, facts) -> (vision graph inputs); family modules may add kinds.
 KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
-    "clip": clip, "resize": resize, "packed_patches": patches.packed_patches}
+    "clip": clip,
+    "resize": resize,
+    "packed_patches": patches.packed_patches,
+}
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:
     """Load and preprocess images as the manifest's ``vision.preprocess`` facts say -> vision graph inputs."""
     kind = facts.get("kind")
     if kind not in KINDS:
-        raise VlmcError(f"unknown preprocessing kind {kind!r} (vision.preprocess.kind); known kinds: "
-                        f"{', '.join(KINDS)}; upgrade vlmc, or re-export the package with this one")
+        raise VlmcError(
+            f"unknown preprocessing kind {kind!r} (vision.preprocess.kind); known kinds: "
+            f"{', '.join(KINDS)}; upgrade vlmc, or re-export the package with this one"
+        )
     return KINDS[kind]([load_image(i) for i in images], facts)

@@ -18,8 +18,10 @@ BYTE_OFFSET = 3
 class ByteTokenizer:
     def __init__(self, vocab_size: int, image_token_id: int, marker: str, bos: int | None, eos) -> None:
         if vocab_size < BYTE_OFFSET + 256:
-            raise VlmcError(f"the byte fallback tokenizer needs vocab_size >= 259 (model has {vocab_size}); "
-                            "export from a directory that has the model's tokenizer files")
+            raise VlmcError(
+                f"the byte fallback tokenizer needs vocab_size >= 259 (model has {vocab_size}); "
+                "export from a directory that has the model's tokenizer files"
+            )
         self.image_token_id = image_token_id
         self.marker = marker
         self.bos = bos
@@ -45,8 +47,9 @@ class SourceTokenizer:
         try:
             from transformers import AutoTokenizer
         except ModuleNotFoundError as exc:
-            raise VlmcError("this package uses its source tokenizer, which needs transformers: "
-                            "pip install 'vlmc[export]'") from exc
+            raise VlmcError(
+                "this package uses its source tokenizer, which needs transformers: pip install 'vlmc[export]'"
+            ) from exc
         self.tok = AutoTokenizer.from_pretrained(str(directory))
         self.image_token_id = image_token_id
         self.marker = marker
@@ -54,7 +57,9 @@ class SourceTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self.tok(text, add_special_tokens=add_bos)["input_ids"]
         if self.marker in text and self.image_token_id not in ids:
-            raise VlmcError(f"the tokenizer does not map {self.marker!r} to the image token id {self.image_token_id}")
+            raise VlmcError(
+                f"the tokenizer does not map {self.marker!r} to the image token id {self.image_token_id}"
+            )
         return list(ids)
 
     def decode(self, ids: list[int]) -> str:
@@ -66,5 +71,10 @@ def load(pkg):
     marker = text.get("image_marker", "<image>")
     if text.get("tokenizer") == "source" and pkg.root is not None and (pkg.root / "source").is_dir():
         return SourceTokenizer(pkg.root / "source", int(vision["image_token_id"]), marker)
-    return ByteTokenizer(int(text["vocab_size"]), int(vision["image_token_id"]), marker, text.get("bos_token_id"),
-                         text.get("eos_token_id"))
+    return ByteTokenizer(
+        int(text["vocab_size"]),
+        int(vision["image_token_id"]),
+        marker,
+        text.get("bos_token_id"),
+        text.get("eos_token_id"),
+    )
