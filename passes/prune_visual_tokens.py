@@ -365,6 +365,7 @@ class PruneVisualTokens(Pass):
         "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
     )
     lossy = True
+    requires = ("unmerged",)
     options = (
         Option("keep", int, None, "visual tokens kept per image (k); give keep or ratio", min=1),
         Option(

@@ -39,6 +39,7 @@ class Quantize(Pass):
         "portable opset-17 form with quantization facts in the manifest"
     )
     lossy = True
+    requires = ("unmerged",)
     allow_extra_keys = True
     options = (
         Option(

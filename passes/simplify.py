@@ -5,36 +5,25 @@ from __future__ import annotations
 import logging
 
 import onnx
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from vlmc import graphs as G
 from vlmc.pass_api import Option, Pass, PassResult, register
-from vlmc.passes._folding import foldable
+from vlmc.passes._folding import foldable, same_graph, with_big_weights, without_big_weights
 
 logger = logging.getLogger(__name__)
 
 
-def remove_dead_nodes(model: onnx.ModelProto) -> int:
-    """Drop nodes (and initializers) that do not contribute to a graph output; return nodes removed."""
-    g = model.graph
-    live = {o.name for o in g.output}
-    keep = []
-    for node in reversed(g.node):
-        if any(o in live for o in node.output if o):
-            keep.append(node)
-            live.update(i for i in node.input if i)
-            for attr in node.attribute:  # subgraphs read outer-scope names
-                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
-                    for sn in sub.node:
-                        live.update(i for i in sn.input if i)
-    removed = len(g.node) - len(keep)
-    if removed:
-        keep.reverse()
-        del g.node[:]
-        g.node.extend(keep)
-    dead_inits = [t for t in g.initializer if t.name not in live]
-    for t in dead_inits:
-        g.initializer.remove(t)
-    return removed + len(dead_inits)
+def remove_dead_nodes(model: ir.Model | onnx.ModelProto) -> bool:
+    """Drop nodes and initializers that do not contribute to a graph output (onnx-ir's pass), in place.
+
+    Returns True if anything was removed. A ModelProto is edited through the IR and written back.
+    """
+    m = model if isinstance(model, ir.Model) else ir.from_proto(model)
+    modified = RemoveUnusedNodesPass()(m).modified
+    if modified and not isinstance(model, ir.Model):
+        model.CopyFrom(ir.to_proto(m))
+    return modified
 
 
 @register
@@ -48,53 +37,30 @@ class Simplify(Pass):
         Option("graphs", list, None, "graph names to simplify (default: all)", items=str),
         Option("skip_fuse_bn", bool, True, "leave BatchNormalization unfused (ATC fuses it itself)"),
         Option(
-            "max_weight_bytes",
-            int,
-            1_500_000_000,
-            "skip onnxsim for graphs with more weight bytes "
-            "(onnxsim serializes the whole model; protobuf caps that at 2 GB)",
+            "weight_limit_mb",
+            float,
+            1.0,
+            "weights this large are never read: onnxsim sees them as opaque inputs, so it works on "
+            "graphs of any size and copies no weights",
             min=0,
         ),
     )
 
-    def run(self, package):
+    def run(self, package, plan=None):
         names, skipped = foldable(package, self.opts["graphs"] or package.graph_names, self.name)
         report = {name: {"skipped": why} for name, why in skipped.items()}
-        modified = False
         for name in names:
-            model = package.graph(name)
-            before = G.fingerprint(model)
-            nodes_before = len(model.graph.node)
-            if G.initializer_bytes(model) <= self.opts["max_weight_bytes"]:
-                model = _onnxsim(model, self.opts["skip_fuse_bn"], name)
+            model = package.model(name)
+            proto, big = without_big_weights(model, int(self.opts["weight_limit_mb"] * 1024 * 1024))
+            simplified = with_big_weights(_onnxsim(proto, self.opts["skip_fuse_bn"], name), big, model)
+            del proto
+            remove_dead_nodes(simplified)
+            report[name] = {"nodes_before": len(model.graph), "nodes_after": len(simplified.graph)}
+            if not same_graph(simplified, model):  # onnxsim may only have reordered nodes
+                package.set_graph(name, simplified)
             else:
-                logger.warning("simplify: %s is too large for onnxsim; only dead nodes are removed", name)
-            remove_dead_nodes(model)
-            if _same_modulo_node_order(model, package.graph(name)):
-                model = package.graph(name)  # onnxsim only reordered nodes: keep the original
-            if G.fingerprint(model) != before:
-                package.set_graph(name, model)
-                modified = True
-            report[name] = {"nodes_before": nodes_before, "nodes_after": len(model.graph.node)}
-            del model  # one graph resident at a time in a staged package (release is a no-op otherwise)
-            package.release(name)
-        return PassResult(package, modified, report)
-
-
-def _same_modulo_node_order(a: onnx.ModelProto, b: onnx.ModelProto) -> bool:
-    """onnxsim's topological sort is not stable, so an already simple graph can come back reordered."""
-    if a is b:
-        return True
-    key = lambda m: sorted(n.SerializeToString(deterministic=True) for n in m.graph.node)  # noqa: E731
-    same_inits = [(t.name, t.raw_data, list(t.dims)) for t in a.graph.initializer] == [
-        (t.name, t.raw_data, list(t.dims)) for t in b.graph.initializer
-    ]
-    return (
-        same_inits
-        and key(a) == key(b)
-        and a.graph.input == b.graph.input
-        and a.graph.output == b.graph.output
-    )
+                report[name]["nodes_after"] = len(model.graph)
+        return PassResult(package, report=report)
 
 
 def _onnxsim(model: onnx.ModelProto, skip_fuse_bn: bool, name: str) -> onnx.ModelProto:

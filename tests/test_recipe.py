@@ -17,7 +17,7 @@ def test_valid_recipe_fills_defaults():
     r = recipe.parse("model: tiny-llava\npasses:\n  - simplify\n  - fold_constants: {size_threshold_mb: 8}\n")
     assert r.model == "tiny-llava"
     assert [(s.name, s.index) for s in r.steps] == [("simplify", 1), ("fold_constants", 2)]
-    assert r.steps[1].options == {"graphs": None, "size_threshold_mb": 8.0}
+    assert r.steps[1].options == {"graphs": None, "size_threshold_mb": 8.0, "weight_limit_mb": 1.0}
 
 
 @pytest.mark.parametrize(
@@ -27,7 +27,7 @@ def test_valid_recipe_fills_defaults():
         ("passes: [simplfy]", "pass #1: unknown pass 'simplfy'; valid passes: "),
         (
             "passes: [{simplify: {fast: true}}]",
-            "unknown option 'fast'; valid options: graphs, skip_fuse_bn, max_weight_bytes",
+            "unknown option 'fast'; valid options: graphs, skip_fuse_bn, weight_limit_mb",
         ),
         ("passes: [{simplify: {skip_fuse_bn: 3}}]", "skip_fuse_bn must be boolean, got int 3"),
         (

@@ -122,9 +122,9 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
         return
     if not model or not output:
         raise click.UsageError("export needs MODEL and -o/--output (or --list)")
-    from vlmc import package as P
+    from vlmc import outdir
 
-    P.check_output_dir(output.resolve(), force)
+    outdir.check(output.resolve(), force)
     source = exporters.load_source(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     pkg = exporters.export(source)
     path = pkg.save(output, force=force)
@@ -149,11 +149,11 @@ def optimize(package, recipe_path, output, check, force):
 
         vlmc optimize out/tiny-llava --recipe recipes/demo.yaml -o out/tiny-llava-opt --check
     """
-    from vlmc import manager, recipe
+    from vlmc import manager, outdir, recipe
     from vlmc import package as P
 
     r = recipe.load(recipe_path)
-    P.check_output_dir(output.resolve(), force, source=package)
+    outdir.check(output.resolve(), force, source=package)
     pkg = P.Package.load(package)
     pkg = manager.run(pkg, r.steps, check=check)
     path = pkg.save(output, force=force)

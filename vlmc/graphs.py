@@ -1,4 +1,10 @@
-"""ONNX graph helpers shared by the package, passes and backends: IO, signatures, fingerprints, checks."""
+"""ONNX graph helpers shared by the package, passes and backends: IO, signatures, fingerprints, checks.
+
+Graphs live in memory as onnx-ir models (``onnx_ir.Model``) whose weights stay in their files and
+are read (memory-mapped) only when something asks for their bytes. Passes that still work on
+``onnx.ModelProto`` get one with the weights materialized (:func:`to_proto`); every helper here takes
+either form.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 from onnx import helper, numpy_helper
 
 from vlmc.errors import VlmcError
@@ -45,8 +52,10 @@ def _value_info_entry(vi: onnx.ValueInfoProto) -> dict:
     return {"name": vi.name, "dtype": dtype_name(t.elem_type), "shape": shape}
 
 
-def signature(model: onnx.ModelProto) -> dict:
+def signature(model: onnx.ModelProto | ir.Model) -> dict:
     """The graph's inputs and outputs: names, dtypes and (symbolic) shapes, as stored in the manifest."""
+    if isinstance(model, ir.Model):
+        return _ir_signature(model)
     init_names = {i.name for i in model.graph.initializer}
     return {
         "inputs": [_value_info_entry(v) for v in model.graph.input if v.name not in init_names],
@@ -134,6 +143,208 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
         del tensor.external_data[:]
 
 
+def _ir_value_entry(v: ir.Value) -> dict:
+    shape: list[int | str] = []
+    for d in v.shape or ():
+        if isinstance(d, int):
+            shape.append(d)
+        else:
+            shape.append(d.value if d.value is not None else "?")
+    dtype = np.dtype(v.dtype.numpy()).name if v.dtype is not None else "undefined"
+    return {"name": v.name, "dtype": dtype, "shape": shape}
+
+
+def _ir_signature(model: ir.Model) -> dict:
+    return {
+        "inputs": [_ir_value_entry(v) for v in model.graph.inputs if not v.is_initializer()],
+        "outputs": [_ir_value_entry(v) for v in model.graph.outputs],
+    }
+
+
+# ---- the in-memory IR ---------------------------------------------------------------------------
+
+
+def load_ir(path: str | Path) -> ir.Model:
+    """Open a graph file as an onnx-ir model; weights stay in the file until their bytes are read."""
+    path = Path(path)
+    if not path.is_file():
+        raise VlmcError(f"graph file {path} is missing")
+    try:
+        return ir.load(str(path))
+    except Exception as exc:  # protobuf raises several types for truncated files
+        raise VlmcError(
+            f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package"
+        ) from exc
+
+
+def from_proto(model: onnx.ModelProto) -> ir.Model:
+    """Wrap a ModelProto as an onnx-ir model (tensor bytes are referenced, not copied)."""
+    return ir.from_proto(model)
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """A ModelProto of an onnx-ir model with every weight's bytes inside, for code that needs protos
+    (onnxsim, onnxruntime.quantization, passes not yet written against the IR).
+
+    Weights are read one tensor at a time straight into the proto; the IR model is not changed.
+    """
+    proto = ir.to_proto(model)
+    _drop_initializer_infos(proto, model)
+    tensors = {name: v.const_value for name, v in model.graph.initializers.items()}
+    for t in proto.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        src = tensors.get(t.name)
+        if src is None:
+            raise VlmcError(f"weight {t.name!r} has no data")
+        t.raw_data = src.tobytes()
+        t.ClearField("data_location")  # ClearField: proto2 keeps an explicitly set default
+        del t.external_data[:]
+    return proto
+
+
+def as_ir(model: onnx.ModelProto | ir.Model) -> ir.Model:
+    return model if isinstance(model, ir.Model) else from_proto(model)
+
+
+def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _large_initializers(model: ir.Model) -> list[ir.Value]:
+    return [
+        v
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None and v.const_value.nbytes >= EXTERNAL_DATA_THRESHOLD
+    ]
+
+
+def save(model: onnx.ModelProto | ir.Model, path: str | Path) -> None:
+    """Save a graph with its large tensors in one external data file named ``<file>.data``.
+
+    onnx-ir streams each weight from where it lives (its source file, memory-mapped, or memory) to
+    the data file one tensor at a time; the model is left unchanged. Offsets are 64-byte aligned so
+    runtimes can map tensors in place.
+    """
+    path = Path(path)
+    m = as_ir(model)
+    values = [v for g in m.graphs() for v in g.initializers.values()]
+    tensors = [v.const_value for v in values]
+    try:
+        ir.external_data.unload_from_model(
+            m,
+            path.parent,
+            path.name + ".data",
+            size_threshold_bytes=EXTERNAL_DATA_THRESHOLD - 1,  # onnx-ir externalizes sizes above it
+            alignment=64,
+            align_threshold=0,
+        )
+        _write_proto(ir.to_proto(m), m, path)
+    finally:
+        for v, t in zip(values, tensors):
+            v.const_value = t
+    data = path.parent / (path.name + ".data")
+    if data.exists() and data.stat().st_size == 0:
+        data.unlink()
+
+
+def _write_proto(proto: onnx.ModelProto, m: ir.Model, path: Path) -> None:
+    _drop_initializer_infos(proto, m)
+    with open(path, "wb") as f:
+        f.write(proto.SerializeToString())
+
+
+def _drop_initializer_infos(proto: onnx.ModelProto, m: ir.Model) -> None:
+    # onnx-ir describes initializers in value_info too; tools such as onnxruntime's float16 converter
+    # take a value_info entry for an activation, so they are left out, as onnx's own protos do.
+    infos = [v for v in proto.graph.value_info if v.name not in m.graph.initializers]
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(infos)
+
+
+def save_shared(models: dict[Path, onnx.ModelProto | ir.Model], data_path: Path) -> None:
+    """Save graphs whose large tensors go to one data file, each distinct content stored once.
+
+    Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path
+    beside it). onnx-ir's writer handles one model per file, so the shared file is written here and
+    each model is then serialized with its tensors pointing into it.
+    """
+    data_path = Path(data_path)
+    irs = {Path(p): as_ir(m) for p, m in models.items()}
+    written: dict[str, tuple[int, int]] = {}
+    offset = 0
+    swaps: list[tuple[ir.Value, object]] = []
+    try:
+        with open(data_path, "wb") as data:
+            for m in irs.values():
+                for v in _large_initializers(m):
+                    t = v.const_value
+                    key = tensor_hash(t)
+                    if key not in written:
+                        pad = (-offset) % 64
+                        data.write(b"\0" * pad)
+                        offset += pad
+                        raw = t.tobytes()
+                        data.write(raw)
+                        written[key] = (offset, len(raw))
+                        offset += len(raw)
+                        del raw
+                    off, length = written[key]
+                    ext = ir.ExternalTensor(
+                        data_path.name,
+                        off,
+                        length,
+                        t.dtype,
+                        shape=t.shape,
+                        name=t.name,
+                        base_dir=data_path.parent,
+                    )
+                    swaps.append((v, t))
+                    v.const_value = ext
+        for path, m in irs.items():
+            _write_proto(ir.to_proto(m), m, path)
+    finally:
+        for v, t in reversed(swaps):
+            v.const_value = t
+    if not written:
+        data_path.unlink(missing_ok=True)
+
+
+def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str, int]:
+    """Stored weight copies of a graph: identity -> bytes (initializers and Constant tensors).
+
+    External tensors are identified by where they are stored (file, offset, length), so graphs that
+    share a data file count a shared weight once; in-memory tensors by content.
+    """
+    out: dict[str, int] = {}
+    tensors = list(model.graph.initializer)
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            tensors.extend(a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR)
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL and base is not None:
+            info = {e.key: e.value for e in t.external_data}
+            key = f"{(Path(base) / info.get('location', '')).resolve()}@{info.get('offset', 0)}+{info.get('length')}"
+        else:
+            raw = (
+                t.raw_data
+                if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL
+                else to_array(t).tobytes()
+            )
+            key = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode() + raw).hexdigest()
+        out[key] = _tensor_nbytes(t)
+    return out
+
+
+def _all_tensors(model: onnx.ModelProto):
+    from onnx.external_data_helper import _get_all_tensors
+
+    return _get_all_tensors(model)
+
+
 def _copy_fields(src, dst, skip: str = "") -> None:
     """Copy every set field of a message except ``skip`` (CopyFrom cannot leave one field out)."""
     for fd, value in src.ListFields():
@@ -148,7 +359,7 @@ def _copy_fields(src, dst, skip: str = "") -> None:
 
 
 def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[onnx.TensorProto, object]]]:
-    """A copy of a graph without the bytes of its large tensors; the model itself is not touched.
+    """A ModelProto copy of a graph without the bytes of its large tensors (for proto-based code).
 
     Returns the copy and ``(tensor in the copy, source)`` pairs for every tensor whose bytes were
     left out (marked external, with no location yet): ``source`` is the original initializer (read
@@ -189,161 +400,116 @@ def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple
     return copy, moved
 
 
-def _source_bytes(source: object) -> bytes:
-    return source.raw_data if isinstance(source, onnx.TensorProto) else source
+# ---- fingerprints --------------------------------------------------------------------------------
+
+_HASH_KEY = "vlmc.sha256"
+# Content hashes of external tensors by where they are stored. vlmc writes every data file once and
+# never changes it, so a tensor read again from the same place is not hashed again.
+_EXTERNAL_HASHES: dict[tuple, str] = {}
 
 
-def _source_nbytes(source: object) -> int:
-    return _tensor_nbytes(source) if isinstance(source, onnx.TensorProto) else len(source)
+def tensor_hash(t) -> str:
+    """sha256 of a tensor's dtype, shape and bytes, computed once per tensor.
 
-
-def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-
-
-def save(model: onnx.ModelProto, path: str | Path) -> None:
-    """Save a graph with its large tensors in one external data file named ``<file>.data``.
-
-    onnx.save_model's external-data writer strips the weights from the in-memory model, and copying
-    the model first doubles peak memory; writing a weightless copy (see :func:`weightless_copy`)
-    does neither.
+    The hash is kept on the tensor (onnx-ir metadata) and, for tensors stored in a file, by their
+    file, offset and length, so the manager's before/after fingerprints cost one read of each
+    weight per build, not one per pass.
     """
-    save_shared({Path(path): model}, Path(str(path) + ".data"), dedupe=False)
+    if isinstance(t, onnx.TensorProto):
+        return _digest(
+            t.data_type, list(t.dims), t.raw_data if t.HasField("raw_data") else t.SerializeToString()
+        )
+    cached = t.meta.get(_HASH_KEY)
+    if cached is not None:
+        return cached
+    key = None
+    if isinstance(t, ir.ExternalTensor):
+        p = Path(t.path)
+        try:
+            st = p.stat()
+            key = (str(p.resolve()), st.st_ino, st.st_mtime_ns, t.offset, t.length)
+        except OSError:
+            key = None
+        if key in _EXTERNAL_HASHES:
+            t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
+            return _EXTERNAL_HASHES[key]
+    digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    t.meta[_HASH_KEY] = digest
+    if key is not None:
+        _EXTERNAL_HASHES[key] = digest
+    return digest
 
 
-def save_shared(models: dict[Path, onnx.ModelProto], data_path: Path, dedupe: bool = True) -> None:
-    """Save graphs with their large tensors in one data file; with ``dedupe`` each distinct content once.
-
-    Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path beside
-    it): a tensor whose dtype, dims and bytes were already written points at the first copy.
-    """
-    data_path = Path(data_path)
-    written: dict[str, tuple[int, int]] = {}
-    offset = 0
-    copies = {path: weightless_copy(model) for path, model in models.items()}
-    any_moved = False
-    with open(data_path, "wb") as data:
-        for _, moved in copies.values():
-            for tensor, source in moved:
-                any_moved = True
-                raw = _source_bytes(source)  # one tensor's bytes at a time
-                key = (
-                    hashlib.sha256(f"{tensor.data_type}:{list(tensor.dims)}:".encode() + raw).hexdigest()
-                    if dedupe
-                    else str(len(written))
-                )
-                if key not in written:
-                    pad = (-offset) % 64  # aligned offsets let runtimes mmap tensors
-                    data.write(b"\0" * pad)
-                    offset += pad
-                    data.write(raw)
-                    written[key] = (offset, len(raw))
-                    offset += len(raw)
-                _point_at(tensor, data_path.name, *written[key])
-                del raw
-    for path, (copy, _) in copies.items():
-        with open(path, "wb") as f:
-            f.write(copy.SerializeToString(deterministic=True))
-    if not any_moved:
-        data_path.unlink(missing_ok=True)
-
-
-def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str, int]:
-    """Stored weight copies of a graph: identity -> bytes (initializers and Constant tensors).
-
-    External tensors are identified by where they are stored (file, offset, length), so graphs that
-    share a data file count a shared weight once; in-memory tensors by content.
-    """
-    out: dict[str, int] = {}
-    tensors = list(model.graph.initializer)
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            tensors.extend(a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR)
-    for t in tensors:
-        if t.data_location == onnx.TensorProto.EXTERNAL and base is not None:
-            info = {e.key: e.value for e in t.external_data}
-            key = f"{(Path(base) / info.get('location', '')).resolve()}@{info.get('offset', 0)}+{info.get('length')}"
-        else:
-            raw = (
-                t.raw_data
-                if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL
-                else to_array(t).tobytes()
-            )
-            key = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode() + raw).hexdigest()
-        out[key] = _tensor_nbytes(t)
-    return out
-
-
-def _all_tensors(model: onnx.ModelProto):
-    from onnx.external_data_helper import _get_all_tensors
-
-    return _get_all_tensors(model)
-
-
-# Tensors up to this size are hashed whole; larger ones by evenly spaced windows (see fingerprint).
-_FULL_HASH_BYTES = 1 << 20
-_WINDOWS, _WINDOW_BYTES = 64, 4096
-
-
-def fingerprint(model: onnx.ModelProto) -> str:
-    """A content hash of a graph, used by the pass manager to see what a pass changed.
-
-    Structure (nodes, IO, opsets, tensor names, dtypes and shapes) is hashed exactly. Tensor bytes
-    are hashed whole up to 1 MiB; larger tensors by 64 evenly spaced 4 KiB windows plus their
-    length. Hashing every byte of a multi-GB model after every pass cost more than the passes; the
-    windows catch any rewrite of a weight (requantization, rescaling, a different tensor), and the
-    structure catches every graph edit. A pass that changed one value deep inside a large weight in
-    place, and nothing else, would go unseen; vlmc's passes replace tensors instead.
-    """
-    h = hashlib.sha256()
-    for t in model.graph.initializer:
-        raw = t.raw_data  # one read; detaching and restoring would copy the bytes twice
-        if not raw:
-            h.update(t.SerializeToString(deterministic=True))
-            continue
-        h.update(f"{t.name}|{t.data_type}|{list(t.dims)}|{len(raw)}|".encode())
-        if len(raw) <= _FULL_HASH_BYTES:
-            h.update(raw)
-        else:
-            view = memoryview(raw)
-            step = (len(raw) - _WINDOW_BYTES) // (_WINDOWS - 1)
-            for i in range(_WINDOWS):
-                h.update(view[i * step : i * step + _WINDOW_BYTES])
-    for part in (
-        model.graph.node,
-        model.graph.input,
-        model.graph.output,
-        model.opset_import,
-        model.graph.sparse_initializer,
-    ):
-        for item in part:
-            h.update(item.SerializeToString(deterministic=True))
+def _digest(dtype: int, dims: list[int], raw: bytes) -> str:
+    h = hashlib.sha256(f"{dtype}|{dims}|".encode())
+    h.update(raw)
     return h.hexdigest()
 
 
-def check(model: onnx.ModelProto, name: str = "graph") -> None:
+def fingerprint(model: onnx.ModelProto | ir.Model) -> str:
+    """A content hash of a graph, used by the pass manager to see what a pass changed.
+
+    Structure (nodes, attributes, IO, opsets, names, dtypes and shapes) and every weight's bytes are
+    hashed exactly; a weight's hash is computed once (see :func:`tensor_hash`), so fingerprinting
+    again after a pass that did not touch the weights reads nothing. Both forms of a graph (IR and
+    ModelProto) give the same fingerprint.
+    """
+    m = as_ir(model)
+    h = hashlib.sha256()
+    swaps = []
+    try:
+        # The structure is hashed from a serialization with every initializer replaced by a stub that
+        # names its content hash, so no weight bytes are serialized.
+        for g in m.graphs():
+            for v in g.initializers.values():
+                t = v.const_value
+                if t is None:
+                    continue
+                stub = ir.ExternalTensor(tensor_hash(t), 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
+                swaps.append((v, t))
+                v.const_value = stub
+        proto = ir.to_proto(m)
+    finally:
+        for v, t in reversed(swaps):
+            v.const_value = t
+    proto.ClearField("producer_name")
+    proto.ClearField("producer_version")
+    h.update(proto.SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
+# ---- checks --------------------------------------------------------------------------------------
+
+
+def check(model: onnx.ModelProto | ir.Model, name: str = "graph") -> None:
     """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
 
-    A weightless copy is checked (the checker and shape inference need only dtypes and shapes), so
-    this works for models over the protobuf limit and never copies the weights.
+    The graph is written without its weights: every large initializer points into a sparse file of
+    the right size (the checker and shape inference need only dtypes and shapes), so this works for
+    models over the protobuf limit and reads no weight bytes.
     """
-    copy, moved = weightless_copy(model)
+    m = as_ir(model)
     with tempfile.TemporaryDirectory() as tmp:
-        # The checker insists that external data is a regular file inside the model's directory:
-        # a sparse file of the right size stands in for the weights (no bytes are written).
+        swaps = []
         size = 0
-        for tensor, source in moved:
-            n = _source_nbytes(source)
-            _point_at(tensor, "weights", size, n)
-            size += n
-        with open(os.path.join(tmp, "weights"), "wb") as f:
-            f.truncate(size)
-        path = os.path.join(tmp, "graph.onnx")
+        try:
+            for v in _large_initializers(m):
+                t = v.const_value
+                swaps.append((v, t))
+                v.const_value = ir.ExternalTensor(
+                    "weights", size, t.nbytes, t.dtype, shape=t.shape, name=t.name, base_dir=tmp
+                )
+                size += t.nbytes
+            with open(os.path.join(tmp, "weights"), "wb") as f:
+                f.truncate(size)
+            path = os.path.join(tmp, "graph.onnx")
+            proto = ir.to_proto(m)
+        finally:
+            for v, t in reversed(swaps):
+                v.const_value = t
         with open(path, "wb") as f:
-            f.write(copy.SerializeToString(deterministic=True))
-        del copy
+            f.write(proto.SerializeToString(deterministic=True))
+        del proto
         check_path(path, name)
 
 
@@ -361,8 +527,21 @@ def check_path(path: str | Path, name: str = "graph") -> None:
         raise VlmcError(f"{name}: ONNX check failed: {first}") from exc
 
 
-def initializer_bytes(model: onnx.ModelProto) -> int:
+def initializer_bytes(model: onnx.ModelProto | ir.Model) -> int:
     """Bytes of weight data in a graph (initializers plus Constant tensors)."""
+    if isinstance(model, ir.Model):
+        total = sum(
+            v.const_value.nbytes
+            for g in model.graphs()
+            for v in g.initializers.values()
+            if v.const_value is not None
+        )
+        for node in model.graph:
+            if node.op_type == "Constant" and node.domain == "":
+                for a in node.attributes.values():
+                    if a.type == ir.AttributeType.TENSOR:
+                        total += a.value.nbytes
+        return total
     total = sum(_tensor_nbytes(t) for t in model.graph.initializer)
     for node in model.graph.node:
         if node.op_type == "Constant":
@@ -390,22 +569,22 @@ def _tensor_nbytes(t: onnx.TensorProto) -> int:
         return len(t.raw_data) if t.HasField("raw_data") else 0
 
 
-def op_histogram(model: onnx.ModelProto) -> dict[str, int]:
+def op_histogram(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
     """Count of nodes per (domain-qualified) op type."""
     hist: dict[str, int] = {}
-    for node in model.graph.node:
+    for node in model.graph if isinstance(model, ir.Model) else model.graph.node:
         key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def opset(model: onnx.ModelProto, domain: str = "") -> int | None:
-    """The model's opset version for a domain ('' is ai.onnx)."""
-    for o in model.opset_import:
-        if o.domain in (domain, "ai.onnx" if domain == "" else domain):
-            return int(o.version)
-    return None
-
-
 def to_array(t: onnx.TensorProto) -> np.ndarray:
     return numpy_helper.to_array(t)
+
+
+def remember_hashes(data_path: Path, entries: list[tuple[int, int, str]]) -> None:
+    """Record content hashes of tensors just written to ``data_path`` as (offset, length, sha256)."""
+    p = Path(data_path)
+    st = p.stat()
+    for offset, length, digest in entries:
+        _EXTERNAL_HASHES[(str(p.resolve()), st.st_ino, st.st_mtime_ns, offset, length)] = digest

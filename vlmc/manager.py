@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from vlmc import graphs as G
-from vlmc import ortsession, samples, ui
+from vlmc import manifest as M
+from vlmc import memory, ortsession, samples, ui
 from vlmc.errors import CheckFailed, PassFailed, VlmcError
 from vlmc.package import Package
+from vlmc.pass_api import check_requirements
 from vlmc.recipe import Step
 
 logger = logging.getLogger(__name__)
@@ -25,7 +29,8 @@ NUMERICS_ATOL = 1e-4
 class _Before:
     state: dict[str, str]
     manifest: str
-    graphs: dict[str, object]  # name -> serialized bytes or a path, kept only for --check
+    graphs: dict[str, object]  # name -> a file holding the graph as it was, kept only for --check
+    package: Package | None  # the package as it was, for a lossy pass's evaluate()
 
 
 def _manifest_text(pkg: Package) -> str:
@@ -35,57 +40,79 @@ def _manifest_text(pkg: Package) -> str:
 def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
     """Run passes in order. Every pass is constructed (options validated) before any pass runs.
 
+    For each pass the manager checks its declared preconditions, calls ``check_package`` (whose plan
+    goes to ``run``), runs it, works out which graphs changed from content fingerprints (and holds a
+    pass that states ``modified`` to it), validates the manifest, checks every changed graph, calls
+    ``evaluate`` for lossy passes, and records history, timing and peak memory.
+
     Raises:
-        PassFailed: a pass raised, misreported ``modified``, or produced an invalid graph; the message
-            names the pass, its 1-based position in the recipe, and the passes that ran before it.
+        PassFailed: a pass raised, misreported ``modified``, broke the manifest or produced an invalid
+            graph; the message names the pass, its 1-based position in the recipe, and the passes that
+            ran before it.
         CheckFailed: ``check`` is on and a numerics-preserving pass changed a graph's outputs.
     """
     instances = [s.instantiate() for s in steps]
     pkg.report.setdefault("passes", [])
     ran: list[str] = []
-    with ui.progress("running passes", total=len(steps)) as bar:
+    with ui.progress("running passes", total=len(steps)) as bar, tempfile.TemporaryDirectory() as tmp:
         for step, p in zip(steps, instances):
             bar.describe(f"pass {step.index}/{len(steps)}: {step.name}")
             label = f"pass #{step.index} {step.name!r}"
             after_txt = f" (ran before it: {', '.join(ran)})" if ran else " (it was the first pass)"
-            before = _snapshot(pkg, keep_graphs=check and p.preserves_numerics)
+            memory.reset_peak()
             t0 = time.perf_counter()
             try:
-                _refuse_weight_change_on_merged(p, step.name, pkg)
-                p.check_package(pkg)
-                result = p.run(pkg)
+                check_requirements(p, pkg)
+                plan = p.check_package(pkg)
+                before = _snapshot(
+                    pkg,
+                    Path(tmp) / str(step.index),
+                    keep_graphs=check and p.preserves_numerics,
+                    keep_package=p.lossy,
+                )
+                result = p.run(pkg, plan) if plan is not None else p.run(pkg)
             except VlmcError as exc:
                 raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
             except Exception as exc:  # a pass bug: still one line, traceback with -v
                 logger.debug("pass failure", exc_info=True)
                 raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
-            seconds = time.perf_counter() - t0
             if result is None or not hasattr(result, "modified"):
                 raise PassFailed(f"{label} did not return a PassResult{after_txt}")
             out = result.package
+            try:
+                M.validate(out.manifest, where=f"the manifest after {step.name}")
+            except VlmcError as exc:
+                raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
             changed = _changed(before, out)
             actual = bool(changed)
-            if bool(result.modified) != actual:
+            if result.modified is not None and bool(result.modified) != actual:
                 what = f"changed {', '.join(changed)}" if changed else "changed nothing"
                 raise PassFailed(
                     f"{label} reported modified={bool(result.modified)} but it {what}; "
-                    f"a pass must report modified exactly{after_txt}"
+                    f"a pass must report modified exactly (or leave it to the manager){after_txt}"
                 )
-            out.release()  # a staged package (vlmc build) keeps graphs on disk between passes
             for name in changed:
                 if name not in out.manifest["graphs"]:
                     continue
                 try:
-                    if out.is_loaded(name):
-                        G.check(out.graph(name), name=f"{name} after {step.name}")
-                    elif out.is_staged(name):
-                        G.check_path(out.path_of(name), name=f"{name} after {step.name}")
+                    path = out.path_of(name)
+                    if path is not None:
+                        G.check_path(path, name=f"{name} after {step.name}")
+                    else:
+                        G.check(out.model(name), name=f"{name} after {step.name}")
                 except VlmcError as exc:
                     raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
             report = dict(result.report or {})
+            if p.lossy and actual:
+                try:
+                    fidelity = p.evaluate(before.package, out, result)
+                except VlmcError as exc:
+                    raise PassFailed(f"{label}: measuring its fidelity failed: {exc}{after_txt}") from exc
+                if fidelity is not None:
+                    report["fidelity"] = fidelity
             if check and p.preserves_numerics and actual:
                 report["numerics_check"] = _numerics(before, out, changed, label)
-            out.purge_staging()  # the before-state (--check) no longer needs replaced files
+            seconds = time.perf_counter() - t0
             out.manifest["history"].append(
                 {
                     "pass": step.name,
@@ -100,6 +127,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     "pass": step.name,
                     "index": step.index,
                     "seconds": round(seconds, 4),
+                    "peak_rss_bytes": memory.peak(),
                     "modified": actual,
                     "changed": changed,
                 }
@@ -110,40 +138,33 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
     return pkg
 
 
-def _refuse_weight_change_on_merged(p, name: str, pkg: Package) -> None:
-    """A merged package keeps the text-only decode graphs beside the merged graph, which repeats them; a
-    pass that changes numerics on purpose (pruning, quantization) would make prefill and decode disagree."""
-    merged = pkg.manifest.get("pipeline", {}).get("vlm")
-    if merged and p.lossy:
-        raise VlmcError(
-            f"{name} cannot run on a merged package: graph {merged!r} repeats the stages that the "
-            f"decode graphs keep, and changing one copy would make prefill and decode disagree; "
-            f"run {name} before merge, or run split first"
-        )
-
-
-def _snapshot(pkg: Package, keep_graphs: bool) -> _Before:
+def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool) -> _Before:
     graphs: dict[str, object] = {}
     if keep_graphs:
+        # Files are never changed once written, so an unchanged graph's file is its before-state; a
+        # graph already changed in memory is written out (the pass may edit it in place).
         for name in pkg.graph_names:
             path = pkg.path_of(name)
-            graphs[name] = path if path is not None else pkg.graph(name).SerializeToString()
-    return _Before(state=pkg.state(), manifest=_manifest_text(pkg), graphs=graphs)
+            if path is None:
+                path = tmp / name / pkg.info(name)["file"]
+                path.parent.mkdir(parents=True)
+                G.save(pkg.model(name), path)
+            graphs[name] = path
+    return _Before(
+        state=pkg.state(),
+        manifest=_manifest_text(pkg),
+        graphs=graphs,
+        package=pkg.snapshot() if keep_package else None,
+    )
 
 
 def _changed(before: _Before, pkg: Package) -> list[str]:
     """Names of graphs added, removed or changed, plus 'manifest' if other facts changed."""
     now = pkg.state()
-    changed = []
-    for name in sorted(set(before.state) | set(now)):
-        b, a = before.state.get(name), now.get(name)
-        if b == a:
-            continue
-        if b == "disk" and a is not None and a != "disk" and pkg.original_fingerprint(name) == a:
-            continue  # loaded during the pass but not changed
-        changed.append(name)
-    manifest_changed = _manifest_text(pkg) != before.manifest
-    if manifest_changed and not changed:
+    changed = [
+        name for name in sorted(set(before.state) | set(now)) if before.state.get(name) != now.get(name)
+    ]
+    if _manifest_text(pkg) != before.manifest and not changed:
         changed.append("manifest")
     return changed
 
@@ -155,13 +176,8 @@ def _numerics(before: _Before, pkg: Package, changed: list[str], label: str) -> 
         old = before.graphs.get(name)
         if old is None or name not in pkg.manifest["graphs"]:
             continue
-        import onnxruntime as ort
 
-        sess_old = (
-            ortsession.from_path(old)
-            if not isinstance(old, bytes)
-            else ort.InferenceSession(old, ortsession.options(), providers=["CPUExecutionProvider"])
-        )
+        sess_old = ortsession.from_path(old)
         sess_new = ortsession.for_graph(pkg, name)
         old_inputs = sorted(i.name for i in sess_old.get_inputs())
         new_inputs = sorted(i.name for i in sess_new.get_inputs())

@@ -7,6 +7,7 @@ import os
 import tempfile
 
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from vlmc import graphs as G
@@ -32,12 +33,14 @@ def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.Infere
 
 
 def from_model(
-    model: onnx.ModelProto, threads: int | None = None, extra_outputs: list[onnx.ValueInfoProto] = ()
+    model: onnx.ModelProto | ir.Model,
+    threads: int | None = None,
+    extra_outputs: list[onnx.ValueInfoProto] = (),
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
     Args:
-        model: the graph; it is not changed.
+        model: the graph (a ModelProto or an onnx-ir model); it is not changed.
         threads: intra-op threads (default: onnxruntime's).
         extra_outputs: internal tensors the session also returns (e.g. activations for calibration).
     """
@@ -49,9 +52,10 @@ def from_model(
         extra = onnx.ModelProto()
         extra.graph.output.extend(extra_outputs)
         suffix = extra.SerializeToString()
-    if model.ByteSize() < MAX_IN_MEMORY_BYTES:
+    if G.initializer_bytes(model) < MAX_IN_MEMORY_BYTES:
+        proto = G.to_proto(model) if isinstance(model, ir.Model) else model
         return ort.InferenceSession(
-            model.SerializeToString() + suffix, options(threads), providers=["CPUExecutionProvider"]
+            proto.SerializeToString() + suffix, options(threads), providers=["CPUExecutionProvider"]
         )
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "m.onnx")
@@ -66,4 +70,4 @@ def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSessio
     path = pkg.path_of(name)
     if path is not None:
         return from_path(path, threads)
-    return from_model(pkg.graph(name), threads)
+    return from_model(pkg.current(name), threads)

@@ -1,9 +1,11 @@
 """Package: a directory holding vlmc.json, ONNX graphs (weights as external data) and reports.
 
-Graphs are loaded lazily. Passes change a package in place through :meth:`Package.set_graph`,
-which also refreshes the graph's IO signature in the manifest; the pass manager detects changes by
-fingerprint. :meth:`Package.save` writes to a temporary sibling directory and renames it into
-place, so a package on disk is always complete and the input package is never touched.
+In memory, each graph is an onnx-ir model whose weights stay in their files (memory-mapped when
+read) until a pass replaces them, so opening, checking and saving a multi-GB package costs little
+memory. Passes change a package through :meth:`Package.set_graph` (or by editing the IR model from
+:meth:`Package.model` in place); the pass manager sees what changed by fingerprint.
+:meth:`Package.save` writes the package once, through :func:`vlmc.outdir.atomic`, so a package on
+disk is always complete and the input package is never touched.
 """
 
 from __future__ import annotations
@@ -12,39 +14,44 @@ import json
 import logging
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
+import tempfile
+import weakref
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 
 from vlmc import graphs as G
 from vlmc import manifest as M
+from vlmc import outdir
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
-# Extra files a pass or exporter may attach (calibration samples, pictures): name -> bytes.
 _REPORT_FILES = ("report.md", "report.json", "verify.json")  # describe one package state; never carried over
 
 
 class Package:
-    """A VLM package: a manifest plus its graphs, optionally backed by a directory on disk."""
+    """A VLM package: a manifest plus its graphs, optionally backed by a directory on disk.
+
+    A graph is in one of three states: only on disk (never read), loaded as an onnx-ir model
+    (:meth:`model`), or handed out as a ModelProto with its weights read in (:meth:`graph`, for code
+    written against protos). The package converts between the last two on demand; one form is
+    current at a time.
+    """
 
     def __init__(self, manifest: dict, root: Path | None = None) -> None:
         self.manifest = manifest
         self.root = Path(root) if root is not None else None
-        self._models: dict[str, onnx.ModelProto] = {}
-        self._loaded_fp: dict[str, str] = {}
+        self._ir: dict[str, ir.Model] = {}
+        self._proto: dict[str, onnx.ModelProto] = {}
+        # graph -> the file its content was read from (under root or in the scratch directory) and the
+        # fingerprint it had then; the graph is "unchanged" while its fingerprint is still that one.
+        self._file: dict[str, Path] = {}
+        self._file_fp: dict[str, str] = {}
         self.files: dict[str, bytes] = {}  # extra files written beside the graphs (relative name -> bytes)
         self.report: dict = {}  # build report data (timings etc.), never part of the manifest
-        # Staging (see stage()): graphs released from memory live in files there, never in ``root``,
-        # which may be the user's input package.
-        self.staging: Path | None = None
-        self._staged: dict[str, Path] = {}  # graph -> staging file holding its current content
-        self._staged_fp: dict[str, str] = {}  # graph -> fingerprint of that content
-        self._disk_fp: dict[str, str] = {}  # graph -> fingerprint of its file under root, once read
-        self._superseded: list[Path] = []  # staging files replaced since the last purge_staging()
+        self._scratch: Path | None = None
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -68,6 +75,8 @@ class Package:
                 raise VlmcError(f"{root}: graph {name!r} file {g['file']} is missing")
             _check_graph_file(root, name, g, str(mpath))
         pkg = cls(manifest, root)
+        for name, g in manifest["graphs"].items():
+            pkg._file[name] = root / g["file"]
         report = root / "report.json"
         if report.is_file():
             try:
@@ -92,53 +101,71 @@ class Package:
                 f"package has no graph {name!r} (graphs: {', '.join(self.graph_names)})"
             ) from None
 
-    def path_of(self, name: str) -> Path | None:
-        """The on-disk file of a graph not loaded in memory (in the package or staged), else None."""
-        if name in self._models:
-            return None
-        if name in self._staged:
-            return self._staged[name]
-        if self.root is None:
-            return None
-        return self.root / self.info(name)["file"]
-
-    def is_loaded(self, name: str) -> bool:
-        return name in self._models
-
-    def is_staged(self, name: str) -> bool:
-        """True when the graph's current content is a file in the staging directory (see stage())."""
-        return name in self._staged
+    def model(self, name: str) -> ir.Model:
+        """The graph as an onnx-ir model (the IR passes edit); weights stay on disk until read."""
+        self.info(name)
+        if name in self._proto:
+            self._ir[name] = G.from_proto(self._proto.pop(name))
+        elif name not in self._ir:
+            path = self._file.get(name)
+            if path is None:
+                raise VlmcError(f"graph {name!r} has no data")
+            model = G.load_ir(path)
+            self._ir[name] = model
+            self._file_fp.setdefault(name, G.fingerprint(model))
+        return self._ir[name]
 
     def graph(self, name: str) -> onnx.ModelProto:
-        """The graph's ModelProto with weights, loading it on first use."""
-        if name not in self._models:
-            info = self.info(name)
-            if name in self._staged:
-                model = G.load(self._staged[name])
-                # save/load round-trips exactly, so the content is the one fingerprinted at release
-                self._loaded_fp[name] = self._staged_fp[name]
-            elif self.root is None:
-                raise VlmcError(f"graph {name!r} has no data")
-            else:
-                model = G.load(self.root / info["file"])
-                self._loaded_fp[name] = self._disk_fp[name] = G.fingerprint(model)
-            self._models[name] = model
-        return self._models[name]
+        """The graph as a ModelProto with its weights read in, for code written against protos.
+
+        The proto becomes the graph's current form: edits to it are the package's (hand it back with
+        :meth:`set_graph` to refresh the manifest signature).
+        """
+        if name not in self._proto:
+            self._proto[name] = G.to_proto(self.model(name))
+            del self._ir[name]
+        return self._proto[name]
+
+    def current(self, name: str) -> onnx.ModelProto | ir.Model:
+        """The graph in whichever form is current (IR or proto), without converting it; read-only use."""
+        return self._proto.get(name) or self.model(name)
 
     def set_graph(
         self,
         name: str,
-        model: onnx.ModelProto,
+        model: onnx.ModelProto | ir.Model,
         role: str | None = None,
         precision: str | None = None,
         **extra: object,
     ) -> None:
-        """Add or replace a graph; its manifest signature is recomputed from the model."""
-        entry = self.manifest["graphs"].get(name, {})
+        """Add or replace a graph (a ModelProto or an onnx-ir model); its manifest signature is recomputed."""
+        entry = self._entry(name, role, precision, extra)
+        entry.update(G.signature(model))
+        self.manifest["graphs"][name] = entry
+        self._ir.pop(name, None)
+        self._proto.pop(name, None)
+        if isinstance(model, ir.Model):
+            self._ir[name] = model
+        else:
+            self._proto[name] = model
+
+    def set_graph_file(
+        self, name: str, path: Path, role: str | None = None, precision: str | None = None, **extra: object
+    ) -> None:
+        """Add a graph whose content is a file (with its external data beside it); nothing is read but its IO."""
+        entry = self._entry(name, role, precision, extra)
+        entry.update(G.signature(G.load(path, load_weights=False)))
+        self.manifest["graphs"][name] = entry
+        self._ir.pop(name, None)
+        self._proto.pop(name, None)
+        self._file[name] = Path(path)
+        self._file_fp.pop(name, None)
+
+    def _entry(self, name: str, role: str | None, precision: str | None, extra: dict) -> dict:
+        entry = dict(self.manifest["graphs"].get(name, {}))
         role = role or entry.get("role")
         if role not in M.ROLES:
             raise VlmcError(f"graph {name!r}: role {role!r} is not one of {', '.join(M.ROLES)}")
-        entry = dict(entry)
         entry.update(
             {
                 "file": entry.get("file", f"{name}.onnx"),
@@ -147,89 +174,75 @@ class Package:
             }
         )
         entry.update(extra)
-        entry.update(G.signature(model))
-        self.manifest["graphs"][name] = entry
-        self._models[name] = model
+        return entry
 
     def remove_graph(self, name: str) -> None:
         self.manifest["graphs"].pop(name, None)
-        self._models.pop(name, None)
-        self._loaded_fp.pop(name, None)
-        self._unstage_graph(name)
+        for d in (self._ir, self._proto, self._file, self._file_fp):
+            d.pop(name, None)
 
-    # ---- staging: keeping graphs on disk instead of in memory -----------------------------
-    def stage(self, directory: str | Path) -> None:
-        """Let :meth:`release` keep graphs in files under ``directory`` instead of in memory.
+    def is_loaded(self, name: str) -> bool:
+        return name in self._ir or name in self._proto
 
-        Builds of multi-GB models use this so that only the graph being worked on is resident. The
-        directory belongs to the caller, who removes it once the package has been saved elsewhere.
-        """
-        self.staging = Path(directory)
-        self.staging.mkdir(parents=True, exist_ok=True)
+    def _current_fp(self, name: str) -> str | None:
+        if name in self._ir:
+            return G.fingerprint(self._ir[name])
+        if name in self._proto:
+            return G.fingerprint(self._proto[name])
+        return None
 
-    def release(self, *names: str) -> None:
-        """Drop graphs (default: all loaded ones) from memory; changed ones are written to staging first.
+    def path_of(self, name: str) -> Path | None:
+        """The file holding the graph's current content (unchanged since read), else None."""
+        path = self._file.get(name)
+        if path is None:
+            return None
+        if self.is_loaded(name) and self._current_fp(name) != self._file_fp.get(name):
+            return None
+        return path
 
-        Without a staging directory, or for graphs that share a weights file, this does nothing:
-        their only copy is the one in memory. A released graph is loaded again on next use.
-        """
-        if self.staging is None:
-            return
-        for name in names or list(self._models):
-            if name not in self._models or self.info(name).get("weights_file"):
-                continue
-            model = self._models[name]
-            fp = G.fingerprint(model)
-            if fp != self._loaded_fp.get(name):  # changed since loaded, or never on disk
-                # A new file each time: the previous one may still be read (the manager's --check
-                # snapshot); purge_staging() deletes it once that is over.
-                # Under the graph's own file name: the .onnx names its data file, and save() copies both.
-                path = self.staging / uuid.uuid4().hex[:8] / Path(self.info(name)["file"]).name
-                path.parent.mkdir()
-                G.save(model, path)
-                self._unstage_graph(name)
-                self._staged[name], self._staged_fp[name] = path, fp
-            del self._models[name]
-            self._loaded_fp.pop(name, None)
+    # ---- scratch: where exporters write graphs before the package is saved ------------------
+    def use_scratch(self, directory: str | Path) -> None:
+        """Write new graph files (exports) under ``directory``, which the caller owns and removes."""
+        self._scratch = Path(directory)
+        self._scratch.mkdir(parents=True, exist_ok=True)
 
-    def purge_staging(self) -> None:
-        """Delete staging files whose graphs have since been replaced."""
-        for path in self._superseded:
-            shutil.rmtree(path.parent, ignore_errors=True)
-        self._superseded.clear()
+    def scratch_path(self, name: str) -> Path:
+        """A fresh path for graph ``name``'s file in the scratch directory (made on first use)."""
+        if self._scratch is None:
+            self._scratch = Path(tempfile.mkdtemp(prefix="vlmc-"))
+            weakref.finalize(self, shutil.rmtree, str(self._scratch), True)
+        d = Path(tempfile.mkdtemp(dir=self._scratch, prefix=f"{name}-"))
+        return d / self._entry_file(name)
 
-    def unstage(self) -> None:
-        """Forget the staging directory; call after :meth:`save`, whose output now holds every graph."""
-        self.purge_staging()
-        self._staged.clear()
-        self._staged_fp.clear()
-        self.staging = None
-
-    def _unstage_graph(self, name: str) -> None:
-        old = self._staged.pop(name, None)
-        self._staged_fp.pop(name, None)
-        if old is not None:
-            self._superseded.append(old)
-
-    def loaded(self) -> Iterator[tuple[str, onnx.ModelProto]]:
-        yield from list(self._models.items())
+    def _entry_file(self, name: str) -> str:
+        return self.manifest["graphs"].get(name, {}).get("file", f"{name}.onnx")
 
     # ---- change tracking (used by the pass manager) ---------------------------------------
     def state(self) -> dict[str, str]:
-        """Fingerprints of every graph: a content hash if loaded or staged, else 'disk' (unchanged since load)."""
+        """A token per graph that changes exactly when the graph's content changes.
+
+        Graphs never read, and graphs read but unchanged, give ``file:<path>``; others their fingerprint.
+        """
         out = {}
         for name in self.manifest["graphs"]:
-            if name in self._models:
-                out[name] = G.fingerprint(self._models[name])
-            else:
-                # a graph read from root and released unchanged keeps the fingerprint it was read with,
-                # so "loaded before the pass, released by it" compares equal
-                out[name] = self._staged_fp.get(name) or self._disk_fp.get(name, "disk")
+            path = self.path_of(name)
+            out[name] = f"file:{path}" if path is not None else (self._current_fp(name) or "missing")
         return out
 
-    def original_fingerprint(self, name: str) -> str | None:
-        """Fingerprint of the graph as it was read (from the package or staging), if it was read."""
-        return self._loaded_fp.get(name) or self._disk_fp.get(name)
+    def snapshot(self) -> Package:
+        """A view of the package as it is now, for comparing with what a pass makes of it.
+
+        The manifest is copied; graphs are shared (files, and the in-memory objects as they are), so a
+        pass that is compared against a snapshot replaces graphs with set_graph rather than editing
+        them in place.
+        """
+        import copy
+
+        snap = Package(copy.deepcopy(self.manifest), self.root)
+        snap._ir, snap._proto = dict(self._ir), dict(self._proto)
+        snap._file, snap._file_fp = dict(self._file), dict(self._file_fp)
+        snap.files = dict(self.files)
+        return snap
 
     # ---- convenience facts -----------------------------------------------------------------
     @property
@@ -240,42 +253,41 @@ class Package:
         return self.manifest.get(section, {})
 
     # ---- saving ------------------------------------------------------------------------------
-    def save(self, out: str | Path, force: bool = False) -> Path:
-        """Write the package atomically to ``out`` and return its path.
+    def save(self, out: str | Path, force: bool = False, adopt: bool = True) -> Path:
+        """Write the package to ``out`` (atomically) and return its path; afterwards the package is that directory.
 
-        Unmodified graphs are copied (cloned where the filesystem can) from the source package. ``force`` replaces an
-        existing directory only if it is itself a vlmc package.
+        Changed graphs are written by streaming their weights from wherever they are; unchanged ones
+        are moved out of the scratch directory or copied (cloned where the filesystem can) from the
+        source package. ``force`` replaces an existing directory only if it is a vlmc output.
+        With ``adopt=False`` (a copy for a build directory) scratch files are copied, not moved, and
+        the package stays as it was.
         """
-        out = Path(out).resolve()
-        check_output_dir(out, force, source=self.root)
         M.validate(self.manifest, where="manifest to save")
-        tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.mkdir()
+        with outdir.atomic(out, force, source=self.root) as tmp:
             shared: dict[str, list[str]] = {}  # weights_file -> graphs storing their weights in it
+            unchanged: dict[str, Path] = {}
             for name, info in self.manifest["graphs"].items():
-                dest = tmp / info["file"]
                 if info.get("weights_file"):
                     shared.setdefault(info["weights_file"], []).append(name)
-                elif name in self._models:
-                    G.save(self._models[name], dest)
+                    continue
+                path = self.path_of(name)
+                if path is None or not _own_data_only(path):
+                    G.save(self.model(name), tmp / info["file"])
                 else:
-                    src = self._staged.get(name) or self.root / info["file"]
-                    _link_or_copy(src, dest)
-                    data = src.parent / (src.name + ".data")
-                    if data.exists():
-                        _link_or_copy(data, tmp / (info["file"] + ".data"))
+                    unchanged[name] = path
             for data_file, names in sorted(shared.items()):
-                # Graphs that share weights (merge) are rewritten together so each weight is stored once.
-                G.save_shared({tmp / self.info(n)["file"]: self.graph(n) for n in names}, tmp / data_file)
+                # Graphs that share weights (merge) are written together so each weight is stored once.
+                G.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, tmp / data_file)
+            # Unchanged files go last: a changed graph may still read weights from them.
+            for name, src in unchanged.items():
+                self._place(src, tmp / self.info(name)["file"], move=adopt)
             for rel, blob in sorted(self.files.items()):
                 target = (tmp / rel).resolve()
                 if tmp.resolve() not in target.parents:
                     raise VlmcError(f"package file {rel!r} would be written outside the package")
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(blob)
-            if self.root is not None and self.root.resolve() != out:
+            if self.root is not None and self.root.resolve() != Path(out).resolve():
                 _carry_files(self.root, tmp, keep=set(self.files))
             (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
             from vlmc import report as R
@@ -283,13 +295,41 @@ class Package:
             (tmp / "report.json").write_text(
                 json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n"
             )
-            (tmp / "report.md").write_text(R.render_markdown(self, tmp))
-            _replace_dir(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        self.root = out
+            (tmp / "report.md").write_text(R.render_markdown(self._view(tmp), tmp))
+        out = Path(out).resolve()
+        if adopt:
+            self.reroot(out)
         return out
+
+    def _view(self, root: Path) -> Package:
+        """This package's manifest and files read from a directory its graphs were saved to."""
+        view = Package(self.manifest, root)
+        view._file = {name: root / info["file"] for name, info in self.manifest["graphs"].items()}
+        view.report, view.files = self.report, self.files
+        return view
+
+    def reroot(self, root: Path) -> None:
+        """Make the package the saved directory ``root``: graphs are read from there again when used."""
+        self.root = Path(root)
+        self._ir.clear()
+        self._proto.clear()
+        self._file_fp.clear()
+        self._file = {name: self.root / info["file"] for name, info in self.manifest["graphs"].items()}
+
+    def _place(self, src: Path, dest: Path, move: bool) -> None:
+        """Put an unchanged graph file (and its data) into the output: moved out of scratch, else copied."""
+        data = src.parent / (src.name + ".data")
+        owned = move and self._scratch is not None and self._scratch.resolve() in src.resolve().parents
+        for s, d in ((src, dest), (data, dest.parent / (dest.name + ".data"))):
+            if not s.exists():
+                continue
+            try:
+                if owned:
+                    os.replace(s, d)  # scratch files are ours: a rename instead of a copy of the weights
+                    continue
+            except OSError:  # another filesystem
+                pass
+            outdir.copy_file(s, d)
 
 
 def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
@@ -316,61 +356,21 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
             )
 
 
-def is_package(path: Path) -> bool:
-    return (path / M.MANIFEST_NAME).is_file()
+def _own_data_only(path: Path) -> bool:
+    """True if a graph file keeps all its external weights in ``<file>.data`` (so the pair can be copied).
 
-
-def check_output_dir(
-    out: Path, force: bool, marker: str = M.MANIFEST_NAME, source: Path | None = None
-) -> None:
-    """Refuse to overwrite a directory unless --force and it is a previous vlmc output.
-
-    With ``source`` (the input package), an output nested inside it or around it is refused too:
-    writing there would change the input (or, with --force, delete it).
+    A graph that was saved beside others in a shared weights file (merge) and no longer shares it
+    must be written out again instead.
     """
-    if source is not None:
-        src, dest = Path(source).resolve(), Path(out).resolve()
-        if src in dest.parents:
-            raise VlmcError(
-                f"output {out} is inside the input package {source}; choose a directory outside it"
-            )
-        if dest in src.parents:
-            raise VlmcError(
-                f"output {out} contains the input package {source}; choose a directory outside it"
-            )
-    if not out.exists():
-        return
-    if not force:
-        raise VlmcError(f"output {out} already exists; pass --force to replace it")
-    if not out.is_dir() or not ((out / marker).is_file() or (out / "vlmc-build.json").is_file()):
-        raise VlmcError(
-            f"output {out} exists and is not a vlmc output; refusing to replace it even with --force"
-        )
-
-
-def _link_or_copy(src: Path, dest: Path) -> None:
-    """Copy an unchanged file into a new package: a copy-on-write clone where the filesystem can.
-
-    Not a hard link: onnx.load and onnx.checker refuse external data files with more than one link
-    (a hardlink-attack guard), so a hard-linked package would not open in users' own onnx code.
-    """
-    try:
-        _reflink(src, dest)
-    except OSError:
-        shutil.copyfile(src, dest)  # uses the kernel's in-place copy (sendfile) on Linux
-
-
-def _reflink(src: Path, dest: Path) -> None:
-    import fcntl
-
-    ficlone = 0x40049409  # FICLONE: share the extents (btrfs, xfs); raises on filesystems without it
-    with open(src, "rb") as s, open(dest, "wb") as d:
-        try:
-            fcntl.ioctl(d.fileno(), ficlone, s.fileno())
-        except OSError:
-            d.close()
-            os.unlink(dest)
-            raise
+    model = G.load(path, load_weights=False)
+    locations = {
+        e.value
+        for t in model.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+        for e in t.external_data
+        if e.key == "location"
+    }
+    return locations <= {path.name + ".data"}
 
 
 def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
@@ -383,19 +383,4 @@ def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
             continue  # graphs are written from the manifest; stale ones must not leak
         target = dest_root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        _link_or_copy(p, target)
-
-
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move tmp into place; an existing (vlmc) directory is swapped out and removed after."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
+        outdir.copy_file(p, target)

@@ -1,9 +1,11 @@
 """The pass contract: typed options, PassResult, and the registry of passes in ``vlmc.passes``.
 
 A pass is a class with a ``name``, an ``options`` schema (a tuple of :class:`Option`) and
-``run(package) -> PassResult``. Passes change the package they are given (in place, through
-``Package.set_graph``) and return it; ``modified`` must be exactly whether anything changed —
-the pass manager checks it by fingerprint and rejects a pass that misreports.
+``run(package, plan) -> PassResult``. Passes change the package they are given in place (editing
+the onnx-ir model from ``Package.model`` or handing a new graph to ``Package.set_graph``) and
+return it. The pass manager works out ``modified`` from content fingerprints; a pass may state it,
+and is then rejected if it is wrong. ``check_package`` returns the plan that ``run`` receives, and
+a lossy pass's fidelity is measured by ``evaluate(before, after)``, which the manager calls.
 """
 
 from __future__ import annotations
@@ -103,11 +105,25 @@ class Option:
 
 @dataclass
 class PassResult:
-    """What a pass returns: the package, whether it changed (exactly), and a plain-dict report."""
+    """What a pass returns: the package, whether it changed, and a plain-dict report.
+
+    ``modified`` may be left as ``None``: the pass manager works it out from content fingerprints.
+    When a pass does state it, the manager holds it to it exactly.
+    """
 
     package: Package
-    modified: bool
+    modified: bool | None = None
     report: dict = field(default_factory=dict)
+
+
+# Preconditions a pass can declare in ``requires``; the manager checks them before check_package.
+REQUIREMENTS = {
+    "unmerged": (
+        lambda pkg: not pkg.manifest.get("pipeline", {}).get("vlm"),
+        "{name} cannot run on a merged package: graph {vlm!r} repeats the stages that the decode graphs keep, "
+        "and changing one copy would make prefill and decode disagree; run {name} before merge, or run split first",
+    ),
+}
 
 
 class Pass:
@@ -115,7 +131,8 @@ class Pass:
 
     Class attributes:
         preserves_numerics: outputs are unchanged up to float rounding; ``--check`` verifies it.
-        lossy: the pass moves outputs on purpose; its report must say by how much.
+        lossy: the pass moves outputs on purpose; ``evaluate`` must say by how much.
+        requires: preconditions on the package (keys of :data:`REQUIREMENTS`), checked by the manager.
         options: the typed schema; ``self.opts`` holds validated values after construction.
     """
 
@@ -124,6 +141,7 @@ class Pass:
     preserves_numerics: ClassVar[bool] = False
     # Changes outputs on purpose (pruning, quantization): verify reports fidelity instead of exactness.
     lossy: ClassVar[bool] = False
+    requires: ClassVar[tuple[str, ...]] = ()
     options: ClassVar[tuple[Option, ...]] = ()
     # Passes whose options are keyed by graph name (e.g. quantize) accept extra keys and check them.
     allow_extra_keys: ClassVar[bool] = False
@@ -141,15 +159,35 @@ class Pass:
     def check_options(cls, opts: dict, where: str) -> None:
         """Cross-option validation hook (raise VlmcError); runs before any work."""
 
-    def check_package(self, package: Package) -> None:
-        """Hook to refuse a package early with a clear message (called before run)."""
+    def check_package(self, package: Package) -> Any:
+        """Refuse a package early with a clear message (raise VlmcError), and return the plan for ``run``.
 
-    def run(self, package: Package) -> PassResult:  # pragma: no cover - every registered pass overrides it
+        Whatever this returns is handed to ``run`` as ``plan``; a pass keeps no state between the two.
+        """
+        return None
+
+    def run(self, package: Package, plan: Any = None) -> PassResult:  # pragma: no cover - passes override it
         raise TypeError(f"pass {self.name!r} ({type(self).__qualname__}) does not define run(package)")
+
+    def evaluate(self, before: Package, after: Package, result: PassResult) -> dict | None:
+        """For lossy passes: how far the change moved the outputs (merged into the report as ``fidelity``).
+
+        ``before`` is the package as it was before ``run`` (its graphs are the unchanged files and
+        objects), ``after`` the package ``run`` returned. Return None when there is nothing to measure.
+        """
+        return None
 
     @classmethod
     def json_schema(cls) -> dict:
         return schema_json(cls.options, cls.summary, bool(cls.allow_extra_keys))
+
+
+def check_requirements(p: Pass, pkg: Package) -> None:
+    """Raise VlmcError if the package does not meet a precondition the pass declared."""
+    for req in p.requires:
+        ok, message = REQUIREMENTS[req]
+        if not ok(pkg):
+            raise VlmcError(message.format(vlm=pkg.manifest.get("pipeline", {}).get("vlm"), name=p.name))
 
 
 def validate(schema: tuple[Option, ...], opts: Any, where: str, allow_extra: bool = False) -> dict:

@@ -33,16 +33,11 @@ def variant(pkg: Package, graphs: dict | None = None, vision: dict | None = None
 
     Unchanged graphs stay on disk (or shared in memory), so building variants is cheap.
     """
-    m = copy.deepcopy(pkg.manifest)
+    out = pkg.snapshot()
     if vision is not None:
-        m["vision"] = copy.deepcopy(vision)
-    out = Package(m, pkg.root)
-    out.files = pkg.files
-    for name in pkg.graph_names:
-        if graphs and name in graphs:
-            out.set_graph(name, graphs[name])
-        elif pkg.is_loaded(name) or pkg.is_staged(name):  # a staged graph's file is not under pkg.root
-            out.set_graph(name, pkg.graph(name))
+        out.manifest["vision"] = copy.deepcopy(vision)
+    for name, model in (graphs or {}).items():
+        out.set_graph(name, model)
     return out
 
 

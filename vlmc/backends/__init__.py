@@ -10,21 +10,19 @@ import contextlib
 import importlib
 import json
 import logging
-import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from vlmc import pass_api
+from vlmc import outdir, pass_api
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = {"ort": "vlmc.backends.ort", "ascend": "vlmc.backends.ascend"}
 # Written into every build directory (compile output and `vlmc build`): --force replaces only such directories.
-BUILD_MARKER = "vlmc-build.json"
+BUILD_MARKER = outdir.BUILD_MARKER
 
 
 def get(name: str) -> ModuleType:
@@ -34,27 +32,18 @@ def get(name: str) -> ModuleType:
 
 
 @contextlib.contextmanager
-def build_output(out_dir: Path, backend: str, summary: dict) -> Iterator[Path]:
-    """A temporary sibling of ``out_dir`` for a backend to fill; then it becomes ``out_dir`` atomically.
+def build_output(out_dir: Path, backend: str, summary: dict, force: bool = False) -> Iterator[Path]:
+    """A temporary directory for a backend to fill that becomes ``out_dir`` atomically (:func:`vlmc.outdir.atomic`).
 
-    After the body, ``compile.json`` (the summary) and the build marker are written and the directory
-    replaces ``out_dir``; if anything fails, it is removed and ``out_dir`` is left as it was.
+    After the body, ``compile.json`` (the summary, which the body may still fill in) and the build
+    marker are written; if anything fails, ``out_dir`` is left as it was.
     """
-    from vlmc.package import _replace_dir
-
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        tmp.mkdir()
+    with outdir.atomic(out_dir, force) as tmp:
         yield tmp
         (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (tmp / BUILD_MARKER).write_text(
             json.dumps({"backend": backend, "compile": "compile.json"}, indent=2) + "\n"
         )
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def validate_target(target: Any, where: str = "target") -> dict:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from vlmc import ortsession
-from vlmc.backends import BUILD_MARKER, build_output
+from vlmc import ortsession, outdir
+from vlmc.backends import build_output
 from vlmc.errors import CheckFailed, VlmcError
-from vlmc.package import Package, check_output_dir
+from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         force: replace an existing vlmc build at ``out_dir``.
     """
     out_dir = Path(out_dir).resolve()
-    check_output_dir(out_dir, force, marker=BUILD_MARKER)
+    outdir.check(out_dir, force)
     graphs = {}
     for name in package.graph_names:
         try:
@@ -45,11 +45,6 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
             "providers": sess.get_providers(),
         }
     summary = {"backend": NAME, "package": "package", "graphs": graphs}
-    root = package.root
-    try:
-        with build_output(out_dir, NAME, summary) as tmp:
-            package.save(tmp / "package")
-    finally:
-        # save() re-roots the package at the temporary directory, which is renamed away.
-        package.root = root
+    with build_output(out_dir, NAME, summary, force=force) as tmp:
+        package.save(tmp / "package", adopt=False)
     return summary

@@ -205,20 +205,21 @@ def _configs(config):
             yield sub
 
 
-def export(source: Source, staging: str | Path | None = None) -> Package:
-    """Export a loaded source model into an in-memory Package.
+def export(source: Source, scratch: str | Path | None = None) -> Package:
+    """Export a loaded source model into a Package whose graphs are files in a scratch directory.
 
-    With ``staging`` (a directory the caller owns and removes), each stage graph is written there as
-    soon as it is exported, so graphs are not resident together with the source model.
+    Each stage graph's weights are streamed from the torch model to its file as it is exported
+    (:func:`vlmc.exporters.base.export_graph`), so no graph is ever held in memory beside the source
+    model. ``scratch`` is a directory the caller owns and removes (default: a temporary directory
+    removed with the package); :meth:`Package.save` moves the files out of it.
     """
     mod = families()[source.family]
     m = M.new(source.family, source.architecture, source.name, source.config_hash)
     pkg = Package(m)
-    if staging is not None:
-        pkg.stage(staging)
+    if scratch is not None:
+        pkg.use_scratch(scratch)
     with ui.progress(f"exporting {source.name} ({source.family})"):
         mod.export(source, pkg)
-    pkg.release()
     if source.directory is not None:
         _attach_source_files(source.directory, pkg)
     M.validate(pkg.manifest, where="exported manifest")

@@ -15,6 +15,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import onnx
 import torch
@@ -93,22 +94,41 @@ def export_graph(
     input_names: list[str],
     output_names: list[str],
     dynamic_axes: dict[str, dict[int, str]],
+    path: Path,
+    edit=None,
 ) -> onnx.ModelProto:
-    """Trace a module with torch.onnx (TorchScript exporter, opset 17) and return the ModelProto.
+    """Trace a module with torch.onnx (TorchScript exporter, opset 17) into ``path`` + ``path.data``.
 
-    The TorchScript exporter is used because it is fast and keeps the dynamic axes we name; its
-    deprecation warnings are silenced. Weights come back inline (we re-save with external data).
+    ``edit(model)``, if given, may adjust the graph's structure before it is written. Returns the
+    written graph without its weights (for reading facts off its structure).
+
+    The TorchScript exporter is used because it is fast and keeps the dynamic axes we name. Its own
+    writer serializes every weight into one protobuf in memory (and the result would have to be
+    loaded back to move the weights to external data), which held the model's weights three times
+    over at once. Here the exporter writes only the graph: parameters are kept out of its
+    serialization (see :func:`_weights_out_of_proto`) and streamed from the torch tensors to the
+    data file one at a time, each hashed as it is written. Linear weights are laid out as [in, out]
+    before tracing (:func:`_linear_weights_transposed`) so that torch's constant folding does not
+    materialize a transposed copy of each of them.
     """
     module.eval()
-    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings(), torch.no_grad():
+    path = Path(path)
+    large: dict[str, torch.Tensor] = {}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        warnings.catch_warnings(),
+        torch.no_grad(),
+        _linear_weights_transposed(module),
+        _weights_out_of_proto(large),
+    ):
         warnings.simplefilter("ignore")
-        path = os.path.join(tmp, "graph.onnx")
+        tmp_path = os.path.join(tmp, "graph.onnx")
         sink = io.StringIO()
         with contextlib.redirect_stdout(sink):
             torch.onnx.export(
                 module,
                 tuple(args),
-                path,
+                tmp_path,
                 input_names=input_names,
                 output_names=output_names,
                 dynamic_axes=dynamic_axes,
@@ -116,10 +136,153 @@ def export_graph(
                 dynamo=False,
                 do_constant_folding=True,
             )
-        model = G.load(path)
-    _name_unnamed_nodes(model)
-    _inline_shared_small_constants(model)
+        model = onnx.load(tmp_path)  # the graph and small constants only
+        _name_unnamed_nodes(model)
+        _inline_shared_small_constants(model)
+        if edit is not None:
+            edit(model)
+        _write_with_weights(model, large, path)
     return model
+
+
+# Parameters larger than this are streamed to the data file by vlmc instead of serialized by torch.
+_STREAM_BYTES = 1 << 16
+
+
+@contextlib.contextmanager
+def _weights_out_of_proto(large: dict[str, torch.Tensor]):
+    """Keep large parameters out of the TorchScript exporter's protobuf, collecting them in ``large``.
+
+    The exporter hands its final name -> tensor map to ``_jit_pass_onnx_deduplicate_initializers``
+    and serializes whatever that returns as initializers; parameters it does not return stay graph
+    inputs. Wrapping that one pass is the narrowest hook into torch 2.13's exporter (pinned in
+    constraints.txt); if torch renames it, the export fails loudly here rather than silently
+    holding every weight in memory again.
+    """
+    from torch import _C
+
+    name = "_jit_pass_onnx_deduplicate_initializers"
+    real = getattr(_C, name, None)
+    if real is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no {name}; vlmc's streaming export needs torch 2.13"
+        )
+
+    def split(graph, params, training):
+        params = real(graph, params, training)
+        small = {}
+        for key, tensor in params.items():
+            if tensor.numel() * tensor.element_size() > _STREAM_BYTES:
+                large[key] = tensor
+            else:
+                small[key] = tensor
+        return small
+
+    setattr(_C, name, split)
+    try:
+        yield
+    finally:
+        setattr(_C, name, real)
+
+
+@contextlib.contextmanager
+def _linear_weights_transposed(module: torch.nn.Module):
+    """Store every Linear weight as [in, out] while tracing, and restore [out, in] afterwards.
+
+    torch exports ``Linear`` on 3-D inputs as ``MatMul(x, Transpose(W))`` and its constant folding
+    then materializes ``W^T`` for every layer at once: a second copy of nearly all decoder weights.
+    With the weight already stored transposed (one layer at a time, freeing the original), the
+    exported graph is the same ``MatMul(x, W^T) + b`` (2-D inputs: ``Gemm(x, W^T, b)``) and nothing
+    is copied. The weight is transposed back after export, so the model is unchanged. Tied weights
+    (one parameter used by several modules) are left as they are.
+    """
+    counts: dict[int, int] = {}
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+    linears = [
+        m
+        for m in module.modules()
+        if type(m) is torch.nn.Linear and counts.get(id(m.weight), 0) == 1 and "forward" not in vars(m)
+    ]
+    for m in linears:
+        wt = torch.nn.Parameter(m.weight.detach().t().contiguous(), requires_grad=False)
+        m.weight = torch.nn.Parameter(wt.t(), requires_grad=False)  # a view: no second copy
+        m.register_parameter("weight_t", wt)
+        m.forward = _transposed_forward(m)
+    try:
+        yield
+    finally:
+        for m in linears:
+            del m.forward
+            w = m.weight_t.detach().t().contiguous()
+            del m.weight_t
+            m.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+def _transposed_forward(m: torch.nn.Linear):
+    def forward(x):
+        if x.dim() == 2 and m.bias is not None:
+            return torch.addmm(m.bias, x, m.weight_t)
+        y = torch.matmul(x, m.weight_t)
+        return y + m.bias if m.bias is not None else y
+
+    return forward
+
+
+def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], path: Path) -> None:
+    """Turn the graph inputs that stand for parameters into initializers whose bytes go to ``path.data``.
+
+    Small initializers torch serialized go to the data file too (every tensor of 1 KiB or more is
+    external, as in any saved package). Each tensor is written from its own memory and hashed while
+    it is written, so the pass manager never reads it again to fingerprint it.
+    """
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data_name = path.name + ".data"
+    g = model.graph
+    params = [v for v in g.input if v.name in large]
+    keep = [v for v in g.input if v.name not in large]
+    del g.input[:]
+    g.input.extend(keep)
+    # torch also described the parameters in value_info; initializers carry their own type
+    infos = [v for v in g.value_info if v.name not in large]
+    del g.value_info[:]
+    g.value_info.extend(infos)
+    hashes: list[tuple[int, int, str]] = []
+    offset = 0
+    with open(path.parent / data_name, "wb") as f:
+
+        def put(t: onnx.TensorProto, raw) -> None:
+            nonlocal offset
+            pad = (-offset) % 64
+            f.write(b"\0" * pad)
+            offset += pad
+            n = f.write(raw)
+            hashes.append((offset, n, G._digest(t.data_type, list(t.dims), raw)))
+            G._point_at(t, data_name, offset, n)
+            t.data_location = onnx.TensorProto.EXTERNAL
+            offset += n
+
+        for t in g.initializer:
+            if t.HasField("raw_data") and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD:
+                raw = t.raw_data
+                t.ClearField("raw_data")
+                put(t, raw)
+        for vi in params:
+            tensor = large.pop(vi.name).detach().contiguous()
+            arr = tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16).numpy()
+            t = g.initializer.add()
+            t.name = vi.name
+            t.data_type = vi.type.tensor_type.elem_type
+            t.dims.extend(tensor.shape)
+            put(t, memoryview(np.ascontiguousarray(arr)).cast("B"))
+            del tensor, arr
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    G.remember_hashes(path.parent / data_name, hashes)
+    # The caller reads facts off the returned graph's structure; weights are not part of it.
 
 
 def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:
@@ -155,6 +318,27 @@ def _name_unnamed_nodes(model: onnx.ModelProto) -> None:
         seen.add(node.name)
 
 
+def export_stage(
+    pkg: Package,
+    name: str,
+    module: torch.nn.Module,
+    args: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_axes: dict[str, dict[int, str]],
+    role: str,
+    edit=None,
+) -> onnx.ModelProto:
+    """Export one stage graph into the package's scratch directory and add it as ``name`` (fp32).
+
+    Returns the graph without its weights, for exporters that read facts off its structure.
+    """
+    path = pkg.scratch_path(name)
+    model = export_graph(module, args, input_names, output_names, dynamic_axes, path, edit=edit)
+    pkg.set_graph_file(name, path, role=role, precision="fp32")
+    return model
+
+
 def decoder_axes(layers: int, mrope: bool = False) -> dict[str, dict[int, str]]:
     past, present = kv_names(layers)
     axes = {
@@ -181,7 +365,6 @@ def export_decoder(
     dtype=torch.float32,
 ) -> None:
     """Export the shared decoder graph and store its sample inputs."""
-    pkg.release()  # a staged package (vlmc build) keeps earlier stages on disk while the largest one traces
     g = torch.Generator().manual_seed(0)
     batch, seq, past_len = 2, 5, 3
     embeds = torch.randn(batch, seq, hidden, generator=g, dtype=dtype)
@@ -194,30 +377,31 @@ def export_decoder(
     ]
     past_names, present_names = kv_names(layers)
     names = ["inputs_embeds", "attention_mask", "position_ids", *past_names]
-    model = export_graph(
+    export_stage(
+        pkg,
+        "decoder",
         DecoderWrapper(text_model, lm_head, layers),
         [embeds, mask, pos.contiguous(), *past],
         names,
         ["logits", *present_names],
         decoder_axes(layers, mrope),
+        role="decoder",
     )
-    pkg.set_graph("decoder", model, role="decoder", precision="fp32")
     samples.store(
         pkg, "decoder", {n: t.numpy() for n, t in zip(names, [embeds, mask, pos.contiguous(), *past])}
     )
-    del model
-    pkg.release("decoder")
 
 
 def export_embed(pkg: Package, embedding, vocab: int) -> None:
-    pkg.release()  # see export_decoder
     ids = torch.arange(10, dtype=torch.int64).reshape(2, 5) % vocab
-    model = export_graph(
+    export_stage(
+        pkg,
+        "embed_tokens",
         EmbedWrapper(embedding),
         [ids],
         ["input_ids"],
         ["inputs_embeds"],
         {"input_ids": {0: BATCH, 1: SEQ}, "inputs_embeds": {0: BATCH, 1: SEQ}},
+        role="embed",
     )
-    pkg.set_graph("embed_tokens", model, role="embed", precision="fp32")
     samples.store(pkg, "embed_tokens", {"input_ids": ids.numpy()})

@@ -154,32 +154,38 @@ def export(source, pkg: Package) -> None:
 
     g = torch.Generator().manual_seed(0)
     pixels = torch.randn(2, 3, size, size, generator=g)
-    vision = base.export_graph(
+    base.export_stage(
+        pkg,
+        "vision_encoder",
         VisionWrapper(model),
         [pixels],
         ["pixel_values"],
         ["vision_hidden_states"],
         {"pixel_values": {0: base.IMAGES}, "vision_hidden_states": {0: base.IMAGES}},
+        role="vision",
     )
-    pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
-    del vision  # the package holds it (and stages it) while later stages trace
 
     with torch.no_grad():
         hidden = VisionWrapper(model).eval()(pixels)
-    fusion = base.export_graph(
+
+    def static_queries(fusion):
+        # The Q-Former slices its query rows with a traced length, so the exporter names that dim; it is
+        # always num_query_tokens, and a static dim lets backends plan the fusion output without a gear.
+        fusion.graph.output[0].type.tensor_type.shape.dim[1].dim_value = n_query
+
+    base.export_stage(
+        pkg,
+        "fusion",
         FusionWrapper(model),
         [hidden],
         ["vision_hidden_states"],
         ["image_features"],
         {"vision_hidden_states": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
+        role="fusion",
+        edit=static_queries,
     )
-    # The Q-Former slices its query rows with a traced length, so the exporter names that dim; it is
-    # always num_query_tokens, and a static dim lets backends plan the fusion output without a gear.
-    fusion.graph.output[0].type.tensor_type.shape.dim[1].dim_value = n_query
-    pkg.set_graph("fusion", fusion, role="fusion", precision="fp32")
     samples.store(pkg, "fusion", {"vision_hidden_states": hidden.numpy()})
-    del fusion
 
     lm = model.language_model
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)

@@ -162,17 +162,19 @@ def export(source, pkg: Package) -> None:
 
     g = torch.Generator().manual_seed(0)
     pixels = torch.randn(2, 3, size, size, generator=g)
-    vision = base.export_graph(
+    vision = base.export_stage(
+        pkg,
+        "vision_encoder",
         VisionWrapper(model),
         [pixels],
         ["pixel_values"],
         ["image_features"],
         {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
+        role="vision",
     )
-    pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     m["vision"]["attention"] = attention_facts(vision, cfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
-    del vision  # the package holds it (and stages it) while later stages trace
+    del vision
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(
         pkg,

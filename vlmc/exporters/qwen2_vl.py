@@ -394,7 +394,9 @@ def export(source, pkg: Package) -> None:
     grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
     dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
     pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    vision = base.export_graph(
+    vision = base.export_stage(
+        pkg,
+        "vision_encoder",
         VisionWrapper(model),
         [pixels, grid],
         ["pixel_values", "image_grid_thw"],
@@ -404,11 +406,11 @@ def export(source, pkg: Package) -> None:
             "image_grid_thw": {0: base.IMAGES},
             "image_features": {0: IMAGE_TOKENS},
         },
+        role="vision",
     )
-    pkg.set_graph("vision_encoder", vision, role="vision", precision="fp32")
     m["vision"]["attention"] = attention_facts(vision, vcfg)
     samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
-    del vision  # the package holds it (and stages it) while later stages trace
+    del vision
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(
         pkg,

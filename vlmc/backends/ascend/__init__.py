@@ -7,18 +7,17 @@ import logging
 import os
 import shlex
 import shutil
-import uuid
 from pathlib import Path
 
 import onnx
 
 from vlmc import graphs as G
-from vlmc import pass_api, samples
+from vlmc import outdir, pass_api, samples
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, lower, precheck
 from vlmc.backends.ascend import soc as S
 from vlmc.errors import CheckFailed, VlmcError
-from vlmc.package import Package, check_output_dir
+from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +115,11 @@ def compile(package: Package, out_dir: Path, target: dict, force: bool = False) 
     """
     opts = options(target)
     out_dir = Path(out_dir).resolve()
-    check_output_dir(out_dir, force, marker=BUILD_MARKER)
+    outdir.check(out_dir, force)
     resolution = S.resolve(opts["soc"], opts.get("soc_variant"))
     plan = prepare(package, opts, resolution.soc_version)
     summary = _summary(package, opts, resolution, plan)
-    _write(out_dir, plan, summary)
+    _write(out_dir, plan, summary, force)
     if opts["run"]:
         summary["run"] = run_builds(out_dir, plan["commands"])
         (out_dir / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -358,10 +357,8 @@ def _summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict)
     }
 
 
-def _write(out_dir: Path, plan: dict, summary: dict) -> None:
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
+def _write(out_dir: Path, plan: dict, summary: dict, force: bool) -> None:
+    with outdir.atomic(out_dir, force) as tmp:
         (tmp / "graphs").mkdir(parents=True)
         for file, model in plan["files"].items():
             if file not in plan["shared"]:
@@ -382,12 +379,6 @@ def _write(out_dir: Path, plan: dict, summary: dict) -> None:
         (tmp / BUILD_MARKER).write_text(
             json.dumps({"backend": NAME, "compile": "compile.json"}, indent=2) + "\n"
         )
-        from vlmc.package import _replace_dir
-
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
