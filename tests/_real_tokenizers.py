@@ -93,8 +93,13 @@ def llama_tokenizer(legacy: bool = True):
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     scheme = "always" if legacy else "first"
     trainee = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    # Trained split at '▁' (SentencePiece pieces never span words); "\n" is left out of the vocabulary so it
+    # falls back to its byte piece <0x0A> (13 in Llama), as in the real one.
+    trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=True)
     vocab, merges = _train_bpe(trainee, 420, specials)
+    merges = [m for m in merges if "\n" not in m[0] + m[1]]
+    kept = sorted((i, t) for t, i in vocab.items() if "\n" not in t)
+    vocab = {t: n for n, (_, t) in enumerate(kept)}
     tok = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     )

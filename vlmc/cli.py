@@ -229,10 +229,11 @@ def run(package, images, prompts, max_new_tokens, as_json):
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:
-    """Give each prompt as many images as it has placeholders (one each if it has none)."""
+    """Give each prompt as many images as it has placeholders (one each if it has none; a single plain
+    prompt takes them all, the chat template places them)."""
     out, k = [], 0
     for p in prompts:
-        n = p.count(marker) or (1 if images else 0)
+        n = p.count(marker) or (len(images) if len(prompts) == 1 else 1 if images else 0)
         out.append(images[k : k + n])
         k += n
     if k != len(images):
