@@ -237,7 +237,7 @@ def llava_dir(path: Path, legacy: bool = True, hidden: int = 64, seed: int = 1) 
 
 
 def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
-    """Qwen2-VL / Qwen2.5-VL (patch 8, merge 2) with Qwen2VLProcessor files (min 4, max 64 merged tokens)."""
+    """Qwen2-VL / Qwen2.5-VL (patch 8, merge 2) with Qwen2VLProcessor files (min 8, max 64 merged tokens)."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
@@ -267,7 +267,7 @@ def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
         patch_size=v.patch_size,
         merge_size=v.spatial_merge_size,
         temporal_patch_size=v.temporal_patch_size,
-        min_pixels=4 * factor * factor,
+        min_pixels=8 * factor * factor,
         max_pixels=64 * factor * factor,
     )
     # Saved file by file as the hub checkpoints are: Qwen2VLProcessor cannot be built here, its video

@@ -250,6 +250,18 @@ def test_qwen2_vl_plain_prompt(qwen2_vl, pictures):
     )
 
 
+def test_qwen2_vl_smart_resize_uses_the_processor_pixel_bounds(qwen2_vl, tmp_path):
+    big, small = (
+        R.save_image(tmp_path / "big.png", 240, 180, 8),
+        R.save_image(tmp_path / "small.png", 20, 24, 9),
+    )
+    ref = _check(qwen2_vl, ["Compare the two pictures."], [[big, small]])
+    facts = qwen2_vl.pkg.manifest["vision"]["preprocess"]
+    assert (facts["min_pixels"], facts["max_pixels"]) == (8 * 16 * 16, 64 * 16 * 16)  # not Qwen's defaults
+    pixels = ref["image_grid_thw"].numpy().prod(-1) * 8 * 8  # patches of 8x8 px after the resize
+    assert pixels[0] <= facts["max_pixels"] < 240 * 180 and pixels[1] >= facts["min_pixels"] > 20 * 24
+
+
 def test_qwen2_vl_explicit_marker_and_batch(qwen2_vl, pictures):
     _check(qwen2_vl, ["<|vision_start|><|image_pad|><|vision_end|>Describe the image."], [[pictures[1]]])
     _check(qwen2_vl, ["What is in the image?", "Compare the two pictures."], [[pictures[1]], [pictures[2]]])
@@ -283,3 +295,28 @@ def test_blip2_marker_and_batch(blip2, pictures):
     _check(
         blip2, ["Question: what colour is it? Answer:", "Describe the image."], [[pictures[1]], [pictures[2]]]
     )
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "blip2"])
+def test_verify_checks_inputs_against_each_family_processor(family, request, pictures):
+    fam = request.getfixturevalue(family)
+    prompts = [f"{fam.marker}What is in the image?", "Describe the image."]
+    res = verify.verify(fam.pkg, max_new_tokens=3, prompts=prompts, images=[[pictures[0]], [pictures[1]]])
+    assert res.passed, res
+    assert res.inputs["checked"] and res.inputs["ids_equal"] and res.inputs["pixel_max_abs_diff"] <= 1e-5
+    assert res.inputs.get("image_grid_thw_equal", True)
+
+
+def test_package_from_an_older_vlmc_tokenizes_its_source_files_with_transformers(llava, tmp_path, pictures):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(llava.pkg_dir, old)
+    m = json.loads((old / "vlmc.json").read_text())
+    for key in ("tokenizer_file", "chat_template", "special_tokens"):
+        del m["text"][key]
+    (old / "vlmc.json").write_text(json.dumps(m))
+    prompt, images = ["USER: <image>\nWhat is it? ASSISTANT:"], [[pictures[0]]]
+    got = Pipeline(Package.load(old)).prepare(prompt, images)
+    want = Pipeline(llava.pkg).prepare(prompt, images)
+    assert got.input_ids.tolist() == want.input_ids.tolist()
