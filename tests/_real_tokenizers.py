@@ -79,23 +79,27 @@ def _train_bpe(tok, vocab_size: int, specials: list[str], **trainer_kw):
     ]
 
 
-def llama_tokenizer(legacy: bool = True):
-    """A Llama-style SentencePiece BPE (byte fallback, Metaspace '▁'), as LlamaTokenizerFast.
+def llama_tokenizer(legacy: bool = False, metaspace: str | None = None):
+    """A Llama-style SentencePiece BPE (byte fallback, '▁' for spaces), as LlamaTokenizerFast.
 
     Ids follow Llama: 0 <unk>, 1 <s>, 2 </s>, 3..258 the byte-fallback pieces, then merges; LLaVA-1.5 adds
-    <image> and <pad> after the vocabulary. ``legacy`` is LlamaTokenizer's flag: True prepends '▁' to the
-    text after every special token (what makes the extra 29871 after <image> in llava-1.5), False only at
-    the start of the text.
+    <image> and <pad> after the vocabulary. ``legacy`` is LlamaTokenizer's flag (tokenizer_config.json).
+
+    tokenizer.json comes in llava-1.5-7b-hf's format by default: a Prepend('▁') + Replace(' ', '▁')
+    normalizer, which prepends '▁' to the text after *every* special token (the legacy behaviour: the lone
+    '▁', 29871, between <image> and '\n'), while its tokenizer_config says ``legacy: false``. transformers
+    runs the file as it is when it loads the model directory, but the LlamaTokenizer class, which takes
+    over where the directory has no config.json, rebuilds a Metaspace pipeline from the flag and drops that
+    '▁'. ``metaspace`` ("always" / "first") writes the newer format instead, a Metaspace pre-tokenizer.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import LlamaTokenizerFast
 
     specials = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    scheme = "always" if legacy else "first"
     trainee = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     # Trained split at '▁' (SentencePiece pieces never span words); "\n" is left out of the vocabulary so it
     # falls back to its byte piece <0x0A> (13 in Llama), as in the real one.
-    trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=True)
+    trainee.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
     vocab, merges = _train_bpe(trainee, 420, specials)
     merges = [m for m in merges if "\n" not in m[0] + m[1]]
     kept = sorted((i, t) for t, i in vocab.items() if "\n" not in t)
@@ -103,7 +107,10 @@ def llama_tokenizer(legacy: bool = True):
     tok = Tokenizer(
         models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)
     )
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    if metaspace is None:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=metaspace, split=False)
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
@@ -199,14 +206,18 @@ def save_image(path: Path, h: int, w: int, seed: int = 0) -> str:
 # ---- model directories: random weights + real-format tokenizer and processor -------------------
 
 
-def llava_dir(path: Path, legacy: bool = True, hidden: int = 64, seed: int = 1) -> Path:
-    """LlavaForConditionalGeneration (CLIP 64 px, patch 8: 64 image tokens) with LlavaProcessor files."""
+def llava_dir(
+    path: Path, legacy: bool = False, metaspace: str | None = None, hidden: int = 64, seed: int = 1
+) -> Path:
+    """LlavaForConditionalGeneration (CLIP 64 px, patch 8: 64 image tokens) with LlavaProcessor files.
+
+    The tokenizer files are llava-1.5-7b-hf's format by default (see llama_tokenizer)."""
     import torch
     from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
 
     from vlmc.exporters import zoo
 
-    tok = llama_tokenizer(legacy)
+    tok = llama_tokenizer(legacy, metaspace)
     image_id = tok.convert_tokens_to_ids("<image>")
     cfg = zoo.tiny_llava_config(
         vocab_size=len(tok),

@@ -166,7 +166,7 @@ def test_llava_plain_prompt_goes_through_the_chat_template(llava, pictures):
     ids = ref["input_ids"][0].tolist()
     image_id = llava.pkg.manifest["vision"]["image_token_id"]
     last = max(i for i, x in enumerate(ids) if x == image_id)
-    # legacy Llama: BOS first, and a lone '▁' between the image run and the newline (29871 in llava-1.5)
+    # llava-1.5's tokenizer: BOS first, and a lone '▁' between the image run and the newline (29871 there)
     assert ids[0] == llava.proc.tokenizer.bos_token_id
     assert llava.proc.tokenizer.convert_ids_to_tokens(ids[last + 1 : last + 3]) == ["▁", "<0x0A>"]
 
@@ -183,15 +183,44 @@ def test_llava_batch_of_two_prompts(llava, pictures):
     )
 
 
-def test_llama_legacy_flag_changes_the_ids_and_the_runtime_follows_it(llava, tmp_path, pictures):
-    modern = Family(tmp_path, lambda p: R.llava_dir(p, legacy=False))
+def test_runtime_tokenizes_like_the_processor_not_like_the_tokenizer_class(llava, tmp_path, pictures):
+    """The issue's case: llava-1.5's tokenizer.json prepends '▁' after every special token, its
+    tokenizer_config says legacy: false. The processor (model directory) runs the file as it is; the
+    LlamaTokenizer class, which AutoTokenizer picks for the same files without config.json (what vlmc
+    used to load from the package's source/), rebuilds the pipeline from the flag and drops that '▁'."""
+    from transformers import AutoTokenizer
+
+    bare = tmp_path / "tokenizer_only"
+    bare.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_bytes((llava.src / name).read_bytes())
     prompt, images = ["What is shown in this picture?"], [[pictures[0]]]
-    legacy_ids = _ids(*(llava.reference(prompt, images)[k] for k in ("input_ids", "attention_mask")))
-    modern_ids = _ids(*(modern.reference(prompt, images)[k] for k in ("input_ids", "attention_mask")))
-    assert len(legacy_ids[0]) == len(modern_ids[0]) + 1  # the '▁' after the image run
-    for fam, want in ((llava, legacy_ids), (modern, modern_ids)):
-        inp = Pipeline(fam.pkg).prepare(prompt, images)
-        assert _ids(inp.input_ids, inp.attention_mask) == want
+    ref = llava.reference(prompt, images)
+    want = _ids(ref["input_ids"], ref["attention_mask"])[0]
+    text = llava.proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt[0]}]}],
+        add_generation_prompt=True,
+    )
+    n = llava.pkg.manifest["vision"]["tokens_per_image"]
+    by_class = AutoTokenizer.from_pretrained(bare)(text.replace("<image>", "<image>" * n))["input_ids"]
+    assert type(AutoTokenizer.from_pretrained(bare)).__name__ == "LlamaTokenizer"
+    last = max(i for i, x in enumerate(want) if x == llava.pkg.manifest["vision"]["image_token_id"])
+    lone, newline = llava.proc.tokenizer.convert_tokens_to_ids(["▁", "<0x0A>"])
+    assert want[last + 1 : last + 3] == [lone, newline] and by_class[last + 1] == newline
+    inp = Pipeline(llava.pkg).prepare(prompt, images)
+    assert _ids(inp.input_ids, inp.attention_mask)[0] == want
+
+
+@pytest.mark.parametrize("legacy", [True, False])
+def test_metaspace_format_follows_the_legacy_prepend_scheme(tmp_path, pictures, legacy):
+    fam = Family(tmp_path, lambda p: R.llava_dir(p, legacy=legacy, metaspace="always" if legacy else "first"))
+    prompt, images = ["What is shown in this picture?"], [[pictures[0]]]
+    want = _ids(*(fam.reference(prompt, images)[k] for k in ("input_ids", "attention_mask")))
+    inp = Pipeline(fam.pkg).prepare(prompt, images)
+    assert _ids(inp.input_ids, inp.attention_mask) == want
+    last = max(i for i, x in enumerate(want[0]) if x == fam.pkg.manifest["vision"]["image_token_id"])
+    lone = fam.proc.tokenizer.convert_tokens_to_ids("▁")
+    assert (want[0][last + 1] == lone) == legacy  # '▁' after the image run only with prepend_scheme always
 
 
 def test_verify_reports_identical_inputs_on_a_real_tokenizer(llava, pictures):
@@ -307,7 +336,10 @@ def test_verify_checks_inputs_against_each_family_processor(family, request, pic
     assert res.inputs.get("image_grid_thw_equal", True)
 
 
-def test_package_from_an_older_vlmc_tokenizes_its_source_files_with_transformers(llava, tmp_path, pictures):
+def test_verify_catches_the_tokenizer_an_older_vlmc_package_runs(llava, tmp_path, pictures, caplog):
+    """A package from before text.tokenizer_file loads source/ with AutoTokenizer (no config.json there):
+    on llava-1.5's files that drops the '▁' after the image run. verify used to pass it (it fed vlmc's own
+    ids to transformers); now it fails and names the position."""
     import shutil
 
     old = tmp_path / "old"
@@ -317,6 +349,16 @@ def test_package_from_an_older_vlmc_tokenizes_its_source_files_with_transformers
         del m["text"][key]
     (old / "vlmc.json").write_text(json.dumps(m))
     prompt, images = ["USER: <image>\nWhat is it? ASSISTANT:"], [[pictures[0]]]
-    got = Pipeline(Package.load(old)).prepare(prompt, images)
-    want = Pipeline(llava.pkg).prepare(prompt, images)
-    assert got.input_ids.tolist() == want.input_ids.tolist()
+    res = verify.verify(Package.load(old), max_new_tokens=2, prompts=prompt, images=images)
+    assert "exported by an older vlmc" in caplog.text
+    assert not res.passed and not res.inputs["ids_equal"]
+    ref = _ids(*(llava.reference(prompt, images)[k] for k in ("input_ids", "attention_mask")))[0]
+    got = _ids(
+        *(lambda i: (i.input_ids, i.attention_mask))(Pipeline(Package.load(old)).prepare(prompt, images))
+    )[0]
+    pos = next(i for i, (a, b) in enumerate(zip(ref, got)) if a != b)
+    assert (
+        res.inputs["first_difference"]
+        == f"token ids differ at position {pos}: processor {ref[pos]}, vlmc {got[pos]}"
+    )
+    assert got[pos] == llava.proc.tokenizer.convert_tokens_to_ids("<0x0A>")

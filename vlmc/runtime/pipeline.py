@@ -145,8 +145,8 @@ class Pipeline:
         """Token ids of one prompt whose images give ``counts`` placeholders each.
 
         Like the processors, each marker is expanded into its placeholder run in the text *before*
-        tokenizing, so the tokenizer sees the same string the processor gives it (a Llama tokenizer
-        splits the text after a run of image tokens differently than after a single one otherwise).
+        tokenizing, so the tokenizer sees exactly the string the processor gives it, whatever its
+        normalizer or pre-tokenizer does at special-token boundaries.
         """
         t = self.m["text"]
         marker = t.get("image_marker", "<image>")

@@ -89,6 +89,12 @@ class TransformersTokenizer:
                 "this package (exported by an older vlmc) tokenizes with transformers: "
                 "pip install 'vlmc[export]', or re-export it so it runs with the tokenizers library alone"
             ) from exc
+        # Loaded without the model's config.json, transformers may pick another tokenizer class than the
+        # processor does (LlamaTokenizer rebuilds its pipeline from the legacy flag), so ids can differ.
+        logger.warning(
+            "this package was exported by an older vlmc: its tokenizer may not match the source processor's; "
+            "re-export it (vlmc verify shows any difference)"
+        )
         self.tok = AutoTokenizer.from_pretrained(str(directory))
         self.image_token_id = image_token_id
         self.marker = marker
