@@ -2,7 +2,7 @@
 
 Each builder trains a small BPE with the `tokenizers` library on a fixed corpus, wraps it in the transformers
 tokenizer class the real checkpoints use, and saves the family's processor with it, so the directories look
-like hub checkpoints (tokenizer.json, tokenizer_config.json, processor and preprocessor configs, chat template).
+like hub checkpoints (tokenizer.json, tokenizer_config.json, processor/preprocessor configs, chat template).
 """
 
 from __future__ import annotations

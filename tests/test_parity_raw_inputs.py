@@ -1,4 +1,4 @@
-"""Parity from raw inputs with real-format tokenizers: runtime ids == the source processor's, `vlmc run` == generate.
+"""Parity from raw inputs with real-format tokenizers: runtime ids == processor ids, `vlmc run` == generate.
 
 Each family's directory is a random-weight model saved beside a tokenizer trained offline with `tokenizers`
 (Llama SentencePiece BPE, Qwen2 byte-level BPE with Qwen2-VL's specials, GPT-2/OPT byte-level BPE) and the
@@ -41,7 +41,7 @@ class Family:
         self.marker = self.pkg.manifest["text"]["image_marker"]
 
     def reference(self, prompts: list[str], images: list[list[str]]):
-        """The processor's model inputs for raw prompts and image files, as a transformers user writes them."""
+        """The processor's model inputs for raw prompts and image files, as a transformers user writes."""
         self.proc.tokenizer.padding_side = "left"
         if all(self.marker not in p for p in prompts) and self.proc.chat_template is not None:
             convs = [

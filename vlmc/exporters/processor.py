@@ -98,7 +98,8 @@ def attach(directory, pkg) -> None:
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         raise VlmcError(
-            f"{directory}: the tokenizer ({type(tok).__name__}) has no `tokenizers` backend, which vlmc runs; "
+            f"{directory}: the tokenizer ({type(tok).__name__}) has no `tokenizers` backend, "
+            "which vlmc runs; "
             "save the model with a fast tokenizer (tokenizer.json)"
         )
     text = pkg.manifest["text"]
@@ -117,6 +118,7 @@ def attach(directory, pkg) -> None:
     found = backend.token_to_id(text.get("image_marker", "<image>"))
     if found != image_id:
         raise VlmcError(
-            f"{directory}: the tokenizer maps the image token {text.get('image_marker')!r} to {found}, but the "
+            f"{directory}: the tokenizer maps the image token {text.get('image_marker')!r} to {found}, "
+            "but the "
             f"config's image token id is {image_id}; the tokenizer and config.json do not belong together"
         )

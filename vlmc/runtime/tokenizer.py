@@ -68,8 +68,8 @@ class SourceTokenizer:
             )
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        # add_special_tokens runs the tokenizer's own post-processor (BOS for Llama and OPT, nothing for Qwen2),
-        # as the processor's tokenizer call does.
+        # add_special_tokens runs the tokenizer's own post-processor (BOS for Llama and OPT, nothing for
+        # Qwen2), as the processor's tokenizer call does.
         return list(self.tok.encode(text, add_special_tokens=add_bos).ids)
 
     def decode(self, ids: list[int]) -> str:
@@ -77,7 +77,7 @@ class SourceTokenizer:
 
 
 class TransformersTokenizer:
-    """Packages exported before text.tokenizer_file existed: the copied source files, loaded by transformers."""
+    """Packages from before text.tokenizer_file: the copied source files, loaded by transformers."""
 
     source = True
 
