@@ -231,9 +231,15 @@ def llava_dir(
     torch.manual_seed(seed)
     LlavaForConditionalGeneration(cfg).save_pretrained(path)
     size = cfg.vision_config.image_size
+    # Not the defaults vlmc would assume (resize to the tower size, CLIP statistics, bicubic): the package
+    # must take them from processor_config.json, where transformers 5 saves them.
     proc = LlavaProcessor(
         image_processor=CLIPImageProcessorPil(
-            size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+            size={"shortest_edge": size + 8},
+            crop_size={"height": size, "width": size},
+            image_mean=[0.5, 0.45, 0.4],
+            image_std=[0.25, 0.3, 0.35],
+            resample=2,
         ),
         tokenizer=tok,
         patch_size=cfg.vision_config.patch_size,
@@ -303,7 +309,12 @@ def blip2_dir(path: Path, seed: int = 1) -> Path:
     tok = opt_tokenizer()
     cfg = blip2.tiny_blip2_config()
     proc = Blip2Processor(
-        image_processor=BlipImageProcessorPil(size={"height": 32, "width": 32}),
+        image_processor=BlipImageProcessorPil(
+            size={"height": 32, "width": 32},
+            image_mean=[0.5, 0.5, 0.5],
+            image_std=[0.5, 0.5, 0.5],
+            resample=2,
+        ),
         tokenizer=tok,
         num_query_tokens=cfg.num_query_tokens,
     )

@@ -362,3 +362,12 @@ def test_verify_catches_the_tokenizer_an_older_vlmc_package_runs(llava, tmp_path
         == f"token ids differ at position {pos}: processor {ref[pos]}, vlmc {got[pos]}"
     )
     assert got[pos] == llava.proc.tokenizer.convert_tokens_to_ids("<0x0A>")
+
+
+def test_image_processor_settings_come_from_the_saved_processor(llava, blip2):
+    # transformers 5 saves LlavaProcessor's and Blip2Processor's image processor inside processor_config.json
+    for fam in (llava, blip2):
+        assert not (fam.src / "preprocessor_config.json").exists()
+        facts = fam.pkg.manifest["vision"]["preprocess"]
+        assert facts["mean"] != [0.48145466, 0.4578275, 0.40821073] and facts["resample"] == "bilinear"
+    assert llava.pkg.manifest["vision"]["preprocess"]["resize_shortest_edge"] == 72

@@ -254,5 +254,5 @@ def _attach_source_files(directory: Path, pkg: Package) -> None:
         from vlmc.exporters import processor
 
         processor.attach(directory, pkg)
-    if "preprocessor_config.json" in found:
+    if "preprocessor_config.json" in found or "processor_config.json" in found:
         pkg.manifest["vision"]["processor"] = "source"
