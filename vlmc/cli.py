@@ -229,10 +229,11 @@ def run(package, images, prompts, max_new_tokens, as_json):
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:
-    """Give each prompt as many images as it has placeholders (one each if it has none)."""
+    """Give each prompt as many images as it has placeholders (one each if it has none; a single plain
+    prompt takes them all, the chat template places them)."""
     out, k = [], 0
     for p in prompts:
-        n = p.count(marker) or (1 if images else 0)
+        n = p.count(marker) or (len(images) if len(prompts) == 1 else 1 if images else 0)
         out.append(images[k : k + n])
         k += n
     if k != len(images):
@@ -304,19 +305,18 @@ def verify(
         allow_pickle,
     )
     V.write(pkg, res)
-    rows = [
-        ["prefill logits max |diff|", f"{res.prefill_logits_max_abs_diff:.3g}"],
-        ["prefill logits cosine", f"{res.prefill_logits_cosine:.6f}"],
-        ["top-1 agreement", f"{res.top1_agreement:.3f}"],
-        ["token agreement", f"{res.token_agreement:.3f} over {max_new_tokens} new tokens"],
-        ["common prefix", str(res.common_prefix)],
+    rows = _input_rows(res.inputs) + [
+        ["(b) prefill logits max |diff|", f"{res.prefill_logits_max_abs_diff:.3g}"],
+        ["(b) prefill logits cosine", f"{res.prefill_logits_cosine:.6f}"],
+        ["(c) top-1 agreement", f"{res.top1_agreement:.3f}"],
+        ["(c) token agreement", f"{res.token_agreement:.3f} over {max_new_tokens} new tokens"],
+        ["(c) common prefix", str(res.common_prefix)],
         ["result", "PASS" if res.passed else "FAIL"],
     ]
     if res.prefill_logits_kl is not None:
-        rows[3:3] = [
-            ["prefill KL(reference || package)", f"{res.prefill_logits_kl:.4g}"],
-            ["top-5 agreement", f"{res.top5_agreement:.3f}"],
-        ]
+        at = next(i for i, r in enumerate(rows) if r[0] == "(c) top-1 agreement")
+        rows[at:at] = [["(b) prefill KL(reference || package)", f"{res.prefill_logits_kl:.4g}"]]
+        rows[at + 2 : at + 2] = [["(c) top-5 agreement", f"{res.top5_agreement:.3f}"]]
     if res.visual_tokens and res.visual_tokens["package"] != res.visual_tokens["reference"]:
         rows.insert(
             0,
@@ -335,10 +335,35 @@ def verify(
     if not res.passed:
         from vlmc.errors import CheckFailed
 
+        inputs = res.inputs or {}
+        if res.exact_package and not inputs.get("passed", True):
+            raise CheckFailed(
+                "verify failed: the runtime's inputs differ from the source processor's: "
+                + (inputs.get("first_difference") or inputs.get("vision_difference"))
+            )
         raise CheckFailed(
             f"verify failed: logits max |diff| {res.prefill_logits_max_abs_diff:.3g}, "
             f"token agreement {res.token_agreement:.3f} (thresholds {res.thresholds})"
         )
+
+
+def _input_rows(inputs: dict | None) -> list[list[str]]:
+    """verify's (a) rows: the runtime's ids and pixels against the source processor's."""
+    if not inputs or not inputs.get("checked"):
+        return [["(a) inputs vs processor", f"not checked: {(inputs or {}).get('reason', 'no processor')}"]]
+    rows = [
+        [
+            f"(a) token ids vs {inputs.get('processor', 'processor')}",
+            "identical" if inputs["ids_equal"] else inputs["first_difference"],
+        ]
+    ]
+    if inputs.get("pixel_max_abs_diff") is not None:
+        rows.append(["(a) pixel values max |diff|", f"{inputs['pixel_max_abs_diff']:.3g}"])
+    if "image_grid_thw_equal" in inputs:
+        rows.append(["(a) image grids", "identical" if inputs["image_grid_thw_equal"] else "differ"])
+    if inputs.get("vision_difference"):
+        rows.append(["(a) vision inputs", inputs["vision_difference"]])
+    return rows
 
 
 @main.command()

@@ -21,6 +21,9 @@ Layout (format version 1; ``?`` marks keys only some packages have)::
       "text":   {"vocab_size", "eos_token_id", "pad_token_id", "bos_token_id", "max_positions",
                  "hidden_size", "intermediate_size", "tokenizer": "source" | "bytes",
                  "prompt_template": str, "image_marker": str, "add_bos": bool,
+                 "tokenizer_file"?: str,        # the source processor's tokenizer (tokenizers JSON)
+                 "chat_template"?: str,         # its chat template (a file in the package)
+                 "special_tokens"?: {name: str},  # bos_token, eos_token... for the chat template
                  "position": "1d" | "mrope", "mrope_section"?: [t, h, w],
                  "image_tokens_first"?: bool,   # placeholders lead the sequence, ahead of BOS
                  "token_type_ids"?: str},       # the source model's input marking placeholders (verify)

@@ -286,11 +286,22 @@ def _pruning_lines(m: dict) -> list[str]:
     return lines
 
 
+def _inputs_summary(inputs: dict) -> str:
+    """verify's (a): ids and pixel values of the runtime against the source processor's."""
+    if not inputs.get("checked"):
+        return f"not checked ({inputs.get('reason', 'verified by an older vlmc')})"
+    if not inputs.get("passed"):
+        return str(inputs.get("first_difference") or inputs.get("vision_difference"))
+    pixels = inputs.get("pixel_max_abs_diff")
+    return "identical ids" + (f", pixel values max abs diff {pixels:.3g}" if pixels is not None else "")
+
+
 def _verify_lines(v: dict | None) -> list[str]:
     if not v:
         return ["", "## Verification", "", "not run (run `vlmc verify PACKAGE`)"]
     kind = "exact package: parity" if v.get("exact_package") else "lossy package: fidelity"
     rows = [
+        ("inputs vs the source processor", _inputs_summary(v.get("inputs") or {})),
         ("prefill logits max abs diff", f"{v.get('prefill_logits_max_abs_diff', float('nan')):.3g}"),
         ("prefill logits cosine", f"{v.get('prefill_logits_cosine', float('nan')):.6f}"),
         ("top-1 agreement", f"{v.get('top1_agreement', float('nan')):.3f}"),

@@ -1,8 +1,12 @@
-"""vlmc verify: run the source model in transformers and the package on onnxruntime on the same inputs.
+"""vlmc verify: the package on onnxruntime against the source model in transformers, from raw inputs.
 
-Reports prefill logits max |diff| and greedy token agreement over N new tokens, writes verify.json.
-Exact packages must be token-exact with logits within 1e-4; lossy packages (pruned, quantized) report
-fidelity numbers and are held to thresholds only when they are given.
+The transformers side starts from the image files and the prompt text and goes through the source
+directory's own processor (AutoProcessor, with its chat template for a plain prompt); no vlmc preprocessing
+or tokenization is involved there. Reported separately, written to verify.json:
+(a) input ids and pixel values / image grids, the runtime's against the processor's;
+(b) prefill logits; (c) greedy tokens over N new tokens.
+Exact packages must have identical (a), be token-exact and have logits within 1e-4; lossy packages (pruned,
+quantized) report fidelity numbers and are held to thresholds only when they are given.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = ["Describe the image."]
 DEFAULT_MAX_LOGIT_DIFF = 1e-4
+# Pixel values are float32 from the same PIL resize and normalization on both sides (a few ulp apart);
+# anything larger is a different preprocessing.
+MAX_PIXEL_DIFF = 1e-5
 
 
 @dataclass
@@ -43,6 +50,8 @@ class VerifyResult:
         None  # share of the reference's 5 best first tokens the package also ranks top-5
     )
     visual_tokens: dict | None = None  # per image, package vs reference (differs for pruned packages)
+    # (a): the runtime's ids / pixel values / grids against the source processor's (see compare_inputs)
+    inputs: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -56,8 +65,8 @@ def is_lossy(pkg: Package) -> bool:
     )
 
 
-def reference_model(pkg: Package, trust_remote_code: bool = False, allow_pickle: bool = False):
-    """Load the package's source model in transformers and check it is the one that was exported."""
+def reference_source(pkg: Package, trust_remote_code: bool = False, allow_pickle: bool = False):
+    """Load the package's source in transformers and check it is the one that was exported."""
     from vlmc.exporters import load_source
 
     src = pkg.manifest["model"]["source"]
@@ -67,19 +76,149 @@ def reference_model(pkg: Package, trust_remote_code: bool = False, allow_pickle:
             f"source {src} has a different config than the one exported "
             f"({source.config_hash} vs {pkg.manifest['model']['config_hash']})"
         )
-    return source.model
+    return source
 
 
-def reference_generate(model, inp: Inputs, max_new_tokens: int, eos, pad: int):
-    """Prefill logits at the last position and greedy tokens from transformers."""
+def reference_model(pkg: Package, trust_remote_code: bool = False, allow_pickle: bool = False):
+    return reference_source(pkg, trust_remote_code, allow_pickle).model
+
+
+def _pil(ref):
+    """A raw image for the processor: a file path as given (transformers opens it), pictures as PIL images."""
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from vlmc.runtime import preprocess
+
+    if isinstance(ref, np.ndarray):
+        return Image.fromarray(ref)
+    if Path(str(ref)).is_file():
+        return str(ref)
+    # 'demo:N' is vlmc's synthetic picture (uint8 pixels); making it is not preprocessing.
+    return Image.fromarray(preprocess.load_image(ref))
+
+
+def processor_inputs(pkg: Package, proc, prompts: list[str], images: list[list]):
+    """The source processor's model inputs (torch) for raw prompts and images, as a transformers user
+    makes them.
+
+    A prompt with the image marker is given to the processor as is; a plain prompt is first rendered with
+    the processor's chat template (images first, then the text; apply_chat_template's rule for BOS), or,
+    without one, filled into the manifest's prompt_template. A processor that puts its image tokens first by
+    itself (text.image_tokens_first: BLIP-2) gets the text without the marker.
+    """
+    from vlmc.exporters import processor as P
+
+    t = pkg.manifest["text"]
+    marker = t.get("image_marker", "<image>")
+    template = P.chat_template(proc)
+    tok = P.tokenizer_of(proc)
+    texts, add_special = [], True
+    for prompt, per in zip(prompts, images):
+        if marker in prompt:
+            text = prompt
+        elif template is not None:
+            conv = [
+                {
+                    "role": "user",
+                    "content": [{"type": "image"}] * len(per) + [{"type": "text", "text": prompt}],
+                }
+            ]
+            text = proc.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+            if tok.bos_token is not None and text.startswith(tok.bos_token):
+                add_special = False
+        else:
+            fill = t.get("prompt_template", "{prompt}")
+            text = (fill if per else fill.replace(marker, "")).replace("{prompt}", prompt)
+        if t.get("image_tokens_first"):
+            text = text.replace(marker, "")
+        texts.append(text)
+    flat = [_pil(i) for per in images for i in per]
+    tok.padding_side = "left"  # batched generation with a decoder-only model
+    return proc(
+        images=flat or None, text=texts, padding=True, add_special_tokens=add_special, return_tensors="pt"
+    )
+
+
+def compare_inputs(runtime: Inputs, ref: dict) -> dict:
+    """(a): each prompt's unpadded ids and the vision inputs, runtime against processor.
+
+    The first difference is named, e.g. "token ids differ at position 581: processor 29871, vlmc 13".
+    """
+    import numpy as np
+
+    out = {"checked": True, "ids_equal": True, "first_difference": None, "pixel_max_abs_diff": None}
+    ref_ids, ref_mask = ref["input_ids"].numpy(), ref["attention_mask"].numpy()
+    for b in range(max(len(ref_ids), len(runtime.input_ids))):
+        if b >= len(ref_ids) or b >= len(runtime.input_ids):
+            out.update(
+                ids_equal=False,
+                first_difference=(
+                    f"batch sizes differ: processor {len(ref_ids)}, vlmc {len(runtime.input_ids)}"
+                ),
+            )
+            break
+        want = ref_ids[b][ref_mask[b] == 1].tolist()
+        got = runtime.input_ids[b][runtime.attention_mask[b] == 1].tolist()
+        if want == got:
+            continue
+        where = f"prompt {b}: " if len(ref_ids) > 1 else ""
+        i = next((i for i, (x, y) in enumerate(zip(want, got)) if x != y), None)
+        if i is None:
+            msg = (
+                f"{where}token ids differ in length: processor {len(want)}, vlmc {len(got)} "
+                f"(equal for the first {min(len(want), len(got))})"
+            )
+        else:
+            msg = f"{where}token ids differ at position {i}: processor {want[i]}, vlmc {got[i]}"
+        out.update(ids_equal=False, first_difference=msg)
+        break
+    for key, value in runtime.vision.items():
+        if key not in ref:
+            out.setdefault("vision_difference", f"the processor gives no {key}, which the runtime feeds")
+            continue
+        want = ref[key].numpy()
+        if want.shape != value.shape:
+            out.setdefault(
+                "vision_difference",
+                f"{key} shapes differ: processor {list(want.shape)}, vlmc {list(value.shape)}",
+            )
+            out[f"{key}_equal"] = False
+        elif np.issubdtype(want.dtype, np.floating):
+            d = float(np.abs(want.astype(np.float64) - value.astype(np.float64)).max()) if want.size else 0.0
+            out["pixel_max_abs_diff"] = max(d, out["pixel_max_abs_diff"] or 0.0)
+            out[f"{key}_equal"] = d <= MAX_PIXEL_DIFF
+            if d > MAX_PIXEL_DIFF:
+                out.setdefault("vision_difference", f"{key} differ: max |diff| {d:.3g}")
+        else:
+            eq = bool(np.array_equal(want, value))
+            out[f"{key}_equal"] = eq
+            if not eq:
+                out.setdefault(
+                    "vision_difference", f"{key} differ: processor {want.tolist()}, vlmc {value.tolist()}"
+                )
+    out["passed"] = out["ids_equal"] and "vision_difference" not in out
+    return out
+
+
+def reference_generate(model, inp, max_new_tokens: int, eos, pad: int):
+    """Prefill logits at the last position and greedy tokens from transformers.
+
+    ``inp`` is the processor's output (a dict of tensors), or runtime Inputs for a built-in (no processor).
+    """
     import torch
 
-    feeds = {
-        "input_ids": torch.from_numpy(inp.input_ids),
-        "attention_mask": torch.from_numpy(inp.attention_mask),
-    }
-    feeds.update({k: torch.from_numpy(v) for k, v in inp.vision.items()})
-    feeds.update({k: torch.from_numpy(v) for k, v in inp.extra.items()})
+    if isinstance(inp, Inputs):
+        feeds = {
+            "input_ids": torch.from_numpy(inp.input_ids),
+            "attention_mask": torch.from_numpy(inp.attention_mask),
+        }
+        feeds.update({k: torch.from_numpy(v) for k, v in inp.vision.items()})
+        feeds.update({k: torch.from_numpy(v) for k, v in inp.extra.items()})
+    else:
+        feeds = dict(inp)
     with torch.no_grad():
         logits = model(**feeds).logits[:, -1, :].float().numpy()
         gen = model.generate(
@@ -90,7 +229,7 @@ def reference_generate(model, inp: Inputs, max_new_tokens: int, eos, pad: int):
             eos_token_id=eos,
             pad_token_id=pad,
         )
-    new = gen[:, inp.input_ids.shape[1] :].numpy()
+    new = gen[:, feeds["input_ids"].shape[1] :].numpy()
     eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
     tokens = []
     for row in new:
@@ -134,9 +273,23 @@ def verify(
         images = [[f"demo:{i}"] for i in range(len(prompts))]
     pipe = Pipeline(pkg)
     inp = pipe.prepare(prompts, images)
-    ref_inp = reference_inputs(pkg, prompts, images) or inp
+    # For a pruned package the source model (and its processor) see every visual token.
+    runtime_ref = reference_inputs(pkg, prompts, images) or inp
     with ui.progress("verify: loading the source model in transformers"):
-        model = reference_model(pkg, trust_remote_code, allow_pickle)
+        source = reference_source(pkg, trust_remote_code, allow_pickle)
+    model = source.model
+    if source.directory is not None and pkg.manifest["text"].get("tokenizer") == "source":
+        from vlmc.exporters import processor as P
+
+        proc = P.load(source.directory, trust_remote_code)
+        ref_inp = processor_inputs(pkg, proc, prompts, images)
+        checked = compare_inputs(runtime_ref, ref_inp)
+        checked["processor"] = type(proc).__name__
+    else:
+        # A built-in (or a source without tokenizer files) has no processor: both sides use the runtime's
+        # byte-tokenizer inputs, and (a) is not checked.
+        ref_inp = runtime_ref
+        checked = {"checked": False, "passed": True, "reason": "no source processor (byte tokenizer)"}
     t = pkg.manifest["text"]
     with ui.progress(f"verify: transformers generate ({max_new_tokens} tokens)"):
         ref_logits, ref_tokens = reference_generate(
@@ -149,13 +302,13 @@ def verify(
     n_images = max(sum(inp.image_counts), 1)
     tokens = {
         "package": int((inp.input_ids == image_id).sum()) // n_images,
-        "reference": int((ref_inp.input_ids == image_id).sum()) // n_images,
+        "reference": int((runtime_ref.input_ids == image_id).sum()) // n_images,
     }
     exact = not is_lossy(pkg)
     if exact:
         max_logit_diff = DEFAULT_MAX_LOGIT_DIFF if max_logit_diff is None else max_logit_diff
         min_token_agreement = 1.0 if min_token_agreement is None else min_token_agreement
-    ok = True
+    ok = bool(checked["passed"]) or not exact
     if max_logit_diff is not None and c["max_abs_diff"] > max_logit_diff:
         ok = False
     if min_token_agreement is not None and c["token_agreement"] < min_token_agreement:
@@ -177,6 +330,7 @@ def verify(
         prefill_logits_kl=c["kl"],
         top5_agreement=c["top5"],
         visual_tokens=tokens,
+        inputs=checked,
     )
     return res
 

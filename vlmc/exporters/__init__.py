@@ -252,6 +252,8 @@ def _attach_source_files(directory: Path, pkg: Package) -> None:
             found.append(fname)
     has_tok = any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if has_tok:
-        pkg.manifest["text"]["tokenizer"] = "source"
-    if "preprocessor_config.json" in found:
+        from vlmc.exporters import processor
+
+        processor.attach(directory, pkg)
+    if "preprocessor_config.json" in found or "processor_config.json" in found:
         pkg.manifest["vision"]["processor"] = "source"

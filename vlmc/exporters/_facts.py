@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 logger = logging.getLogger(__name__)
 
-# OPENAI CLIP image statistics: the processors' defaults when a source has no preprocessor_config.json.
+# OPENAI CLIP image statistics: the processors' defaults when a source has no image processor settings.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -28,3 +29,16 @@ def kv_facts(text_config) -> dict:
         "block_size": None,
         "dtype": "float32",
     }
+
+
+def image_processor_config(directory) -> dict | None:
+    """The source's image processor settings: preprocessor_config.json, or (transformers 5 saves processors
+    that way) the ``image_processor`` entry of processor_config.json; None when it has neither."""
+    if directory is None:
+        return None
+    if (directory / "preprocessor_config.json").is_file():
+        return json.loads((directory / "preprocessor_config.json").read_text())
+    if (directory / "processor_config.json").is_file():
+        nested = json.loads((directory / "processor_config.json").read_text()).get("image_processor")
+        return nested if isinstance(nested, dict) else None
+    return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from vlmc import samples
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -76,8 +75,8 @@ def preprocess_facts(config, directory) -> dict:
         "rescale_factor": 1 / 255,
         "resample": "bicubic",
     }
-    if directory is not None and (directory / "preprocessor_config.json").is_file():
-        pc = json.loads((directory / "preprocessor_config.json").read_text())
+    pc = image_processor_config(directory)
+    if pc is not None:
         s = pc.get("size", size)
         if isinstance(s, dict):
             facts["size"] = [

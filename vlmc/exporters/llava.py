@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -62,8 +61,8 @@ def preprocess_facts(config, directory) -> dict:
         "rescale_factor": 1 / 255,
         "resample": "bicubic",
     }
-    if directory is not None and (directory / "preprocessor_config.json").is_file():
-        pc = json.loads((directory / "preprocessor_config.json").read_text())
+    pc = image_processor_config(directory)
+    if pc is not None:
         s = pc.get("size", {})
         facts["resize_shortest_edge"] = int(
             s.get("shortest_edge", s.get("height", size)) if isinstance(s, dict) else s
@@ -75,6 +74,8 @@ def preprocess_facts(config, directory) -> dict:
         facts["mean"] = pc.get("image_mean", CLIP_MEAN)
         facts["std"] = pc.get("image_std", CLIP_STD)
         facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
+        # PILImageResampling values: 0 nearest, 2 bilinear, 3 bicubic
+        facts["resample"] = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(pc.get("resample", 3), "bicubic")
     return facts
 
 

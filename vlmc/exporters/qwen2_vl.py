@@ -18,14 +18,13 @@ resolution the processor produces:
 from __future__ import annotations
 
 import importlib
-import json
 import logging
 
 import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -278,8 +277,8 @@ def preprocess_facts(vcfg, directory) -> dict:
         "rescale_factor": 1 / 255,
         "resample": "bicubic",
     }
-    if directory is not None and (directory / "preprocessor_config.json").is_file():
-        pc = json.loads((directory / "preprocessor_config.json").read_text())
+    pc = image_processor_config(directory)
+    if pc is not None:
         size = pc.get("size") or {}
         facts["min_pixels"] = int(pc.get("min_pixels", size.get("shortest_edge", facts["min_pixels"])))
         facts["max_pixels"] = int(pc.get("max_pixels", size.get("longest_edge", facts["max_pixels"])))

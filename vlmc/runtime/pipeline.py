@@ -16,8 +16,8 @@ import numpy as np
 from vlmc import ortsession
 from vlmc.errors import VlmcError
 from vlmc.package import Package
+from vlmc.runtime import chat, positions, preprocess
 from vlmc.runtime import kv as kvmod
-from vlmc.runtime import positions, preprocess
 from vlmc.runtime import tokenizer as tokmod
 
 logger = logging.getLogger(__name__)
@@ -119,45 +119,73 @@ class Pipeline:
         merge = int(v.get("spatial_merge_size", 1))
         return [int(np.prod(g)) // (merge * merge) for g in grid]
 
+    def render(self, prompt: str, n_images: int) -> tuple[str, bool]:
+        """The text the processor tokenizes for one prompt, and whether special tokens (BOS) are added.
+
+        A prompt with the image marker is used as given. A plain one goes through the source's chat
+        template when the package has one (one user turn: its images, then the text); transformers then
+        adds no BOS of its own if the rendered text starts with it. Otherwise the manifest's prompt_template.
+        """
+        t = self.m["text"]
+        marker = t.get("image_marker", "<image>")
+        add = bool(t.get("add_bos", True))
+        if marker in prompt:
+            return prompt, add
+        template = tokmod.package_text(self.pkg, t["chat_template"]) if t.get("chat_template") else None
+        if template is not None and self.tokenizer.source:
+            text = chat.render(template, prompt, n_images, t.get("special_tokens"))
+            bos = (t.get("special_tokens") or {}).get("bos_token")
+            return text, add and not (bos and text.startswith(bos))
+        template = t.get("prompt_template", "{prompt}")
+        if not n_images:
+            template = template.replace(marker, "")
+        return template.replace("{prompt}", prompt), add
+
+    def prompt_ids(self, prompt: str, counts: list[int]) -> list[int]:
+        """Token ids of one prompt whose images give ``counts`` placeholders each.
+
+        Like the processors, each marker is expanded into its placeholder run in the text *before*
+        tokenizing, so the tokenizer sees exactly the string the processor gives it, whatever its
+        normalizer or pre-tokenizer does at special-token boundaries.
+        """
+        t = self.m["text"]
+        marker = t.get("image_marker", "<image>")
+        image_id = int(self.m["vision"]["image_token_id"])
+        text, add = self.render(prompt, len(counts))
+        n_markers = text.count(marker)
+        if n_markers != len(counts):
+            raise VlmcError(
+                f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(counts)} image(s) were given"
+            )
+        if t.get("image_tokens_first"):
+            # The processor tokenizes the placeholders of all images on their own (no special tokens) and
+            # puts them ahead of the tokenized prompt (and its BOS); the marker only says an image is there.
+            lead = self.tokenizer.encode(marker * sum(counts), add_bos=False) if counts else []
+            ids = lead + self.tokenizer.encode(text.replace(marker, ""), add_bos=add)
+        else:
+            pieces = text.split(marker)
+            expanded = pieces[0] + "".join(marker * n + piece for n, piece in zip(counts, pieces[1:]))
+            ids = self.tokenizer.encode(expanded, add_bos=add)
+        if sum(1 for x in ids if x == image_id) != sum(counts):
+            raise VlmcError(
+                f"the tokenizer does not map {marker!r} to the image token id {image_id} "
+                f"({sum(1 for x in ids if x == image_id)} placeholders for {sum(counts)} image tokens)"
+            )
+        return ids
+
     def prepare(self, prompts: list[str], images: list[list]) -> Inputs:
         """Tokenize prompts, expand image placeholders, left-pad into a batch, preprocess images."""
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
         t = self.m["text"]
-        marker = t.get("image_marker", "<image>")
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
         counts = self.tokens_for_images(vision, len(flat)) if flat else []
         image_id = int(self.m["vision"]["image_token_id"])
         seqs, k = [], 0
         for prompt, per in zip(prompts, images):
-            if marker not in prompt:
-                template = t.get("prompt_template", "{prompt}")
-                prompt = (
-                    template.replace("{prompt}", prompt)
-                    if per
-                    else template.replace(marker, "").replace("{prompt}", prompt)
-                )
-            n_markers = prompt.count(marker)
-            if n_markers != len(per):
-                raise VlmcError(
-                    f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(per)} image(s) were given"
-                )
-            if t.get("image_tokens_first"):
-                # Placeholders for all images lead the sequence, ahead of BOS, where the source's processor puts them.
-                ids = [image_id] * n_markers + self.tokenizer.encode(
-                    prompt.replace(marker, ""), add_bos=t.get("add_bos", True)
-                )
-            else:
-                ids = self.tokenizer.encode(prompt, add_bos=t.get("add_bos", True))
-            expanded = []
-            for tok in ids:
-                if tok == image_id:
-                    expanded.extend([image_id] * counts[k])
-                    k += 1
-                else:
-                    expanded.append(tok)
-            seqs.append(expanded)
+            seqs.append(self.prompt_ids(prompt, counts[k : k + len(per)]))
+            k += len(per)
         longest = max(len(s) for s in seqs)
         limit = int(t.get("max_positions", 1 << 30))
         if longest >= limit:

@@ -1,7 +1,10 @@
-"""Tokenizers for the runtime: the source's own (copied into the package) or the byte fallback.
+"""Tokenizers for the runtime: the source's own (run with the `tokenizers` library) or the byte fallback.
 
-Byte fallback (built-ins and sources without tokenizer files): id 0 pad, 1 bos, 2 eos, ``3 + b`` for
-byte ``b`` of the UTF-8 text; the manifest's image marker (``<image>``) maps to the image token id.
+A package exported from a directory with tokenizer files carries the tokenizer exactly as the source's
+processor builds it in transformers (``text.tokenizer_file``, a `tokenizers` JSON), so `vlmc run` tokenizes
+like the processor without transformers. Byte fallback (built-ins and sources without tokenizer files): id 0
+pad, 1 bos, 2 eos, ``3 + b`` for byte ``b`` of the UTF-8 text; the manifest's image marker (``<image>``) maps
+to the image token id.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ BYTE_OFFSET = 3
 
 
 class ByteTokenizer:
+    source = False
+
     def __init__(self, vocab_size: int, image_token_id: int, marker: str, bos: int | None, eos) -> None:
         if vocab_size < BYTE_OFFSET + 256:
             raise VlmcError(
@@ -41,39 +46,92 @@ class ByteTokenizer:
 
 
 class SourceTokenizer:
-    """The model's own tokenizer, loaded with transformers from the package's source/ files."""
+    """The source processor's tokenizer, serialized by the exporter and run with `tokenizers` (no torch)."""
+
+    source = True
+
+    def __init__(self, json_text: str, image_token_id: int, marker: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ModuleNotFoundError as exc:
+            raise VlmcError(
+                "this package's tokenizer needs the tokenizers library: pip install tokenizers"
+            ) from exc
+        self.tok = Tokenizer.from_str(json_text)
+        self.image_token_id = image_token_id
+        self.marker = marker
+        found = self.tok.token_to_id(marker)
+        if found != image_token_id:
+            raise VlmcError(
+                f"the package's tokenizer maps the image marker {marker!r} to {found}, "
+                f"not to vision.image_token_id {image_token_id}; re-export the package"
+            )
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        # add_special_tokens runs the tokenizer's own post-processor (BOS for Llama and OPT, nothing for
+        # Qwen2), as the processor's tokenizer call does.
+        return list(self.tok.encode(text, add_special_tokens=add_bos).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+
+class TransformersTokenizer:
+    """Packages from before text.tokenizer_file: the copied source files, loaded by transformers."""
+
+    source = True
 
     def __init__(self, directory, image_token_id: int, marker: str) -> None:
         try:
             from transformers import AutoTokenizer
         except ModuleNotFoundError as exc:
             raise VlmcError(
-                "this package uses its source tokenizer, which needs transformers: pip install 'vlmc[export]'"
+                "this package (exported by an older vlmc) tokenizes with transformers: "
+                "pip install 'vlmc[export]', or re-export it so it runs with the tokenizers library alone"
             ) from exc
+        # Loaded without the model's config.json, transformers may pick another tokenizer class than the
+        # processor does (LlamaTokenizer rebuilds its pipeline from the legacy flag), so ids can differ.
+        logger.warning(
+            "this package was exported by an older vlmc: its tokenizer may not match the source processor's; "
+            "re-export it (vlmc verify shows any difference)"
+        )
         self.tok = AutoTokenizer.from_pretrained(str(directory))
         self.image_token_id = image_token_id
         self.marker = marker
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self.tok(text, add_special_tokens=add_bos)["input_ids"]
-        if self.marker in text and self.image_token_id not in ids:
-            raise VlmcError(
-                f"the tokenizer does not map {self.marker!r} to the image token id {self.image_token_id}"
-            )
-        return list(ids)
+        return list(self.tok(text, add_special_tokens=add_bos)["input_ids"])
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
+def package_text(pkg, name: str) -> str | None:
+    """A text file the package carries (saved in its directory, or still in memory after export)."""
+    if name in pkg.files:
+        return pkg.files[name].decode("utf-8")
+    if pkg.root is not None and (pkg.root / name).is_file():
+        return (pkg.root / name).read_text(encoding="utf-8")
+    return None
+
+
 def load(pkg):
     text, vision = pkg.manifest["text"], pkg.manifest["vision"]
     marker = text.get("image_marker", "<image>")
-    if text.get("tokenizer") == "source" and pkg.root is not None and (pkg.root / "source").is_dir():
-        return SourceTokenizer(pkg.root / "source", int(vision["image_token_id"]), marker)
+    image_id = int(vision["image_token_id"])
+    if text.get("tokenizer") == "source":
+        if text.get("tokenizer_file"):
+            data = package_text(pkg, text["tokenizer_file"])
+            if data is None:
+                raise VlmcError(
+                    f"the package has no {text['tokenizer_file']} (text.tokenizer_file); re-export it"
+                )
+            return SourceTokenizer(data, image_id, marker)
+        if pkg.root is not None and (pkg.root / "source").is_dir():
+            return TransformersTokenizer(pkg.root / "source", image_id, marker)
     return ByteTokenizer(
         int(text["vocab_size"]),
-        int(vision["image_token_id"]),
+        image_id,
         marker,
         text.get("bos_token_id"),
         text.get("eos_token_id"),
