@@ -557,9 +557,11 @@ def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_p
             model.SerializeToString(), so, providers=["CPUExecutionProvider"]
         ).run(None, feeds)
         got = reference.run(low, feeds, fp16=False)
+        # weight-only antiquant scales are float16 on the NPU (the type of x): 2^-11 relative per weight
+        tol = 1e-4 if kind == "quantized_layers" else 2e-3
         for out, e in zip(low.graph.output, expected):
             np.testing.assert_allclose(
-                got[out.name], e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max()))
+                got[out.name], e, rtol=tol, atol=tol * max(1.0, float(np.abs(e).max()))
             )
     out = tmp_path / "b"
     _assert_obeys_rules(out, _compile(pkg, out, sequence_buckets=[64, 128]))

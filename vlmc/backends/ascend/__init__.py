@@ -176,12 +176,20 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             copy.CopyFrom(model)
             model = copy
         lowered[name], reports[name] = lower.lower(model, name, package.info(name))
+    # Lowering notes (INT4 held as INT8 on the NPU, asymmetric activations unverified) go to the
+    # warnings once, so compile.json and report.md both say them.
+    for note in dict.fromkeys(n for r in reports.values() for n in r.notes):
+        warnings.append(note)
 
     kv = package.manifest.get("kv", {})
+    max_positions = package.manifest.get("text", {}).get("max_positions")
+    for msg in gears.dropped_buckets(opts, max_positions):
+        logger.warning("%s", msg)  # once per compile, not once per build
+        warnings.append(msg)
     ctx_base = gears.DimContext(
         fixed=dict(opts.get("dims") or {}),
         block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
-        max_positions=package.manifest.get("text", {}).get("max_positions"),
+        max_positions=max_positions,
         patches=_patches_per_image(package.manifest),
     )
     files: dict[str, onnx.ModelProto] = {}
