@@ -226,3 +226,28 @@ def test_npu_domain_lists_every_op_the_parsers_register():
     assert ops.supported("NPURmsNorm", "npu", {"": 17, "npu": 1})
     assert not ops.supported("NPURmsNorm", "npu", {"": 17})  # the npu domain needs its own opset_import
     assert not ops.supported("NPUWeightQuantBatchMatmulV2", "npu", {"": 17, "npu": 1})  # no NPU prefix there
+
+
+def test_plan_says_int4_runs_with_int8_storage_on_ascend():
+    from vlmc import plan as PL
+
+    graphs = [PL.GraphWeights("decoder", "decoder", "int4_weight_only", 1000, 500)]
+    spec = PL.Spec(
+        name="toy",
+        graphs=graphs,
+        layers=2,
+        kv_heads=4,
+        head_dim=8,
+        kv_dtype="float16",
+        tokens_per_image=10,
+        tokens_per_image_unpruned=10,
+        max_positions=100,
+        hidden=32,
+        heads=4,
+        intermediate=64,
+        vocab=50,
+    )
+    notes = PL.plan(spec, 1_000_000, text_tokens=13).notes
+    assert [n for n in notes if "INT4 runs with INT8 storage on Ascend (decoder)" in n and "500 B more" in n]
+    graphs[0].precision = "fp16"
+    assert not [n for n in PL.plan(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
