@@ -634,3 +634,14 @@ def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_p
             )
     out = tmp_path / "b"
     _assert_obeys_rules(out, _compile(pkg, out, sequence_buckets=[64, 128]))
+
+
+def test_buckets_above_max_positions_are_reported_once_per_compile(tmp_path, caplog):
+    pkg = _package("llava")
+    pkg.manifest["text"]["max_positions"] = 256
+    with caplog.at_level("WARNING"):
+        summary = _compile(pkg, tmp_path / "b", sequence_buckets=[128, 256, 512, 1024])
+    said = [r.getMessage() for r in caplog.records if "are dropped" in r.getMessage()]
+    assert said == ["sequence_buckets above the model's max_positions 256 are dropped: [512, 1024]"]
+    assert [w for w in summary["warnings"] if "are dropped" in w] == said
+    assert len(summary["builds"]) > 1  # several builds, and still one message
