@@ -99,7 +99,7 @@ def lower(model: onnx.ModelProto, name: str, info: dict | None = None) -> tuple[
     gr = Graph(model)
     ctx = R.Context(gr, name, facts, report)
     for rule in R.default_rules():
-        report.rules[rule.name] = R.apply(ctx, rule)
+        report.rules[rule.name] = {**R.apply(ctx, rule), "source": rule.source}
     for node in gr.g.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
             ctx.problems.append(

@@ -20,9 +20,11 @@ from ._graph import QParams, as_int8, folded_value, qparams
 
 logger = logging.getLogger(__name__)
 
-SOURCE = (
-    "hicann/ops-nn quant/ascend_anti_quant ONNX plugin (AscendAntiQuant, default domain); "
-    "ai.onnx Clip (onnx_ops.tsv)"
+SOURCE = "; ".join(
+    (
+        "hicann/ops-nn quant/ascend_anti_quant/framework/ascend_anti_quant_onnx_plugin.cpp",
+        "ai.onnx Clip (vlmc/backends/ascend/data/onnx_ops.tsv)",
+    )
 )
 
 

@@ -3,7 +3,8 @@
 The target is AMCT's deploy form (hicann/amct, the ONNX deploy model ATC builds):
 ``AscendQuant(x; scale=1/s_x, offset=zp)`` -> int8 op with int8 weights and an int32 bias
 ``round(b/(s_w*s_x))`` -> ``AscendDequant(deq_scale = s_w*s_x packed in UINT64)``. The bias carries no
-``-zp*sum(w)`` term: AMCT's ``insert_bias_quant_pass.quant_bias`` never folds it, and GE's quant fusion
+``-zp*sum(w)`` term: AMCT's ``quant_bias`` (hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/
+optimizer/insert_bias_quant_pass.py) never folds it, and GE's quant fusion
 applies the AscendQuant offset itself (hicann/ge graph_metadef/register/graph_optimizer/graph_fusion/
 fusion_quant_util_impl.cc, SetQuantScaleAndOffset -> QuantBiasOptimization). Folding it here as well
 would apply it twice.

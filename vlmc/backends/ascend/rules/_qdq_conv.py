@@ -14,10 +14,14 @@ from ._graph import attr, folded_value
 
 logger = logging.getLogger(__name__)
 
-SOURCE = (
-    "hicann/amct (CHANNEL_WISE_ONNX_TYPES: Conv weights per output channel; "
-    "insert_bias_quant_pass.quant_bias); hicann/ge graph_metadef/register/graph_optimizer/"
-    "graph_fusion/fusion_quant_util_impl.cc"
+SOURCE = "; ".join(
+    (
+        "hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/capacity/capacity_config.csv (CHANNEL_WISE_ONNX_TYPES)",
+        "hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/optimizer/insert_bias_quant_pass.py (quant_bias)",
+        "hicann/ge graph_metadef/register/graph_optimizer/graph_fusion/fusion_quant_util_impl.cc (SetQuantScaleAndOffset -> QuantBiasOptimization)",
+        "hicann/ops-nn quant/ascend_quant/framework/ascend_quant_onnx_plugin.cpp",
+        "hicann/ops-nn quant/ascend_dequant/framework/ascend_dequant_onnx_plugin.cpp",
+    )
 )
 
 

@@ -14,15 +14,21 @@ from ._graph import Graph, attr, folded_value
 
 logger = logging.getLogger(__name__)
 
-# AMCT deploys MatMul/Gemm weights per tensor only (hicann/amct: CHANNEL_WISE_ONNX_TYPES is
-# Conv/ConvTranspose/LSTM/GRU, and convert_qat_model's LinearQAT refuses channel-wise), and which axis
+# AMCT deploys MatMul/Gemm weights per tensor only (hicann/amct amct_pytorch/classic/graph_based/
+# amct_pytorch/capacity/capacity_config.csv: CHANNEL_WISE_ONNX_TYPES is Conv/ConvTranspose/LSTM/GRU;
+# .../nn/module/quantization/linear.py refuses a channel-wise Linear), and which axis
 # AscendDequant treats as the channel of an ND MatMul output is unconfirmed. Set True to lower
 # per-channel MatMul weights to a Cout-length deq_scale once that is confirmed on hardware.
 ALLOW_PER_CHANNEL_MATMUL = False
-SOURCE = (
-    "hicann/amct (ONNX deploy form; CHANNEL_WISE_ONNX_TYPES; insert_bias_quant_pass.quant_bias); "
-    "hicann/ge graph_metadef/register/graph_optimizer/graph_fusion/fusion_quant_util_impl.cc; "
-    "hicann/ops-nn quant/ascend_quant_v2 and quant/ascend_dequant ONNX plugins"
+SOURCE = "; ".join(
+    (
+        "hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/capacity/capacity_config.csv (CHANNEL_WISE_ONNX_TYPES)",
+        "hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/nn/module/quantization/linear.py (no channel_wise Linear)",
+        "hicann/amct amct_pytorch/classic/graph_based/amct_pytorch/optimizer/insert_bias_quant_pass.py (quant_bias)",
+        "hicann/ge graph_metadef/register/graph_optimizer/graph_fusion/fusion_quant_util_impl.cc (SetQuantScaleAndOffset -> QuantBiasOptimization)",
+        "hicann/ops-nn quant/ascend_quant/framework/ascend_quant_onnx_plugin.cpp",
+        "hicann/ops-nn quant/ascend_dequant/framework/ascend_dequant_onnx_plugin.cpp",
+    )
 )
 
 

@@ -30,10 +30,15 @@ from ._graph import as_int8
 
 logger = logging.getLogger(__name__)
 
-SOURCE = (
-    "hicann/ops-nn matmul/weight_quant_batch_matmul_v2/op_graph/weight_quant_batch_matmul_v2_proto.h; "
-    "hicann/ops-nn matmul/weight_quant_batch_matmul_v2/framework/"
-    "npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp"
+_WQBMM = "hicann/ops-nn matmul/weight_quant_batch_matmul_v2/"
+SOURCE = "; ".join(
+    (
+        _WQBMM + "op_graph/weight_quant_batch_matmul_v2_proto.h (group size, dtypes, shapes)",
+        _WQBMM
+        + "framework/npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp (attributes read, transposes off)",
+        _WQBMM + "op_host/weight_quant_batch_matmul_v2_def.cpp (910B dtypes)",
+        _WQBMM + "docs/aclnnWeightQuantBatchMatmulV2.md ((weight + offset) * scale)",
+    )
 )
 GROUP_MULTIPLE = 32
 # Group sizes the fallback fit tries (largest first). 16 and 48 are not legal on the NPU; they are
