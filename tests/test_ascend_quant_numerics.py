@@ -251,3 +251,29 @@ def test_plan_says_int4_runs_with_int8_storage_on_ascend():
     assert [n for n in notes if "INT4 runs with INT8 storage on Ascend (decoder)" in n and "500 B more" in n]
     graphs[0].precision = "fp16"
     assert not [n for n in PL.plan(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
+
+
+def test_conv_stays_per_channel_and_matches_onnxruntime():
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    g = h.make_graph(
+        [h.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, 8, 8, 8])],
+        [nh.from_array(w, "w"), nh.from_array(b, "b")],
+    )
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    q, facts = S.quantize_int8(model, C.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
+    assert facts["weights"]["nodes"]["conv"]["granularity"] == "per_channel"
+    assert facts["weights"]["nodes"]["conv"]["axis"] == 0
+    low, report = _lower(q, facts)
+    assert [n.op_type for n in low.graph.node] == ["AscendQuant", "Conv", "AscendDequant"]
+    assert report.rules["qdq_conv"]["applied"] == 1
+    deq = low.graph.node[2]
+    assert _inits(low)[deq.input[1]].shape == (8,)  # one deq_scale per output channel
+    expected = _ort(q, feeds[0])
+    got = reference.run(low, feeds[0], fp16=False)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
