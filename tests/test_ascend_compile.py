@@ -580,6 +580,16 @@ def test_quantized_save_pretrained_llava_compiles_to_npu_forms(tmp_path):
     summary = _compile(pkg, out, sequence_buckets=[64, 128])
     _assert_obeys_rules(out, summary)
     _assert_quantized_summary(out, summary)
+    # opt-in: INT4 as ONNX INT4 (two per byte) for an ATC that parses it
+    out4 = tmp_path / "b4"
+    packed = _compile(pkg, out4, sequence_buckets=[64, 128], int4_weights="int4")
+    _assert_obeys_rules(out4, packed)
+    assert packed["graphs"]["decoder"]["lowering"]["int4_storage"] == "int4"
+    assert any("ONNX INT4" in w and "Unverified on hardware" in w for w in packed["warnings"])
+    decoder = onnx.load(str(out4 / "graphs" / "decoder.onnx"))
+    assert any(t.data_type == T.INT4 for t in decoder.graph.initializer) and decoder.ir_version >= 10
+    size = {d: sum(f.stat().st_size for f in (d / "graphs").glob("decoder.onnx*")) for d in (out, out4)}
+    assert size[out4] < size[out]  # the int4 weights take half the bytes
 
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))

@@ -278,8 +278,9 @@ def _int4_note(spec: Spec) -> str | None:
     params = sum(g.params for g in int4 if g.params)
     extra = f"; about {fmt_bytes(params * 0.5)} more than counted here" if params else ""
     return (
-        f"INT4 runs with INT8 storage on Ascend ({', '.join(g.name for g in int4)}): 1 byte per "
-        f"quantized weight on the NPU, not 0.5, so INT4 saves what INT8 does there (0.25x of FP32){extra}"
+        f"INT4 runs with INT8 storage on Ascend ({', '.join(g.name for g in int4)}) by default: 1 byte "
+        f"per quantized weight on the NPU, not 0.5, so INT4 saves what INT8 does there (0.25x of FP32)"
+        f"{extra}; compile target int4_weights: int4 keeps 0.5 (unverified on hardware)"
     )
 
 

@@ -58,6 +58,14 @@ TARGET_OPTIONS = (
         "Ascend IR op types kept in fp32 via --modify_mixlist (mixed_* precisions only)",
         items=str,
     ),
+    pass_api.Option(
+        "int4_weights",
+        str,
+        "int8",
+        "INT4 weight storage in the lowered graph: int8 (one value per int8; builds on any CANN) or int4 "
+        "(ONNX INT4, two per byte; needs an ATC that parses ONNX INT4, hicann/ge 14b93e226; unverified)",
+        choices=("int8", "int4"),
+    ),
     pass_api.Option("run", bool, False, "run atc when it is on PATH and collect the .om files"),
     pass_api.Option("log", str, None, "ATC --log level", choices=atc.ENUMS["log"]),
     pass_api.Option("host_env_os", str, None, "ATC --host_env_os", choices=atc.ENUMS["host_env_os"]),
@@ -175,7 +183,9 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             copy = onnx.ModelProto()
             copy.CopyFrom(model)
             model = copy
-        lowered[name], reports[name] = lower.lower(model, name, package.info(name))
+        lowered[name], reports[name] = lower.lower(
+            model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8"
+        )
     # Lowering notes (INT4 held as INT8 on the NPU, asymmetric activations unverified) go to the
     # warnings once, so compile.json and report.md both say them.
     for note in dict.fromkeys(n for r in reports.values() for n in r.notes):

@@ -45,6 +45,7 @@ class LowerReport:
     weight_only_bits: int | None = None
     weight_only_sources: dict[str, int] = field(default_factory=dict)  # "facts" | "fit" -> layers
     asymmetric_layers: list[str] = field(default_factory=list)  # AscendQuant with a non-zero offset
+    int4_storage: str | None = None  # INT4 weights: "int8" (one per int8) or "int4" (ONNX INT4, packed)
     fake_quant_clips: int = 0
     antiquant_constants: int = 0
     folded_constants: int = 0
@@ -55,11 +56,6 @@ class LowerReport:
     @property
     def quantized(self) -> bool:
         return bool(self.quantized_layers or self.weight_only_layers)
-
-    @property
-    def int4_storage(self) -> str | None:
-        """How INT4 weights are stored in the lowered graph ("int8": one value per byte), if any."""
-        return "int8" if self.weight_only_bits == 4 else None
 
     def to_dict(self) -> dict:
         return {
@@ -78,13 +74,17 @@ class LowerReport:
         }
 
 
-def lower(model: onnx.ModelProto, name: str, info: dict | None = None) -> tuple[onnx.ModelProto, LowerReport]:
+def lower(
+    model: onnx.ModelProto, name: str, info: dict | None = None, int4_weights: str = "int8"
+) -> tuple[onnx.ModelProto, LowerReport]:
     """Lower one graph in place for ATC.
 
     Args:
         model: the portable graph (a copy the caller owns; it is rewritten in place).
         name: the graph's name, for messages.
         info: the graph's manifest entry; its ``quantization`` facts are what the rules read.
+        int4_weights: INT4 weight storage, "int8" (one value per int8) or "int4" (ONNX INT4, see
+            docs/ascend.md "INT4 on Ascend").
 
     Returns:
         The lowered model and what was done.
@@ -97,7 +97,7 @@ def lower(model: onnx.ModelProto, name: str, info: dict | None = None) -> tuple[
     facts = info.get("quantization") or {}
     report = LowerReport()
     gr = Graph(model)
-    ctx = R.Context(gr, name, facts, report)
+    ctx = R.Context(gr, name, facts, report, int4_weights=int4_weights)
     for rule in R.default_rules():
         report.rules[rule.name] = {**R.apply(ctx, rule), "source": rule.source}
     for node in gr.g.node:

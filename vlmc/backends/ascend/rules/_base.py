@@ -38,6 +38,7 @@ class Context:
     report: Any  # lower.LowerReport
     problems: list[str] = field(default_factory=list)
     quant_cache: dict[tuple, str] = field(default_factory=dict)  # one AscendQuant per (tensor, scale, zp)
+    int4_weights: str = "int8"  # INT4 weight storage: "int8" (one per int8) or "int4" (ONNX INT4)
 
     def node_facts(self, node: onnx.NodeProto) -> dict | None:
         """The quantize pass's record for one node's weight, if it made one."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -47,8 +48,14 @@ FIT_GROUP_SIZES = (1024, 512, 256, 128, 64, 48, 32, 16)
 _DEQUANT_OPS = frozenset({"DequantizeLinear", "Mul", "Sub", "Cast"})
 INT4_NOTE = (
     "INT4 runs with INT8 storage on Ascend: the int4 values are held one per int8 (0.25x of FP32 "
-    "weight bytes, the same as INT8; packed INT4 would be 0.125x). The op proto accepts int4 packed "
-    "in int32 (k, n/8), but that ATC's ONNX path builds it is not confirmed"
+    "weight bytes, the same as INT8; packed INT4 would be 0.125x). Target option int4_weights: int4 "
+    "writes ONNX INT4 instead, for an ATC whose parser reads it (hicann/ge 14b93e226, Aug 2026)"
+)
+INT4_PACKED_NOTE = (
+    "INT4 weights are written as ONNX INT4 (two per byte, 0.125x of FP32 weight bytes), which ATC "
+    "parses to DT_INT4 only from hicann/ge 14b93e226 (parser/parser/onnx/onnx_constant_parser.cc, "
+    "Aug 2026); NPUWeightQuantBatchMatmulV2 takes DT_INT4 weights on 910B (ops-nn "
+    "weight_quant_batch_matmul_v2_def.cpp). Unverified on hardware; int4_weights: int8 builds on any CANN"
 )
 
 
@@ -248,6 +255,9 @@ def _check(ctx: Context, m: WeightOnlyMatch) -> str | None:
             f"NPUWeightQuantBatchMatmulV2 (0 or a multiple of {GROUP_MULTIPLE} at most k-1 = {k - 1}, "
             "ops-nn weight_quant_batch_matmul_v2_proto.h); requantize with group_size a multiple of 32"
         )
+    if low.bits == 4 and ctx.int4_weights == "int4" and low.q8.shape[1] % 2:
+        # op proto: with int4 weights and transpose_weight false, n must be even
+        return f"n={low.q8.shape[1]} is odd; NPUWeightQuantBatchMatmulV2 takes int4 weights only for even n"
     for what, arr in (("antiquant_scale", low.scale), ("antiquant_offset", low.offset)):
         if arr is None:
             continue
@@ -262,7 +272,14 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
     assert isinstance(low, _Lowered)  # check() refused every other case
     gr, node, report = ctx.graph, m.node, ctx.report
     report.weight_only_bits = max(report.weight_only_bits or 0, low.bits)
-    wq = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
+    packed = low.bits == 4 and ctx.int4_weights == "int4"
+    if packed:
+        # ONNX INT4: two values per byte, the lower index in the low nibble, which is GE's DT_INT4
+        # layout (hicann/ge onnx_constant_parser.cc copies the bytes as they are). INT4 needs IR 10.
+        wq = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
+        gr.model.ir_version = max(gr.model.ir_version, 10)
+    else:
+        wq = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
     # antiquant_scale/offset have the type of x (float16 on the NPU: ATC runs x in fp16).
     inputs = [node.input[0], wq, gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16))]
     if low.offset is not None and np.any(low.offset != 0):
@@ -279,8 +296,11 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
     gr.replace(node, [new], [])
     report.weight_only_layers.append(node.name)
     report.weight_only_sources[low.source] = report.weight_only_sources.get(low.source, 0) + 1
-    if low.bits == 4 and INT4_NOTE not in report.notes:
-        report.notes.append(INT4_NOTE)
+    if low.bits == 4:
+        report.int4_storage = "int4" if packed else "int8"
+        note = INT4_PACKED_NOTE if packed else INT4_NOTE
+        if note not in report.notes:
+            report.notes.append(note)
 
 
 def weight_only_matmul_rule() -> Rule:
