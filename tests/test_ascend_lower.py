@@ -484,3 +484,36 @@ def test_docs_list_every_rule_with_its_sources():
             path = re.split(r" \(", rest)[0]
             name = path.rsplit("/", 1)[-1]
             assert name in doc, f"{rule.name}: {name} (from {cited}) is not cited in docs/ascend.md"
+
+
+def test_one_activation_quantizer_shared_by_three_matmuls():
+    """q/k/v projections read one Q/DQ pair: three int8 MatMuls share one AscendQuant, nothing is left."""
+    rng = np.random.default_rng(4)
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
+        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
+    ]
+    inits = [nh.from_array(np.array(0.02, np.float32), "xs"), nh.from_array(np.array(0, np.int8), "xz")]
+    outs = []
+    for p in ("q_proj", "k_proj", "v_proj"):
+        inits += [
+            nh.from_array(rng.integers(-127, 128, (8, 8)).astype(np.int8), f"{p}_wq"),
+            nh.from_array(np.array(0.01, np.float32), f"{p}_ws"),
+            nh.from_array(np.array(0, np.int8), f"{p}_wz"),
+        ]
+        nodes += [
+            h.make_node("DequantizeLinear", [f"{p}_wq", f"{p}_ws", f"{p}_wz"], [f"{p}_w"], name=f"{p}_w_dq"),
+            h.make_node("MatMul", ["xd", f"{p}_w"], [f"{p}_y"], name=p),
+        ]
+        outs.append(h.make_tensor_value_info(f"{p}_y", T.FLOAT, [2, 8]))
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 8])], outs, inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    low, report = _lowered(model)
+    assert sorted(report.quantized_layers) == ["k_proj", "q_proj", "v_proj"]
+    assert [n.op_type for n in low.graph.node].count("AscendQuant") == 1
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in low.graph.node)
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    expected = _ort(model, {"x": x})
+    got = reference.run(low, {"x": x}, fp16=False)
+    for out, e in zip(low.graph.output, expected):
+        np.testing.assert_allclose(got[out.name], e, rtol=1e-5, atol=1e-5)

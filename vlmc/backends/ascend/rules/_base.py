@@ -74,8 +74,11 @@ def apply(ctx: Context, rule: Rule) -> dict:
     applied = 0
     skipped: dict[str, int] = {}
     gr = ctx.graph
-    for node in list(gr.g.node):
-        if node.op_type not in rule.anchors or id(node) in gr.removed:
+    # A snapshot of names: each node is visited once, as it is when its turn comes (an earlier rewrite
+    # may have removed it, or replaced it under the same name with a node the rule does not anchor on).
+    for name in [n.name for n in gr.g.node]:
+        node = gr.by_name.get(name)
+        if node is None or node.op_type not in rule.anchors:
             continue
         m = rule.match(ctx, node)
         if isinstance(m, NoMatch):

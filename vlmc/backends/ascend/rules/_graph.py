@@ -20,13 +20,22 @@ class Graph:
         self.g = model.graph
         self.inits = {t.name: t for t in self.g.initializer}
         self._names: set[str] = set()
-        self.removed: set[int] = set()  # ids of nodes a rewrite took out (the rules iterate a snapshot)
+        # Nodes are identified by name, never by Python identity: protobuf hands out new wrapper
+        # objects after the node list is rebuilt, and ids of freed wrappers are reused. So every node
+        # gets a unique name (this graph is the lowering's own copy).
+        seen: set[str] = set()
         for i, n in enumerate(self.g.node):
-            if not n.name:
-                n.name = f"{n.op_type}_{i}"
+            if not n.name or n.name in seen:
+                base = n.name or f"{n.op_type}_{i}"
+                name, k = base, 1
+                while name in seen:
+                    name, k = f"{base}_{k}", k + 1
+                n.name = name
+            seen.add(n.name)
         self.refresh()
 
     def refresh(self) -> None:
+        self.by_name: dict[str, onnx.NodeProto] = {n.name: n for n in self.g.node}
         self.producer: dict[str, onnx.NodeProto] = {}
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         self._names = {n.name for n in self.g.node} | set(self.inits)
@@ -71,23 +80,25 @@ class Graph:
             return cons[0]
         return None
 
+    def _index(self, node: onnx.NodeProto) -> int:
+        return next(i for i, n in enumerate(self.g.node) if n.name == node.name)
+
     def insert_before(self, anchor: onnx.NodeProto, nodes: list[onnx.NodeProto]) -> None:
-        idx = list(self.g.node).index(anchor)
+        idx = self._index(anchor)
         for k, n in enumerate(nodes):
             self.g.node.insert(idx + k, n)
         self.refresh()
 
     def replace(self, old: onnx.NodeProto, new: list[onnx.NodeProto], drop: list[onnx.NodeProto]) -> None:
-        """Put ``new`` where ``old`` was and take ``drop`` out."""
+        """Put ``new`` where ``old`` was and take ``drop`` out (nodes are matched by name)."""
         nodes = list(self.g.node)
-        idx = nodes.index(old)
-        dropped = {id(n) for n in drop} | {id(old)}
+        idx = self._index(old)
+        dropped = {n.name for n in drop} | {old.name}
         kept = (
-            [n for n in nodes[:idx] if id(n) not in dropped]
+            [n for n in nodes[:idx] if n.name not in dropped]
             + new
-            + [n for n in nodes[idx + 1 :] if id(n) not in dropped]
+            + [n for n in nodes[idx + 1 :] if n.name not in dropped]
         )
-        self.removed |= dropped
         del self.g.node[:]
         self.g.node.extend(kept)
         self.refresh()
@@ -100,7 +111,6 @@ class Graph:
             used = {i for n in self.g.node for i in n.input} | self.outputs
             keep = [n for n in self.g.node if any(o in used for o in n.output if o)]
             if len(keep) != len(self.g.node):
-                self.removed |= {id(n) for n in self.g.node} - {id(n) for n in keep}
                 del self.g.node[:]
                 self.g.node.extend(keep)
                 changed = True
@@ -127,11 +137,11 @@ class Graph:
             p = self.producer.get(t)
             if p is None:
                 return None  # a graph input: not constant
-            if p not in nodes:
+            if all(q.name != p.name for q in nodes):
                 nodes.append(p)
             stack.extend(p.input)
-        order = {id(n): i for i, n in enumerate(self.g.node)}
-        nodes.sort(key=lambda n: order[id(n)])
+        order = {n.name: i for i, n in enumerate(self.g.node)}
+        nodes.sort(key=lambda n: order[n.name])
         return nodes, leaves
 
 
