@@ -100,6 +100,7 @@ def lower(
     ctx = R.Context(gr, name, facts, report, int4_weights=int4_weights)
     for rule in R.default_rules():
         report.rules[rule.name] = {**R.apply(ctx, rule), "source": rule.source}
+    logger.info("%s: rewrites %s", name, ", ".join(f"{k}={v['applied']}" for k, v in report.rules.items()))
     for node in gr.g.node:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
             ctx.problems.append(
