@@ -16,6 +16,10 @@ ACTIVATIONS = ("fp32", "int8")
 METHODS = ("rtn", "awq")
 CALIB_METHODS = ("minmax", "percentile", "entropy")
 INT4_STORAGE = ("packed", "int8")
+TARGETS = ("ascend", "portable")
+# NPUWeightQuantBatchMatmulV2's antiquant_group_size is 0 or a multiple of 32 that is at most k-1
+# (hicann/ops-nn matmul/weight_quant_batch_matmul_v2/op_graph/weight_quant_batch_matmul_v2_proto.h).
+ASCEND_GROUP_MULTIPLE = 32
 DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
 DEFAULT_PROMPTS = (
     "Describe the image.",
@@ -89,7 +93,17 @@ GRAPH_KEYS: dict[str, tuple[type, dict]] = {
             "type": "integer",
             "minimum": 32,
             "multipleOf": 16,
-            "description": "int4: input rows sharing one scale (default 128)",
+            "description": "int4: input rows sharing one scale (default 128); a multiple of 32 for "
+            "target ascend (NPUWeightQuantBatchMatmulV2), a multiple of 16 for target portable",
+        },
+    ),
+    "activation_symmetric": (
+        bool,
+        {
+            "type": "boolean",
+            "description": "int8: symmetric activations (zero point 0, AscendQuant offset 0). Default true "
+            "for target ascend, false for portable; false on ascend follows AMCT's deploy form (offset on "
+            "AscendQuant, bias not corrected) and is unverified on hardware",
         },
     ),
     "int4_storage": (
@@ -175,6 +189,8 @@ class GraphPlan:
     method: str = "rtn"
     group_size: int = 128
     int4_storage: str = "packed"
+    activation_symmetric: bool = True
+    target: str = "ascend"
     keep_io_fp32: bool = True
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     calibration: Calibration = field(default_factory=Calibration)
@@ -235,8 +251,14 @@ def parse_keep(value: Any, where: str) -> KeepFp32:
     return KeepFp32(tuple(d.get("op_types", ())), tuple(d.get("nodes", ())))
 
 
-def parse_graph(key: str, value: Any, where: str, calib: Calibration, keep: KeepFp32) -> GraphPlan:
-    """Validate one graph's mapping (e.g. ``{weights: int8, activations: int8}``) into a GraphPlan."""
+def parse_graph(
+    key: str, value: Any, where: str, calib: Calibration, keep: KeepFp32, target: str = "ascend"
+) -> GraphPlan:
+    """Validate one graph's mapping (e.g. ``{weights: int8, activations: int8}``) into a GraphPlan.
+
+    ``target`` is the quantize pass's ``target`` option: ``ascend`` holds the plan to the forms the
+    NPU builds (symmetric activations by default, group sizes NPUWeightQuantBatchMatmulV2 accepts).
+    """
     where = f"{where}: {key}"
     d = _check_keys(value, GRAPH_KEYS, where)
     if "weights" not in d:
@@ -248,6 +270,8 @@ def parse_graph(key: str, value: Any, where: str, calib: Calibration, keep: Keep
         method=d.get("method", "rtn"),
         group_size=d.get("group_size", 128),
         int4_storage=d.get("int4_storage", "packed"),
+        activation_symmetric=d.get("activation_symmetric", target == "ascend"),
+        target=target,
         keep_io_fp32=d.get("keep_io_fp32", True),
         op_types=tuple(d.get("op_types", DEFAULT_OP_TYPES)),
         calibration=parse_calibration(d.get("calibration"), f"{where}.calibration", calib),
@@ -257,6 +281,14 @@ def parse_graph(key: str, value: Any, where: str, calib: Calibration, keep: Keep
         raise VlmcError(f"{where}: activations: int8 needs weights: int8 (got weights: {plan.weights})")
     if plan.group_size < 32 or plan.group_size % 16:
         raise VlmcError(f"{where}.group_size={plan.group_size} must be a multiple of 16 and at least 32")
+    if target == "ascend" and plan.group_size % ASCEND_GROUP_MULTIPLE:
+        raise VlmcError(
+            f"{where}.group_size={plan.group_size} is refused by the NPU: NPUWeightQuantBatchMatmulV2 takes "
+            f"a multiple of {ASCEND_GROUP_MULTIPLE} (e.g. {plan.group_size // 32 * 32 or 32} or "
+            f"{(plan.group_size // 32 + 1) * 32}); use quantize target: portable for other backends"
+        )
+    if "activation_symmetric" in d and plan.activations != "int8":
+        raise VlmcError(f"{where}: activation_symmetric applies to activations: int8 only")
     if "method" in d and plan.weights not in ("int8", "int4"):
         raise VlmcError(
             f"{where}: method applies to int8/int4 weight-only graphs, not weights: {plan.weights}"

@@ -1,7 +1,8 @@
 """INT8 static (QDQ) and FP16 conversion for the quantize pass, built on onnxruntime's own tools.
 
 INT8: onnxruntime.quantization.quantize_static writes the standard QDQ form (per-tensor int8
-activations, symmetric int8 weights per output channel, int32 Conv/Gemm bias). Two things it does
+activations, symmetric by default; symmetric int8 weights, per output channel for Conv and per tensor for
+MatMul/Gemm as AMCT deploys them; int32 Conv/Gemm bias). Two things it does
 not do are written here: int32 bias for the MatMul + Add pairs transformers exports for nn.Linear
 (ORT only quantizes a bias that is an input of the op itself), and the FP16 bound on activation
 scales that Ascend's AscendQuant needs (it multiplies by 1/s in fp16, so 1/s must stay ≤ 65504).
@@ -68,6 +69,21 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
         "percentile": CalibrationMethod.Percentile,
         "entropy": CalibrationMethod.Entropy,
     }[plan.calibration.method]
+    if not plan.activation_symmetric and plan.target == "ascend":
+        logger.warning(
+            "quantize: %s: asymmetric int8 activations lower to AMCT's deploy form (AscendQuant offset, "
+            "bias not corrected; GE applies the offset); this form is unverified on hardware",
+            plan.key,
+        )
+    # Conv weights per output channel, MatMul/Gemm weights per tensor: the forms AMCT deploys
+    # (hicann/amct: CHANNEL_WISE_ONNX_TYPES is Conv/ConvTranspose/LSTM/GRU; convert_qat_model's
+    # LinearQAT refuses channel-wise). per_channel=False and a per-channel override on each Conv weight
+    # gives exactly that with onnxruntime's own quantizer.
+    conv_weights = {
+        n.input[1]
+        for n, name in zip(model.graph.node, names)
+        if n.op_type == "Conv" and name in nodes and len(n.input) > 1
+    }
     with tempfile.TemporaryDirectory(prefix="vlmc-quant-") as tmp:
         src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
         G.save(model, src)
@@ -79,7 +95,7 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
                 str(dst),
                 reader,
                 quant_format=QuantFormat.QDQ,
-                per_channel=True,
+                per_channel=False,
                 activation_type=QuantType.QInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_quantize=nodes,
@@ -87,19 +103,27 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
                 use_external_data_format=True,
                 extra_options={
                     "WeightSymmetric": True,
-                    "ActivationSymmetric": False,
+                    # AscendQuant's offset: 0 unless asked (see GraphPlan.activation_symmetric)
+                    "ActivationSymmetric": bool(plan.activation_symmetric),
                     "MatMulConstBOnly": True,
                     # AscendDequant gives float out of the int32 accumulator: no requantized output
                     "OpTypesToExcludeOutputQuantization": list(_WEIGHT_INPUT),
-                    # weights are [k, n] for MatMul: axis 1 is the output channel
-                    "QDQOpTypePerChannelSupportToAxis": {"MatMul": 1},
+                    "TensorQuantOverrides": {w: [{"axis": 0}] for w in sorted(conv_weights)},
                 },
             )
         out = G.load(dst)
     clamped = clamp_activation_scales(out)
     biases = int32_matmul_bias(out)
     facts.update(collect_int8_facts(out))
-    facts.update({"nodes_quantized": nodes, "clamped_scales": clamped, "matmul_bias_int32": biases})
+    facts["activations"]["symmetric"] = bool(plan.activation_symmetric)
+    facts.update(
+        {
+            "target": plan.target,
+            "nodes_quantized": nodes,
+            "clamped_scales": clamped,
+            "matmul_bias_int32": biases,
+        }
+    )
     return out, facts
 
 
@@ -273,10 +297,13 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
             continue
         axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
         src = prod.get(node.input[0])
+        scale = inits.get(dq.input[1])
+        per_tensor = scale is None or int(np.prod(scale.dims)) == 1
         entry = {
             "weight": dq.input[0],
             "scale": dq.input[1],
-            "axis": int(axis),
+            "granularity": "per_tensor" if per_tensor else "per_channel",
+            "axis": None if per_tensor else int(axis),
             "symmetric": True,
             "input": src.input[0] if src is not None and src.op_type == "DequantizeLinear" else node.input[0],
         }
@@ -289,7 +316,8 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
         "weights": {
             "dtype": "int8",
             "symmetric": True,
-            "per_channel_axis": {"MatMul": 1, "Conv": 0, "Gemm": 0},
+            # per output channel for Conv only; MatMul/Gemm per tensor (see quantize_int8)
+            "per_channel_axis": {"Conv": 0},
             "nodes": weights,
         },
         "activations": {"dtype": "int8", "granularity": "per_tensor", "tensors": acts},

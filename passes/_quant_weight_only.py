@@ -311,6 +311,7 @@ def quantize_weight_only(
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
     facts = {
         "mode": mode,
+        "target": plan.target,
         "method": plan.method,
         "nodes_quantized": list(nodes_facts),
         "nodes_kept_fp32": kept,

@@ -58,6 +58,15 @@ class Quantize(Pass):
         Option("eval_samples", int, 2, "calibration samples also used to measure fidelity vs FP32", min=0),
         Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0),
         Option("seed", int, 0, "seed for demo calibration images and sampling", min=0),
+        Option(
+            "target",
+            str,
+            "ascend",
+            "backend the quantized graphs are built for: ascend keeps to the forms the NPU builds "
+            "(symmetric int8 activations by default, per-tensor MatMul/Gemm weights, group sizes that "
+            "NPUWeightQuantBatchMatmulV2 accepts); portable allows any form onnxruntime runs",
+            choices=P.TARGETS,
+        ),
     )
 
     # ---- options --------------------------------------------------------------------------
@@ -66,7 +75,8 @@ class Quantize(Pass):
         calib = P.parse_calibration(opts.get("calibration"), f"{where}: calibration")
         keep = P.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
         known = {o.name for o in cls.options}
-        return {k: P.parse_graph(k, v, where, calib, keep) for k, v in opts.items() if k not in known}
+        target = opts.get("target") or "ascend"
+        return {k: P.parse_graph(k, v, where, calib, keep, target) for k, v in opts.items() if k not in known}
 
     @classmethod
     def check_options(cls, opts: dict, where: str) -> None:

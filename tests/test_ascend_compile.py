@@ -239,6 +239,36 @@ def _assert_obeys_rules(out: Path, summary: dict) -> None:
             assert not any(g in opts for g in atc.GEAR_FLAGS)
         if b["variant"] != "full" or "sequence" in json.dumps(b["bindings"]):
             assert opts["input_format"] == "ND"
+        _assert_npu_quant_forms(onnx.load(str(model_path)))
+
+
+def _assert_npu_quant_forms(model: onnx.ModelProto) -> dict:
+    """The quantized forms the NPU builds (issue 14), checked on the written graph; returns counts.
+
+    AscendQuant offset 0; one deq_scale value per AscendDequant behind MatMul/Gemm; WQBMMv2 group size
+    0 or a multiple of 32 at most k-1 with float16 antiquant parameters (ops-nn op proto).
+    """
+    inits = {t.name: nh.to_array(t) for t in model.graph.initializer}
+    prod = {o: n for n in model.graph.node for o in n.output}
+    counts = {"AscendQuant": 0, "AscendDequant": 0, "NPUWeightQuantBatchMatmulV2": 0}
+    for n in model.graph.node:
+        attrs = {a.name: h.get_attribute_value(a) for a in n.attribute}
+        if n.op_type == "AscendQuant":
+            assert attrs["offset"] == 0.0, f"{n.name}: AscendQuant offset {attrs['offset']}"
+        elif n.op_type == "AscendDequant":
+            src = prod[n.input[0]]
+            if src.op_type == "Add":  # the int32 bias Add between MatMul and dequant
+                src = next(prod[i] for i in src.input if i in prod)
+            if src.op_type in ("MatMul", "Gemm"):
+                assert inits[n.input[1]].size == 1, f"{n.name}: per-channel deq_scale behind {src.op_type}"
+        elif n.op_type == "NPUWeightQuantBatchMatmulV2":
+            k = inits[n.input[1]].shape[0]
+            g = attrs["antiquant_group_size"]
+            assert g == 0 or (g % 32 == 0 and g <= k - 1), f"{n.name}: group {g} for k={k}"
+            assert all(inits[i].dtype == np.float16 for i in n.input[2:4] if i)
+        if n.op_type in counts:
+            counts[n.op_type] += 1
+    return counts
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -510,7 +540,56 @@ def test_every_builtin_compiles(name, quantized, exported, tmp_path):
     summary = _compile(pkg, out, sequence_buckets=[64, 128, 256])
     _assert_obeys_rules(out, summary)
     if quantized:
-        assert any(b["quantized"] for b in summary["builds"])
+        _assert_quantized_summary(out, summary)
+
+
+def _assert_quantized_summary(out: Path, summary: dict) -> None:
+    assert any(b["quantized"] for b in summary["builds"])
+    counts = {}
+    for f in sorted((out / "graphs").glob("*.onnx")):
+        for k, v in _assert_npu_quant_forms(onnx.load(str(f))).items():
+            counts[k] = counts.get(k, 0) + v
+    assert counts["AscendQuant"] and counts["AscendDequant"] and counts["NPUWeightQuantBatchMatmulV2"]
+    # INT4 weights are held one per int8 on the NPU: compile.json and report.md say so
+    lowering = [g["lowering"] for g in summary["graphs"].values()]
+    assert any(r["int4_storage"] == "int8" for r in lowering)
+    assert any("INT4 runs with INT8 storage on Ascend" in w for w in summary["warnings"])
+
+
+def test_quantized_save_pretrained_llava_compiles_to_npu_forms(tmp_path):
+    """A LLaVA from save_pretrained (not a built-in), quantized with the default (ascend) target."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from vlmc import exporters, manager, recipe
+    from vlmc.exporters import zoo
+
+    torch.manual_seed(3)
+    LlavaForConditionalGeneration(zoo.tiny_llava_config()).save_pretrained(tmp_path / "hf")
+    exporters.export(exporters.load_source(str(tmp_path / "hf"))).save(tmp_path / "pkg")
+    pkg = Package.load(tmp_path / "pkg")
+    vision = pkg.manifest["pipeline"]["image"][0]
+    steps = recipe.parse(
+        "passes:\n  - quantize:\n"
+        f"      {vision}: {{weights: int8, activations: int8, calibration: {{count: 2}}}}\n"
+        "      decoder: {weights: int4, group_size: 32}\n"
+    ).steps
+    pkg = manager.run(pkg, steps)
+    assert pkg.info(vision)["quantization"]["activations"]["symmetric"] is True
+    out = tmp_path / "b"
+    summary = _compile(pkg, out, sequence_buckets=[64, 128])
+    _assert_obeys_rules(out, summary)
+    _assert_quantized_summary(out, summary)
+    # opt-in: INT4 as ONNX INT4 (two per byte) for an ATC that parses it
+    out4 = tmp_path / "b4"
+    packed = _compile(pkg, out4, sequence_buckets=[64, 128], int4_weights="int4")
+    _assert_obeys_rules(out4, packed)
+    assert packed["graphs"]["decoder"]["lowering"]["int4_storage"] == "int4"
+    assert any("ONNX INT4" in w and "Unverified on hardware" in w for w in packed["warnings"])
+    decoder = onnx.load(str(out4 / "graphs" / "decoder.onnx"))
+    assert any(t.data_type == T.INT4 for t in decoder.graph.initializer) and decoder.ir_version >= 10
+    size = {d: sum(f.stat().st_size for f in (d / "graphs").glob("decoder.onnx*")) for d in (out, out4)}
+    assert size[out4] < size[out]  # the int4 weights take half the bytes
 
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
@@ -557,9 +636,22 @@ def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_p
             model.SerializeToString(), so, providers=["CPUExecutionProvider"]
         ).run(None, feeds)
         got = reference.run(low, feeds, fp16=False)
+        # weight-only antiquant scales are float16 on the NPU (the type of x): 2^-11 relative per weight
+        tol = 1e-4 if kind == "quantized_layers" else 2e-3
         for out, e in zip(low.graph.output, expected):
             np.testing.assert_allclose(
-                got[out.name], e, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(e).max()))
+                got[out.name], e, rtol=tol, atol=tol * max(1.0, float(np.abs(e).max()))
             )
     out = tmp_path / "b"
     _assert_obeys_rules(out, _compile(pkg, out, sequence_buckets=[64, 128]))
+
+
+def test_buckets_above_max_positions_are_reported_once_per_compile(tmp_path, caplog):
+    pkg = _package("llava")
+    pkg.manifest["text"]["max_positions"] = 256
+    with caplog.at_level("WARNING"):
+        summary = _compile(pkg, tmp_path / "b", sequence_buckets=[128, 256, 512, 1024])
+    said = [r.getMessage() for r in caplog.records if "are dropped" in r.getMessage()]
+    assert said == ["sequence_buckets above the model's max_positions 256 are dropped: [512, 1024]"]
+    assert [w for w in summary["warnings"] if "are dropped" in w] == said
+    assert len(summary["builds"]) > 1  # several builds, and still one message

@@ -180,7 +180,17 @@ def test_fp32_graph_is_unchanged():
     assert low.SerializeToString(deterministic=True) == before
 
 
-def test_per_channel_matmul_uses_cout_deq_scale(tmp_path):
+def test_per_channel_matmul_is_refused_by_default_naming_the_node(tmp_path):
+    """AMCT deploys MatMul/Gemm weights per tensor; per-channel is refused unless the switch is flipped."""
+    q = _quantize(_fp32_matmul_add(), tmp_path, (1, 4, K), per_channel=True)
+    with pytest.raises(CheckFailed, match=r"mm \(MatMul\).*per tensor"):
+        _lowered(q)
+
+
+def test_per_channel_matmul_switch_gives_cout_deq_scale(tmp_path, monkeypatch):
+    from vlmc.backends.ascend.rules import _qdq_matmul
+
+    monkeypatch.setattr(_qdq_matmul, "ALLOW_PER_CHANNEL_MATMUL", True)
     q = _quantize(_fp32_matmul_add(), tmp_path, (1, 4, K), per_channel=True)
     low, report = _lowered(q)
     assert report.quantized_layers == ["mm"]
@@ -193,11 +203,79 @@ def test_per_channel_matmul_uses_cout_deq_scale(tmp_path):
     )
 
 
-def test_per_tensor_only_mode_rejects_per_channel_matmul_naming_the_node(tmp_path, monkeypatch):
-    monkeypatch.setattr(lower, "ALLOW_PER_CHANNEL_MATMUL", False)
-    q = _quantize(_fp32_matmul_add(), tmp_path, (1, 4, K), per_channel=True)
-    with pytest.raises(CheckFailed, match=r"mm \(MatMul\).*per tensor"):
-        _lowered(q)
+def _hand_qdq_matmul(w_axis: int | None, k: int = 8, n: int = 8, zp: int = 0) -> onnx.ModelProto:
+    """x -> Q -> DQ -> MatMul <- DQ(int8 W [k, n]) with weight scales along ``w_axis`` (None: per tensor)."""
+    rng = np.random.default_rng(3)
+    wq = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    if w_axis is None:
+        ws, wz, kw = np.array(0.01, np.float32), np.array(0, np.int8), {}
+    else:
+        size = (k, n)[w_axis]
+        ws = (rng.random(size).astype(np.float32) + 0.5) * 0.01
+        wz, kw = np.zeros(size, np.int8), {"axis": w_axis}
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
+        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
+        h.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="w_dq", **kw),
+        h.make_node("MatMul", ["xd", "W"], ["y"], name="mm"),
+    ]
+    inits = [
+        nh.from_array(np.array(0.02, np.float32), "xs"),
+        nh.from_array(np.array(zp, np.int8), "xz"),
+        nh.from_array(wq, "Wq"),
+        nh.from_array(ws, "Ws"),
+        nh.from_array(wz, "Wz"),
+    ]
+    g = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [2, k])],
+        [h.make_tensor_value_info("y", T.FLOAT, [2, n])],
+        inits,
+    )
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_square_matmul_weight_quantized_on_its_input_axis_is_refused(monkeypatch, allow):
+    """A square [k, k] weight with scales along axis 0 has as many scales as output channels; it must
+    not pass as per-output-channel, whatever the per-channel switch says."""
+    from vlmc.backends.ascend.rules import _qdq_matmul
+
+    monkeypatch.setattr(_qdq_matmul, "ALLOW_PER_CHANNEL_MATMUL", allow)
+    with pytest.raises(CheckFailed, match=r"mm \(MatMul\).*axis 0, its input axis"):
+        _lowered(_hand_qdq_matmul(w_axis=0))
+
+
+def test_rules_report_rewrites_and_reasons():
+    low, report = _lowered(_hand_qdq_matmul(w_axis=None))
+    assert [n.op_type for n in low.graph.node] == ["AscendQuant", "MatMul", "AscendDequant"]
+    assert report.rules["qdq_matmul"]["applied"] == 1
+    assert report.rules["qdq_conv"]["applied"] == 0 and report.rules["weight_only_matmul"]["applied"] == 0
+    fp32, fp32_report = _lowered(_fp32_matmul_add())
+    assert fp32_report.rules["qdq_matmul"]["not_matched"] == {"input 0 is not a DequantizeLinear": 1}
+    assert fp32_report.rules["weight_only_matmul"]["not_matched"] == {
+        "the weight is a plain initializer (not quantized)": 1
+    }
+
+
+@pytest.mark.parametrize("zp", [0, -10])
+def test_asymmetric_activation_follows_amct_form_and_ge_applies_the_offset(zp):
+    """Bias = round(b/(s_w*s_x)) with no -zp*sum(w) term; AscendQuant carries the offset; the reference
+    executor applies GE's correction, so the result matches onnxruntime on the QDQ graph."""
+    model = _hand_qdq_matmul(w_axis=None, zp=zp)
+    low, report = _lowered(model)
+    quant = next(n for n in low.graph.node if n.op_type == "AscendQuant")
+    assert {a.name: h.get_attribute_value(a) for a in quant.attribute}["offset"] == zp
+    assert report.asymmetric_layers == (["mm"] if zp else [])
+    assert any("unverified on hardware" in note for note in report.notes) == bool(zp)
+    assert not any(n.op_type == "Add" for n in low.graph.node)  # no bias: nothing folded into one
+    corrected, touched = reference.ge_offset_correction(low)
+    assert touched == (1 if zp else 0)
+    x = np.random.default_rng(2).standard_normal((2, 8)).astype(np.float32)
+    expected = _ort(model, {"x": x})[0]
+    got = reference.run(low, {"x": x}, fp16=False)["y"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_activation_scale_beyond_fp16_is_rejected(tmp_path):
@@ -312,10 +390,16 @@ def test_weight_only_lowers_to_weight_quant_batch_matmul(builder, group, bits):
     inits = {t.name: nh.to_array(t) for t in low.graph.initializer}
     assert inits[node.input[1]].dtype == np.int8 and inits[node.input[1]].shape == (K, N)
     assert inits[node.input[2]].shape == ((N,) if not group else (K // group, N))
+    # antiquant_scale/offset have the type of x: float16 on the NPU (op proto), never float32
+    assert all(inits[i].dtype == np.float16 for i in node.input[2:])
     assert report.weight_only_layers == ["proj"] and report.weight_only_bits == bits
+    assert report.weight_only_sources == {"fit": 1}  # a foreign graph: no quantize facts
     x = np.random.default_rng(5).standard_normal((2, 3, K)).astype(np.float32)
     expected = _ort(model, {"x": x})[0]
-    np.testing.assert_allclose(reference.run(low, {"x": x}, fp16=False)["y"], expected, rtol=1e-5, atol=1e-5)
+    # the only difference left is float16 scales: 2^-11 relative
+    np.testing.assert_allclose(
+        reference.run(low, {"x": x}, fp16=False)["y"], expected, rtol=0, atol=1e-3 * np.abs(expected).max()
+    )
     np.testing.assert_allclose(
         reference.run(low, {"x": x})["y"], expected, rtol=0, atol=0.01 * np.abs(expected).max()
     )
@@ -381,3 +465,55 @@ def test_strip_past_makes_an_equivalent_prefill_graph():
     got = _ort(prefill, {"inputs_embeds": x})
     for e, g_ in zip(expected, got):
         np.testing.assert_array_equal(e, g_)
+
+
+def test_docs_list_every_rule_with_its_sources():
+    """docs/ascend.md has a row per lowering rule naming its module, and cites every file the rule cites."""
+    import re
+    from pathlib import Path
+
+    from vlmc.backends.ascend import rules
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "ascend.md").read_text()
+    for rule in rules.default_rules():
+        row = next((line for line in doc.splitlines() if line.startswith(f"| `{rule.name}` ")), None)
+        assert row is not None, f"docs/ascend.md has no table row for {rule.name}"
+        for cited in rule.source.split("; "):
+            repo, _, rest = cited.partition(" ")
+            assert repo.startswith(("hicann/", "ai.onnx")), cited
+            path = re.split(r" \(", rest)[0]
+            name = path.rsplit("/", 1)[-1]
+            assert name in doc, f"{rule.name}: {name} (from {cited}) is not cited in docs/ascend.md"
+
+
+def test_one_activation_quantizer_shared_by_three_matmuls():
+    """q/k/v projections read one Q/DQ pair: three int8 MatMuls share one AscendQuant, nothing is left."""
+    rng = np.random.default_rng(4)
+    nodes = [
+        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
+        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
+    ]
+    inits = [nh.from_array(np.array(0.02, np.float32), "xs"), nh.from_array(np.array(0, np.int8), "xz")]
+    outs = []
+    for p in ("q_proj", "k_proj", "v_proj"):
+        inits += [
+            nh.from_array(rng.integers(-127, 128, (8, 8)).astype(np.int8), f"{p}_wq"),
+            nh.from_array(np.array(0.01, np.float32), f"{p}_ws"),
+            nh.from_array(np.array(0, np.int8), f"{p}_wz"),
+        ]
+        nodes += [
+            h.make_node("DequantizeLinear", [f"{p}_wq", f"{p}_ws", f"{p}_wz"], [f"{p}_w"], name=f"{p}_w_dq"),
+            h.make_node("MatMul", ["xd", f"{p}_w"], [f"{p}_y"], name=p),
+        ]
+        outs.append(h.make_tensor_value_info(f"{p}_y", T.FLOAT, [2, 8]))
+    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 8])], outs, inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    low, report = _lowered(model)
+    assert sorted(report.quantized_layers) == ["k_proj", "q_proj", "v_proj"]
+    assert [n.op_type for n in low.graph.node].count("AscendQuant") == 1
+    assert not any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in low.graph.node)
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    expected = _ort(model, {"x": x})
+    got = reference.run(low, {"x": x}, fp16=False)
+    for out, e in zip(low.graph.output, expected):
+        np.testing.assert_allclose(got[out.name], e, rtol=1e-5, atol=1e-5)

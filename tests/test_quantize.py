@@ -202,13 +202,20 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
         assert int8.info(g)["precision"] == "int8" and fp16.info(g)["precision"] == "fp16"
         q = int8.info(g)["quantization"]
         assert q["mode"] == "int8" and q["bias_dtype"] == "int32"
+        # target ascend (the default): symmetric activations, AscendQuant offset 0
+        assert q["target"] == "ascend" and q["activations"]["symmetric"] is True
         for act in q["activations"]["tensors"].values():
-            assert 1 / act["scale"] <= S.FP16_MAX and -128 <= act["zero_point"] <= 127
+            assert 1 / act["scale"] <= S.FP16_MAX and act["zero_point"] == 0
         inits = {t.name: t for t in m.graph.initializer}
+        ops = {n.name: n.op_type for n in m.graph.node}
         for node, w in q["weights"]["nodes"].items():
             qw, sc = inits[w["weight"]], numpy_helper.to_array(inits[w["scale"]])
             assert qw.data_type == onnx.TensorProto.INT8
-            assert sc.shape == (qw.dims[w["axis"]],), node  # one scale per output channel
+            if ops[node] == "Conv":  # per output channel, as AMCT deploys Conv
+                assert w["granularity"] == "per_channel" and w["axis"] == 0
+                assert sc.shape == (qw.dims[0],), node
+            else:  # MatMul/Gemm per tensor: one deq_scale value on the NPU
+                assert w["granularity"] == "per_tensor" and sc.size == 1, node
 
 
 def test_int8_qdq_form_and_int32_bias(tiny_llava):

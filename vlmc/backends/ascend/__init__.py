@@ -57,6 +57,14 @@ TARGET_OPTIONS = (
         "Ascend IR op types kept in fp32 via --modify_mixlist (mixed_* precisions only)",
         items=str,
     ),
+    pass_api.Option(
+        "int4_weights",
+        str,
+        "int8",
+        "INT4 weight storage in the lowered graph: int8 (one value per int8; builds on any CANN) or int4 "
+        "(ONNX INT4, two per byte; needs an ATC that parses ONNX INT4, hicann/ge 14b93e226; unverified)",
+        choices=("int8", "int4"),
+    ),
     pass_api.Option("run", bool, False, "run atc when it is on PATH and collect the .om files"),
     pass_api.Option("log", str, None, "ATC --log level", choices=atc.ENUMS["log"]),
     pass_api.Option("host_env_os", str, None, "ATC --host_env_os", choices=atc.ENUMS["host_env_os"]),
@@ -174,13 +182,23 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             copy = onnx.ModelProto()
             copy.CopyFrom(model)
             model = copy
-        lowered[name], reports[name] = lower.lower(model, name, package.info(name))
+        lowered[name], reports[name] = lower.lower(
+            model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8"
+        )
+    # Lowering notes (INT4 held as INT8 on the NPU, asymmetric activations unverified) go to the
+    # warnings once, so compile.json and report.md both say them.
+    for note in dict.fromkeys(n for r in reports.values() for n in r.notes):
+        warnings.append(note)
 
     kv = package.manifest.get("kv", {})
+    max_positions = package.manifest.get("text", {}).get("max_positions")
+    for msg in gears.dropped_buckets(opts, max_positions):
+        logger.warning("%s", msg)  # once per compile, not once per build
+        warnings.append(msg)
     ctx_base = gears.DimContext(
         fixed=dict(opts.get("dims") or {}),
         block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
-        max_positions=package.manifest.get("text", {}).get("max_positions"),
+        max_positions=max_positions,
         patches=_patches_per_image(package.manifest),
     )
     files: dict[str, onnx.ModelProto] = {}

@@ -64,8 +64,8 @@ class DimContext:
 
 def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[str, list[int]]:
     """Values of the symbols that vary independently in a build (before derived ones)."""
-    seq = _buckets(opts["sequence_buckets"], ctx.max_positions, "sequence_buckets")
-    past = _buckets(opts.get("past_buckets") or opts["sequence_buckets"], ctx.max_positions, "past_buckets")
+    seq = _buckets(opts["sequence_buckets"], ctx.max_positions)
+    past = _buckets(opts.get("past_buckets") or opts["sequence_buckets"], ctx.max_positions)
     vals: dict[str, list[int]] = {
         "batch": sorted(set(opts["batch_sizes"])),
         "images": sorted(set(opts.get("images") or [1])),
@@ -89,19 +89,27 @@ def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[st
     return vals
 
 
-def _buckets(values: list[int], max_positions: int | None, what: str) -> list[int]:
+def _buckets(values: list[int], max_positions: int | None) -> list[int]:
     vals = sorted(set(values))
     if max_positions:
-        kept = [v for v in vals if v <= max_positions]
-        if len(kept) < len(vals):
-            logger.warning(
-                "%s above the model's max_positions %d are dropped: %s",
-                what,
-                max_positions,
-                [v for v in vals if v > max_positions],
-            )
-        vals = kept or [max_positions]
+        vals = [v for v in vals if v <= max_positions] or [max_positions]
     return vals
+
+
+def dropped_buckets(opts: dict, max_positions: int | None) -> list[str]:
+    """One message per bucket option whose values exceed the model's max_positions.
+
+    Said once per compile by the caller: every build and every graph would otherwise repeat it.
+    """
+    if not max_positions:
+        return []
+    out = []
+    for what in ("sequence_buckets", "past_buckets"):
+        values = opts.get(what)
+        over = sorted({v for v in values or [] if v > max_positions})
+        if over:
+            out.append(f"{what} above the model's max_positions {max_positions} are dropped: {over}")
+    return out
 
 
 def _derived(variant: str, ctx: DimContext) -> dict[str, Callable[[dict[str, int]], int]]:

@@ -19,7 +19,49 @@ ALWAYS_PARSED = frozenset({"Constant"})
 # The custom domain ATC also reads, keyed as ``npu::<opset_import version>::<op>``.
 NPU_DOMAIN = "npu"
 NPU_DOMAIN_VERSION = 1
-NPU_DOMAIN_OPS = frozenset({"WeightQuantBatchMatmulV2"})
+# Every op type the ONNX parser plugins register under ``npu::1::`` (32), read from the
+# REGISTER_CUSTOM_OP(...).OriginOpType lists of the *_onnx_plugin.cpp files in hicann/ops-nn
+# (snapshot e5c3fa93, Aug 2026; e.g. matmul/weight_quant_batch_matmul_v2/framework/
+# npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp, norm/rms_norm/framework/npu_rms_norm_onnx_plugin.cpp)
+# and hicann/ops-math (c4193324; e.g. common/src/framework/npu_rotary_mul_onnx_plugin.cpp,
+# conversion/slice/framework/npu_slice_onnx_plugin.cpp). hicann/ops-transformer registers none.
+# Note the npu-domain name of the weight-only matmul has no "NPU" prefix, unlike its ai.onnx name.
+NPU_DOMAIN_OPS = frozenset(
+    {
+        "NPUAddRmsNorm",
+        "NPUAntiQuant",
+        "NPUAscendQuantV2",
+        "NPUBoundingBoxDecode",
+        "NPUBoundingBoxEncode",
+        "NPUDeformableConv2d",
+        "NPUDropoutWithAddSoftmax",
+        "NPUDtypeCast",
+        "NPUDynamicQuant",
+        "NPUDynamicQuantV2",
+        "NPUFastGelu",
+        "NPUFormatCast",
+        "NPUFusedAddRmsNorm",
+        "NPUGeglu",
+        "NPUGeluV2",
+        "NPUGroupNormSilu",
+        "NPUGroupQuant",
+        "NPUGru",
+        "NPUIndexing",
+        "NPULstm",
+        "NPULstmCell",
+        "NPUMish",
+        "NPUOneHot",
+        "NPUQuantize",
+        "NPURmsNorm",
+        "NPURotaryMul",
+        "NPUScatter",
+        "NPUSignBitsPack",
+        "NPUSignBitsUnpack",
+        "NPUSlice",
+        "NPUSoftmaxCrossEntropyWithLogits",
+        "WeightQuantBatchMatmulV2",
+    }
+)
 
 # Ops that QDQ quantization or ORT-specific export introduces, with what the user should do instead.
 _SUGGESTIONS = {
@@ -86,7 +128,10 @@ def suggestion(op_type: str, domain: str, opset: int | None) -> str:
         base = f"{domain} ops exist only in onnxruntime"
         return f"{base}; {specific}" if specific else f"{base}; export without onnxruntime-specific fusions"
     if domain == NPU_DOMAIN:
-        return f"the npu domain needs opset_import npu={NPU_DOMAIN_VERSION} and only holds {', '.join(sorted(NPU_DOMAIN_OPS))}"
+        return (
+            f"the npu domain needs opset_import npu={NPU_DOMAIN_VERSION} and holds only the "
+            f"{len(NPU_DOMAIN_OPS)} ops the parser plugins register (e.g. NPURmsNorm, WeightQuantBatchMatmulV2)"
+        )
     if op_type in _SUGGESTIONS:
         return _SUGGESTIONS[op_type]
     registered = opsets(op_type)

@@ -7,6 +7,13 @@ accumulate int8 in int32, which is what the AMCT deploy form means by an int8 Ma
 Numerics follow atc-reference.md: AscendQuant computes in fp16 on 910B and rounds ties to even;
 AscendDequant and the antiquant ops produce fp16 on 910B. With ``fp16=True`` (the default) these
 roundings are emulated; results are returned as float32 so downstream fp32 ops keep their dtypes.
+
+The executor models what the NPU computes, not what vlmc meant: an AscendQuant offset is not
+corrected by the lowered graph (AMCT's deploy form leaves the bias as round(b/(s_w*s_x))); GE's quant
+fusion corrects it when it fuses AscendQuant into the int8 op (hicann/ge graph_metadef/register/
+graph_optimizer/graph_fusion/fusion_quant_util_impl.cc, SetQuantScaleAndOffset ->
+QuantBiasOptimization). :func:`run` applies that correction, ``-offset * sum(w)`` per output channel,
+the way GE does, so a graph that also folded it into its bias shows the double correction.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import logging
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_conv import Conv as _OnnxConv
@@ -22,8 +30,8 @@ from onnx.reference.ops.op_conv import Conv as _OnnxConv
 logger = logging.getLogger(__name__)
 
 # NPUWeightQuantBatchMatmulV2 dequantizes as (weight + antiquant_offset) * antiquant_scale
-# (torch_npu's npu_weight_quant_batchmatmul documentation), so a zero point z is passed as offset -z.
-# The ATC reference does not state the sign; lower.py and this module both read this constant.
+# (hicann/ops-nn matmul/weight_quant_batch_matmul_v2/docs/aclnnWeightQuantBatchMatmulV2.md), so a zero
+# point z is passed as offset -z. The lowering rules and this module both read this constant.
 ANTIQUANT_OFFSET_SIGN = 1.0
 
 INT8_MIN, INT8_MAX = -128, 127
@@ -77,12 +85,27 @@ def ascend_antiquant(x: np.ndarray, scale: float, offset: float, fp16: bool = Tr
 def dequant_weight(
     weight: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, group_size: int
 ) -> np.ndarray:
-    """The float (k, n) weight NPUWeightQuantBatchMatmulV2 computes with."""
+    """The float (k, n) weight NPUWeightQuantBatchMatmulV2 computes with.
+
+    Raises:
+        ValueError: a group size or parameter the op proto refuses (hicann/ops-nn
+            weight_quant_batch_matmul_v2_proto.h): the NPU would not run it, so neither does this.
+    """
     w = weight.astype(np.float32)
     k = w.shape[0]
+    if group_size and (group_size % 32 or group_size > k - 1):
+        raise ValueError(
+            f"antiquant_group_size {group_size} is not 0 or a multiple of 32 at most k-1={k - 1}"
+        )
+    if np.asarray(scale).dtype not in (np.float16,):
+        raise ValueError(
+            f"antiquant_scale is {np.asarray(scale).dtype}; the op takes the type of x (float16)"
+        )
     scale = np.asarray(scale, dtype=np.float32)
     off = np.zeros_like(scale) if offset is None else np.asarray(offset, dtype=np.float32)
-    if group_size and scale.ndim == 2:
+    if group_size:
+        if scale.ndim != 2 or scale.shape[0] != -(-k // group_size):
+            raise ValueError(f"antiquant_scale {scale.shape} is not (ceil(k/{group_size}), n) for k={k}")
         scale = np.repeat(scale, group_size, axis=0)[:k]
         off = np.repeat(off, group_size, axis=0)[:k]
     return (w + ANTIQUANT_OFFSET_SIGN * off) * scale
@@ -180,14 +203,58 @@ def _ops(fp16: bool) -> list[type[OpRun]]:
     return [AscendQuant, AscendDequant, AscendAntiQuant, NPUWeightQuantBatchMatmulV2, MatMul, Conv]
 
 
+def ge_offset_correction(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+    """A copy of ``model`` with GE's AscendQuant offset correction made explicit; and how many ops it touched.
+
+    For every int8 MatMul/Conv fed by an AscendQuant with a non-zero offset, GE's quant fusion adds
+    ``-offset * sum(w)`` (over k, per output channel) to the int32 accumulator. Here that is an Add
+    of the int32 correction right after the op.
+    """
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    inits = {t.name: t for t in g.initializer}
+    prod = {o: n for n in g.node for o in n.output}
+    new_nodes: list[onnx.NodeProto] = []
+    touched = 0
+    for node in g.node:
+        new_nodes.append(node)
+        if node.op_type not in ("MatMul", "Conv") or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        q = prod.get(node.input[0])
+        if q is None or q.op_type != "AscendQuant":
+            continue
+        offset = next((a.f for a in q.attribute if a.name == "offset"), 0.0)
+        w = numpy_helper.to_array(inits[node.input[1]])
+        if not offset or w.dtype != np.int8:
+            continue
+        if node.op_type == "MatMul":
+            corr = (-round(offset) * w.astype(np.int64).sum(axis=0)).astype(np.int32)  # (n,)
+        else:
+            cout = w.shape[0]
+            corr = (-round(offset) * w.astype(np.int64).reshape(cout, -1).sum(axis=1)).astype(np.int32)
+            corr = corr.reshape(1, cout, *([1] * (w.ndim - 2)))
+        raw = f"{node.output[0]}__before_ge_offset"
+        cname = f"{node.output[0]}__ge_offset"
+        g.initializer.append(numpy_helper.from_array(corr, cname))
+        acc = node.output[0]
+        node.output[0] = raw
+        new_nodes.append(onnx.helper.make_node("Add", [raw, cname], [acc], name=f"{node.name}__ge_offset"))
+        touched += 1
+    del g.node[:]
+    g.node.extend(new_nodes)
+    return out, touched
+
+
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True) -> dict[str, np.ndarray]:
-    """Execute a lowered graph with the references; returns every graph output by name.
+    """Execute a lowered graph as the NPU would; returns every graph output by name.
 
     Args:
         model: a lowered graph (may contain Ascend ops and int8 MatMul/Conv).
         feeds: input arrays.
         fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
     """
+    model, _ = ge_offset_correction(model)
     sess = ReferenceEvaluator(model, new_ops=_ops(fp16))
     outs = sess.run(None, feeds)
     return {o.name: v for o, v in zip(model.graph.output, outs)}

@@ -1,0 +1,308 @@
+"""Rule: weight-only quantized MatMul -> NPUWeightQuantBatchMatmulV2, from the quantize pass's facts.
+
+The quantize pass records, per MatMul, the integer weight, its scales, the axis and the group size
+(``graphs[name].quantization.weights``). This rule reads them. Fitting ``(q + offset) * scale`` to the
+folded weight is kept only as a fallback for QDQ/dequant graphs made by other tools (no facts).
+
+The target op (hicann/ops-nn matmul/weight_quant_batch_matmul_v2):
+* op_graph/weight_quant_batch_matmul_v2_proto.h: weight (k, n); antiquant_scale (n,) per channel or
+  (ceil(k/g), n) per group, float16/bfloat16 "the same with x"; ``antiquant_group_size`` 0 or a
+  multiple of 32 in [0, k-1]; y = x @ ((weight + antiquant_offset) * antiquant_scale).
+* framework/npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp: reads only antiquant_group_size and
+  dtype, and forces transpose_x/transpose_weight off.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from vlmc import ortsession
+from vlmc.backends.ascend import reference as ref
+from vlmc.errors import VlmcError
+
+from ._base import Context, NoMatch, Rule
+from ._graph import as_int8
+
+logger = logging.getLogger(__name__)
+
+_WQBMM = "hicann/ops-nn matmul/weight_quant_batch_matmul_v2/"
+SOURCE = "; ".join(
+    (
+        _WQBMM + "op_graph/weight_quant_batch_matmul_v2_proto.h (group size, dtypes, shapes)",
+        _WQBMM
+        + "framework/npu_weight_quant_batchmatmul_v2_onnx_plugin.cpp (attributes read, transposes off)",
+        _WQBMM + "op_host/weight_quant_batch_matmul_v2_def.cpp (910B dtypes)",
+        _WQBMM + "docs/aclnnWeightQuantBatchMatmulV2.md ((weight + offset) * scale)",
+    )
+)
+GROUP_MULTIPLE = 32
+# Group sizes the fallback fit tries (largest first). 16 and 48 are not legal on the NPU; they are
+# tried so that a foreign graph quantized with them is refused by name rather than "does not fit".
+FIT_GROUP_SIZES = (1024, 512, 256, 128, 64, 48, 32, 16)
+_DEQUANT_OPS = frozenset({"DequantizeLinear", "Mul", "Sub", "Cast"})
+INT4_NOTE = (
+    "INT4 runs with INT8 storage on Ascend: the int4 values are held one per int8 (0.25x of FP32 "
+    "weight bytes, the same as INT8; packed INT4 would be 0.125x). Target option int4_weights: int4 "
+    "writes ONNX INT4 instead, for an ATC whose parser reads it (hicann/ge 14b93e226, Aug 2026)"
+)
+INT4_PACKED_NOTE = (
+    "INT4 weights are written as ONNX INT4 (two per byte, 0.125x of FP32 weight bytes), which ATC "
+    "parses to DT_INT4 only from hicann/ge 14b93e226 (parser/parser/onnx/onnx_constant_parser.cc, "
+    "Aug 2026); NPUWeightQuantBatchMatmulV2 takes DT_INT4 weights on 910B (ops-nn "
+    "weight_quant_batch_matmul_v2_def.cpp). Unverified on hardware; int4_weights: int8 builds on any CANN"
+)
+
+
+def legal_group_size(group: int, k: int) -> bool:
+    """NPUWeightQuantBatchMatmulV2: 0 (per channel) or a multiple of 32 that is at most k-1."""
+    return group == 0 or (group % GROUP_MULTIPLE == 0 and 0 < group <= k - 1)
+
+
+@dataclass
+class _Lowered:
+    q8: np.ndarray  # int8 (k, n)
+    scale: np.ndarray  # (n,) or (k/g, n), float32
+    offset: np.ndarray | None  # same shape as scale, or None (symmetric)
+    group: int  # antiquant_group_size
+    bits: int
+    source: str  # "facts" | "fit"
+
+
+@dataclass
+class WeightOnlyMatch:
+    node: onnx.NodeProto
+    nodes: list  # the constant dequant subgraph
+    leaves: list[str]  # its initializers
+    facts: dict | None  # the quantize pass's record for this node
+    lowered: _Lowered | str | None = None  # what the facts (or the fallback fit) give; str: why not
+
+
+def _match(ctx: Context, node: onnx.NodeProto) -> WeightOnlyMatch | NoMatch:
+    gr = ctx.graph
+    w_name = node.input[1]
+    if w_name in gr.inits:
+        return NoMatch("the weight is a plain initializer (not quantized)")
+    a = gr.producer.get(node.input[0])
+    if a is not None and a.op_type == "DequantizeLinear":
+        return NoMatch("the input is a quantized activation (the qdq_matmul pattern)")
+    sub = gr.const_subgraph(w_name)
+    if sub is None:
+        return NoMatch("the weight is computed from graph inputs (activation x activation)")
+    nodes, leaves = sub
+    if not nodes or not any(n.op_type in _DEQUANT_OPS for n in nodes):
+        return NoMatch("the weight's constant subgraph holds no dequantization")
+    m = WeightOnlyMatch(node, nodes, leaves, ctx.node_facts(node))
+    m.lowered = _from_facts(ctx, m)
+    if m.lowered is None:
+        m.lowered = _from_fit(ctx, m)
+    if m.lowered is None:
+        return NoMatch("the folded weight is not an integer tensor times scales")
+    return m
+
+
+def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
+    """The lowering read from the recorded facts; None when they do not describe this subgraph."""
+    f = m.facts
+    if not f or f.get("weight") not in m.leaves or f.get("scale") not in m.leaves:
+        return None
+    gr = ctx.graph
+    weights = ctx.facts.get("weights") or {}
+    q = numpy_helper.to_array(gr.inits[f["weight"]])
+    scale = numpy_helper.to_array(gr.inits[f["scale"]]).astype(np.float32)
+    # The group size is per node when recorded there, else graph-wide (quantize writes it under weights).
+    group = f.get("group_size", weights.get("group_size"))
+    bits = 4 if weights.get("dtype") == "int4" else 8
+    if f.get("axis", 1) != 1:
+        return f"the recorded weight axis is {f.get('axis')}; only axis 1 (of [k, n]) is lowered"
+    if q.dtype == np.uint8 and f.get("storage") == "packed":
+        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8
+        lo = (q & 0x0F).astype(np.int16) - 8
+        hi = (q >> 4).astype(np.int16) - 8
+        q = np.stack([lo, hi], axis=1).reshape(q.shape[0] * 2, q.shape[1]).astype(np.int8)
+    elif q.dtype != np.int8:
+        return f"the recorded weight {f['weight']} is {q.dtype}, not int8 or packed int4"
+    if q.ndim != 2:
+        return f"the recorded weight has {q.ndim} dims, not 2"
+    k, n = q.shape
+    if group:
+        scale = scale.reshape(-1, n)
+        if scale.shape[0] * group != k:
+            return f"the recorded scales ({scale.shape[0]} groups of {group}) do not cover k={k}"
+    else:
+        scale = scale.reshape(n)
+    return _Lowered(q, scale, None, int(group or 0), bits, "facts")
+
+
+def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
+    """Fallback for graphs without facts: fold the weight with onnxruntime and fit q, scale, offset."""
+    gr, node = ctx.graph, m.node
+    w_name = node.input[1]
+    arrays = {name: numpy_helper.to_array(gr.inits[name]) for name in m.leaves}
+    ints = [a for a in arrays.values() if np.issubdtype(a.dtype, np.integer)]
+    sm = helper.make_model(
+        helper.make_graph(
+            m.nodes,
+            "w",
+            [],
+            [helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, None)],
+            [gr.inits[n] for n in m.leaves],
+        ),
+        opset_imports=list(gr.model.opset_import),
+    )
+    sm.ir_version = gr.model.ir_version or sm.ir_version
+    try:
+        w = np.asarray(ortsession.from_model(sm).run(None, {})[0], dtype=np.float32)
+    except Exception as exc:  # onnxruntime raises its own types; a weight it cannot fold is left alone
+        logger.debug("%s: weight subgraph not folded: %s", node.name, exc)
+        return None
+    if w.ndim != 2:
+        return None
+    k, n = w.shape
+    big = [c for q in ints if q.dtype in (np.int8, np.uint8) for c in _int_candidates(q, k * n)]
+    if not big:
+        return None
+    for q in big:
+        fit = _fit_antiquant(w, q)
+        if fit is not None:
+            q8, scale, offset, group = fit
+            nibble = (q8.min() >= -8 and q8.max() <= 7) or (q8.min() >= 0 and q8.max() <= 15)
+            bits = 4 if nibble else 8
+            return _Lowered(q8, scale, offset, group, bits, "fit")
+    return (
+        "its weight-only dequantization does not reduce to (q + offset) * scale per channel or per "
+        "group; vlmc cannot lower it to NPUWeightQuantBatchMatmulV2"
+    )
+
+
+def _int_candidates(q: np.ndarray, size: int) -> list[np.ndarray]:
+    """Integer weight values an initializer may hold: as is, or int4 packed two per byte (either nibble
+    order, signed or unsigned), flattened to ``size`` values."""
+    if q.size == size:
+        return [q.reshape(-1)]
+    if q.size * 2 != size:
+        return []
+    b = q.view(np.uint8)
+    lo, hi = (b & 0x0F).astype(np.int16), (b >> 4).astype(np.int16)
+    out = []
+    # A byte's two nibbles are neighbours along one axis: the last (consecutive values) or, e.g. for
+    # a [k/2, n] packing, rows 2i and 2i+1.
+    for axis in reversed(range(b.ndim)):
+        for first, second in ((lo, hi), (hi, lo)):
+            u = np.stack([first, second], axis=axis + 1).reshape(-1)
+            out.append(u.astype(np.int8))  # unsigned nibbles 0..15 (with a zero point)
+            out.append(np.where(u >= 8, u - 16, u).astype(np.int8))  # two's-complement nibbles -8..7
+    return out
+
+
+def _fit_antiquant(w: np.ndarray, q_raw: np.ndarray):
+    """int8 q (k, n), scale and offset with ``(q + offset) * scale == w`` per channel or per group."""
+    k, n = w.shape
+    layouts = [q_raw.reshape(k, n), q_raw.reshape(n, k).T.copy()]
+    groups = [k] + [g for g in FIT_GROUP_SIZES if g < k and k % g == 0]
+    tol = 1e-5 * max(float(np.abs(w).max()), 1e-30)
+    for q in layouts:
+        q8, _ = as_int8(np.ascontiguousarray(q), np.zeros(1, np.uint8 if q.dtype == np.uint8 else np.int8))
+        qf = q8.astype(np.float64)
+        for g in groups:
+            with np.errstate(divide="ignore", invalid="ignore"):  # a wrong layout fails the check
+                fit = _fit_groups(qf, w, k, n, g, tol)
+            if fit is not None:
+                scale, zp = fit
+                # zero points are integers; the least-squares fit leaves rounding noise around them
+                zp = np.where(np.abs(zp - np.rint(zp)) < 1e-3, np.rint(zp), zp)
+                offset = -zp / ref.ANTIQUANT_OFFSET_SIGN
+                if g == k:
+                    return q8, scale[0].astype(np.float32), offset[0].astype(np.float32), 0
+                return q8, scale.astype(np.float32), offset.astype(np.float32), g
+    return None
+
+
+def _fit_groups(qf: np.ndarray, w: np.ndarray, k: int, n: int, g: int, tol: float):
+    """Least-squares scale and zero point per (group, column); None unless they reproduce w."""
+    qg = qf.reshape(k // g, g, n)
+    wg = w.astype(np.float64).reshape(k // g, g, n)
+    qm, wm = qg.mean(axis=1), wg.mean(axis=1)
+    var = ((qg - qm[:, None]) ** 2).sum(axis=1)
+    cov = ((qg - qm[:, None]) * (wg - wm[:, None])).sum(axis=1)
+    scale = np.where(var > 0, cov / np.where(var > 0, var, 1.0), np.where(wm != 0, np.abs(wm), 1.0))
+    zp = qm - wm / scale  # w = (q - zp) * scale
+    recon = (qg - zp[:, None]) * scale[:, None]
+    if np.isfinite(recon).all() and np.abs(recon - wg).max() <= tol:
+        return scale, zp
+    return None
+
+
+def _check(ctx: Context, m: WeightOnlyMatch) -> str | None:
+    low = m.lowered
+    if isinstance(low, str):
+        return low
+    k = low.q8.shape[0]
+    if low.group and low.group >= k:
+        # one group spanning all of k is per channel, which the op spells as group size 0
+        low.scale = low.scale.reshape(-1)
+        low.offset = None if low.offset is None else low.offset.reshape(-1)
+        low.group = 0
+    if not legal_group_size(low.group, k):
+        # Refused here rather than by ATC on the NPU host: one line, exit 2.
+        raise VlmcError(
+            f"{ctx.name}: {m.node.name} (MatMul): antiquant_group_size {low.group} is refused by "
+            f"NPUWeightQuantBatchMatmulV2 (0 or a multiple of {GROUP_MULTIPLE} at most k-1 = {k - 1}, "
+            "ops-nn weight_quant_batch_matmul_v2_proto.h); requantize with group_size a multiple of 32"
+        )
+    if low.bits == 4 and ctx.int4_weights == "int4" and low.q8.shape[1] % 2:
+        # op proto: with int4 weights and transpose_weight false, n must be even
+        return f"n={low.q8.shape[1]} is odd; NPUWeightQuantBatchMatmulV2 takes int4 weights only for even n"
+    for what, arr in (("antiquant_scale", low.scale), ("antiquant_offset", low.offset)):
+        if arr is None:
+            continue
+        half = arr.astype(np.float16)
+        if not np.isfinite(half).all() or np.any((half == 0) & (arr != 0)):
+            return f"{what} is not representable in float16 (the type of x on the NPU)"
+    return None
+
+
+def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
+    low = m.lowered
+    assert isinstance(low, _Lowered)  # check() refused every other case
+    gr, node, report = ctx.graph, m.node, ctx.report
+    report.weight_only_bits = max(report.weight_only_bits or 0, low.bits)
+    packed = low.bits == 4 and ctx.int4_weights == "int4"
+    if packed:
+        # ONNX INT4: two values per byte, the lower index in the low nibble, which is GE's DT_INT4
+        # layout (hicann/ge onnx_constant_parser.cc copies the bytes as they are). INT4 needs IR 10.
+        wq = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
+        gr.model.ir_version = max(gr.model.ir_version, 10)
+    else:
+        wq = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
+    # antiquant_scale/offset have the type of x (float16 on the NPU: ATC runs x in fp16).
+    inputs = [node.input[0], wq, gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16))]
+    if low.offset is not None and np.any(low.offset != 0):
+        inputs.append(gr.add_init(f"{node.name}_antiquant_offset", low.offset.astype(np.float16)))
+    new = helper.make_node(
+        "NPUWeightQuantBatchMatmulV2",
+        inputs,
+        [node.output[0]],
+        name=node.name,
+        antiquant_group_size=int(low.group),
+        transpose_x=0,
+        transpose_weight=0,
+    )
+    gr.replace(node, [new], [])
+    report.weight_only_layers.append(node.name)
+    report.weight_only_sources[low.source] = report.weight_only_sources.get(low.source, 0) + 1
+    if low.bits == 4:
+        report.int4_storage = "int4" if packed else "int8"
+        note = INT4_PACKED_NOTE if packed else INT4_NOTE
+        if note not in report.notes:
+            report.notes.append(note)
+
+
+def weight_only_matmul_rule() -> Rule:
+    """The weight-only MatMul rule (int8 per channel, int4 per group)."""
+    return Rule("weight_only_matmul", ("MatMul",), SOURCE, _match, _check, _rewrite)
