@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check vlmc passes tests scripts
+	$(BIN)/ruff format --check vlmc passes tests scripts
 	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup
 
 lint: $(STAMP)

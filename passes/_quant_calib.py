@@ -62,25 +62,20 @@ class Recorded:
     generations: list = field(default_factory=list)  # fp32 GenerationResult per eval sample
 
 
-class _RecordingPipeline(Pipeline):
-    """A Pipeline that records each target graph's feeds on its first call per sample."""
+class _Recorder:
+    """Records each target graph's feeds (and optionally outputs) on its first call per sample."""
 
-    def __init__(self, pkg: Package, targets: set[str], keep_outputs: bool) -> None:
-        super().__init__(pkg)
-        self.targets = targets
-        self.keep_outputs = keep_outputs
+    def __init__(self, rec: Recorded, targets: set[str]) -> None:
+        self.rec, self.targets = rec, targets
+        self.keep_outputs = False
         self.seen: set[str] = set()
-        self.rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
 
-    def run_graph(self, name, available):
-        out = super().run_graph(name, available)
+    def __call__(self, name: str, feeds: dict, outputs: dict) -> None:
         if name in self.targets and name not in self.seen:
             self.seen.add(name)
-            names = [i.name for i in self.session(name).get_inputs()]
-            self.rec.feeds[name].append({n: np.array(available[n]) for n in names})
+            self.rec.feeds[name].append({n: np.array(v) for n, v in feeds.items()})
             if self.keep_outputs:
-                self.rec.outputs[name].append(out)
-        return out
+                self.rec.outputs[name].append(outputs)
 
 
 def record(
@@ -96,20 +91,19 @@ def record(
     runnable = {t for t in targets if t in in_pipeline}
     rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
     if runnable and pipeline.get("decoder"):
-        pipe = _RecordingPipeline(pkg, runnable, False)
-        pipe.rec = rec
+        recorder = _Recorder(rec, runnable)
+        pipe = Pipeline(pkg, on_graph=recorder)
         for i, ref in enumerate(images):
             keep = i < eval_samples
-            pipe.seen.clear()
-            pipe.keep_outputs = keep
+            recorder.seen.clear()
+            recorder.keep_outputs = keep
             inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
             # Only a graph's first call per sample (the prefill) is recorded; decode steps add nothing.
             gen = pipe.generate_from(inp, max_new_tokens=max(1, eval_tokens) if keep else 1)
             if keep and eval_tokens > 0:
                 rec.inputs.append(inp)
                 rec.generations.append(gen)
-        # Sessions hold a copy of every graph's weights; free them before quantizing.
-        pipe._sessions.clear()
+        pipe.close()  # sessions hold a copy of every graph's weights; free them before quantizing
     for t in sorted(targets - runnable):
         logger.info("quantize: %s is not in the package pipeline; calibrating on stored/generated samples", t)
         from vlmc import ortsession

@@ -488,14 +488,11 @@ class PruneVisualTokens(Pass):
                 )
         return {"target": target, "tokens": tokens, "keep": k, "attention": att, "packed": packed}
 
-    def check_package(self, package) -> None:
-        self._checked = (package, self._plan(package))
+    def check_package(self, package) -> dict:
+        return self._plan(package)
 
-    def run(self, package):
-        # The manager calls check_package right before run: its plan is reused (and not kept afterwards).
-        checked, plan = self.__dict__.pop("_checked", (None, None))
-        if checked is not package:  # run directly, without check_package
-            plan = self._plan(package)
+    def run(self, package, plan=None):
+        plan = plan if plan is not None else self._plan(package)
         target, tokens, k = plan["target"], plan["tokens"], plan["keep"]
         original = package.graph(target)
         original_vision = copy.deepcopy(package.manifest["vision"])
@@ -532,8 +529,6 @@ class PruneVisualTokens(Pass):
             "ops_added": info["ops_added"],
         }
         unpruned = pruning.variant(package, {target: original}, original_vision)
-        if self.opts["calibration_images"]:
-            report["fidelity"] = self._fidelity(package, unpruned, plan)
         report["savings"] = self._savings(package, unpruned, k)
         if tokens is None:  # dynamic resolution: report the count of the first calibration image
             report["tokens_before"] = (
@@ -543,10 +538,15 @@ class PruneVisualTokens(Pass):
             image = "demo:0"
             package.files["pruning.png"] = pruning.picture(package, image)
             report["picture"] = "pruning.png"
-        return PassResult(package, True, report)
+        return PassResult(package, report=report)
+
+    def evaluate(self, before, after, result) -> dict | None:
+        """Fidelity of the chosen method and of the baselines at equal k, against the unpruned package."""
+        if not self.opts["calibration_images"]:
+            return None
+        return self._fidelity(after, before, self._plan(before))
 
     def _fidelity(self, pruned, unpruned, plan) -> dict:
-        """Fidelity of the chosen method and of the baselines at equal k, against the unpruned package."""
         images = [f"demo:{i}" for i in range(self.opts["calibration_images"])]
         variants = {self.opts["method"]: pruned}
         original = unpruned.graph(plan["target"])

@@ -13,16 +13,25 @@ import pytest
 
 RECIPE = "model: tiny-llava\npasses:\n  - fold_constants\n  - simplify\n"
 
-# Runs the real CLI with a slow disk: every graph write waits first, so the signal lands while the
-# temporary output directory exists (the tiny model alone is written in a few milliseconds).
-SLOW_DISK = """\
-import sys, time
+# Runs the real CLI with one step made to pause: the step writes a marker file, then sleeps, so the
+# test signals the process at a known point (inside the export of the first stage, or while the
+# package is being written) instead of racing a build that may finish first.
+PAUSED = """\
+import os, sys, time
 from vlmc import graphs
-_save = graphs.save
-def slow_save(model, path):
-    time.sleep(0.4)
-    _save(model, path)
-graphs.save = slow_save
+from vlmc.exporters import base
+marker, phase = os.environ["VLMC_TEST_MARKER"], os.environ["VLMC_TEST_PHASE"]
+def pausing(real):
+    def wrapper(*args, **kwargs):
+        if phase != "none" and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(60)
+        return real(*args, **kwargs)
+    return wrapper
+if phase == "exporting":
+    base.export_graph = pausing(base.export_graph)
+elif phase == "writing":
+    graphs.save = pausing(graphs.save)
 from vlmc.cli import main
 main()
 """
@@ -48,7 +57,7 @@ def _leftovers(parent: Path, name: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def library_caches(tmp_path_factory) -> set[str]:
-    """Run the slow-disk build to completion; return what libraries leave in TMPDIR (torch's cache dir...).
+    """Run the build to completion; return what libraries leave in TMPDIR (torch's cache dir...).
 
     It also shows the harness builds a complete package when left alone, so the tests below can fail.
     """
@@ -58,10 +67,12 @@ def library_caches(tmp_path_factory) -> set[str]:
     recipe.write_text(RECIPE)
     out = root / "out"
     proc = subprocess.run(
-        [sys.executable, "-c", SLOW_DISK, "-q", "build", "-r", str(recipe), "-o", str(out)],
+        [sys.executable, "-c", PAUSED, "-q", "build", "-r", str(recipe), "-o", str(out)],
         capture_output=True,
         timeout=300,
-        env=dict(os.environ, TMPDIR=str(root / "tmp")),
+        env=dict(
+            os.environ, TMPDIR=str(root / "tmp"), VLMC_TEST_MARKER=str(root / "m"), VLMC_TEST_PHASE="none"
+        ),
     )
     assert proc.returncode == 0, proc.stderr.decode()
     assert (out / "package" / "vlmc.json").is_file() and (out / "vlmc-build.json").is_file()
@@ -82,11 +93,12 @@ def test_signal_during_build_leaves_nothing(phase: str, sig: signal.Signals, tmp
     recipe.write_text(RECIPE)
     out = work / "out"
     err = tmp_path / "stderr.txt"
-    env = dict(os.environ, TMPDIR=str(tmpdir))  # torch.onnx.export's temp files must go too
-    cmd = [sys.executable, "-c", SLOW_DISK] if phase == "writing" else [sys.executable, "-m", "vlmc"]
+    marker = tmp_path / "paused"
+    # TMPDIR: torch.onnx.export's temp files must go too
+    env = dict(os.environ, TMPDIR=str(tmpdir), VLMC_TEST_MARKER=str(marker), VLMC_TEST_PHASE=phase)
     with open(err, "wb") as stderr:
         proc = subprocess.Popen(
-            cmd + ["build", "-r", str(recipe), "-o", str(out)],
+            [sys.executable, "-c", PAUSED, "build", "-r", str(recipe), "-o", str(out)],
             cwd=work,
             env=env,
             stdout=subprocess.DEVNULL,
@@ -94,10 +106,8 @@ def test_signal_during_build_leaves_nothing(phase: str, sig: signal.Signals, tmp
             start_new_session=True,
         )
     try:
-        if phase == "exporting":
-            _wait_for(lambda: b"exporting tiny-llava" in err.read_bytes(), "the export to start", proc)
-        else:
-            _wait_for(lambda: bool(_leftovers(work, "out")), "the temporary output directory", proc)
+        _wait_for(marker.exists, f"the build to reach {phase}", proc)
+        assert _leftovers(work, "out"), "the temporary output directory exists at this point"
         proc.send_signal(sig)
         code = proc.wait(timeout=120)
     finally:

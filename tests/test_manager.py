@@ -85,7 +85,7 @@ class ScaleEmbeddings(Pass):
         arr = onnx.numpy_helper.to_array(init) * self.opts["factor"]
         init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
         package.set_graph("embed_tokens", model)
-        return PassResult(package, self.opts["factor"] != 1.0 or True)
+        return PassResult(package)  # modified left to the manager
 
 
 def test_noop_pass_records_history_with_modified_false(tiny_llava):
@@ -160,3 +160,74 @@ def test_pass_raising_mid_build_leaves_no_output(tiny_llava, tmp_path):
         B.build(r, out)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+class Planner(Pass):
+    """Computes a plan in check_package; run gets it (no state kept on the pass)."""
+
+    name = "planner"
+    summary = "plan then act"
+
+    def check_package(self, package):
+        return {"scale": 2.0}
+
+    def run(self, package, plan=None):
+        assert plan == {"scale": 2.0}
+        return ScaleEmbeddings(factor=plan["scale"]).run(package)
+
+
+class Lossy(Pass):
+    """A lossy pass: the manager calls evaluate(before, after) and refuses merged packages."""
+
+    name = "lossy"
+    summary = "scale and report"
+    lossy = True
+    requires = ("unmerged",)
+
+    def run(self, package, plan=None):
+        return ScaleEmbeddings(factor=3.0).run(package)
+
+    def evaluate(self, before, after, result):
+        old = onnx.numpy_helper.to_array(before.graph("embed_tokens").graph.initializer[0])
+        new = onnx.numpy_helper.to_array(after.graph("embed_tokens").graph.initializer[0])
+        return {"ratio": float(np.abs(new).sum() / np.abs(old).sum())}
+
+
+class ManifestBreaker(Pass):
+    name = "manifest_breaker"
+    summary = "drops a required manifest fact"
+
+    def run(self, package, plan=None):
+        del package.manifest["kv"]["layers"]
+        return PassResult(package)
+
+
+@pytest.mark.parametrize(("factor", "modified"), [(1.0, False), (2.0, True)])
+def test_manager_works_out_modified_when_the_pass_leaves_it_open(tiny_llava, factor, modified):
+    pkg = manager.run(Package.load(tiny_llava), [_Step(ScaleEmbeddings, 1, factor=factor)])
+    assert pkg.manifest["history"][-1]["modified"] is modified
+    assert pkg.report["passes"][-1]["changed"] == (["embed_tokens"] if modified else [])
+
+
+def test_check_package_plan_is_handed_to_run(tiny_llava):
+    pkg = manager.run(Package.load(tiny_llava), [_Step(Planner, 1)])
+    assert pkg.manifest["history"][-1]["modified"] is True
+
+
+def test_lossy_pass_is_evaluated_against_the_package_before_it(tiny_llava):
+    pkg = manager.run(Package.load(tiny_llava), [_Step(Lossy, 1)])
+    assert pkg.manifest["history"][-1]["report"]["fidelity"]["ratio"] == pytest.approx(3.0, rel=1e-5)
+
+
+def test_declared_precondition_is_checked_before_the_pass(tiny_llava):
+    pkg = Package.load(tiny_llava)
+    pkg.manifest["pipeline"]["vlm"] = "decoder"  # what merge records
+    with pytest.raises(PassFailed, match=r"pass #1 'lossy' failed: lossy cannot run on a merged package"):
+        manager.run(pkg, [_Step(Lossy, 1)])
+
+
+def test_a_pass_that_breaks_the_manifest_is_blamed(tiny_llava):
+    with pytest.raises(
+        PassFailed, match=r"pass #2 'manifest_breaker' broke the manifest: .*kv.layers is missing"
+    ):
+        manager.run(Package.load(tiny_llava), [_Step(Noop, 1), _Step(ManifestBreaker, 2)])

@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmc import exporters, manager, outdir
+from vlmc import exporters, manager, memory, outdir
 from vlmc import package as P
 from vlmc.errors import VlmcError
 from vlmc.recipe import Recipe
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _phase(phases: dict, name: str):
+    """Time a build phase and record its peak RSS (report.json, read by `make bench`)."""
+    memory.reset_peak()
+    t0 = time.perf_counter()
+    yield
+    phases[name] = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": memory.peak()}
 
 
 @dataclass
@@ -42,22 +53,30 @@ def build(
         allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
         revision=recipe.export.get("revision"),
     )
+    phases: dict[str, dict] = {}
     with outdir.atomic(out, force) as tmp:
         # Exported graphs are written once, into a scratch directory beside the output (same
         # filesystem), and moved into the package when it is saved; passes read their weights from
         # there, memory-mapped, and only weights a pass replaces are ever held in memory.
-        pkg = exporters.export(source, scratch=tmp / "scratch")
-        del source  # frees the torch model: nothing else refers to it
-        pkg = manager.run(pkg, recipe.steps, check=check)
-        pkg.save(tmp / "package")
-        shutil.rmtree(tmp / "scratch", ignore_errors=True)
+        with _phase(phases, "export"):
+            pkg = exporters.export(source, scratch=tmp / "scratch")
+            del source  # frees the torch model: nothing else refers to it
+        with _phase(phases, "passes"):
+            pkg = manager.run(pkg, recipe.steps, check=check)
+        with _phase(phases, "save"):
+            pkg.save(tmp / "package")
+            shutil.rmtree(tmp / "scratch", ignore_errors=True)
         compiled = None
         if recipe.target:
             from vlmc import backends, report
 
-            compiled = backends.get(recipe.target["backend"]).compile(pkg, tmp / "build", recipe.target)
+            with _phase(phases, "compile"):
+                compiled = backends.get(recipe.target["backend"]).compile(pkg, tmp / "build", recipe.target)
             pkg.report["compile"] = report.compile_summary(compiled)  # the ATC commands go into report.md
-            report.write(pkg, tmp / "package")
+        pkg.report["build_phases"] = phases
+        from vlmc import report
+
+        report.write(pkg, tmp / "package")
         (tmp / outdir.BUILD_MARKER).write_text(
             json.dumps(
                 {

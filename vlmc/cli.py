@@ -9,7 +9,6 @@ import errno
 import json
 import logging
 import signal
-import sys
 import threading
 from pathlib import Path
 
@@ -625,7 +624,3 @@ def _summary(pkg) -> None:
     if pkg.report.get("passes"):
         prow = [[p["index"], p["pass"], p["modified"], f"{p['seconds']:.2f}s"] for p in pkg.report["passes"]]
         ui.show(ui.table("passes", ["#", "pass", "modified", "time"], prow))
-
-
-def run_main() -> None:  # pragma: no cover - console entry used by python -m
-    sys.exit(main())

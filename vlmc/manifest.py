@@ -46,7 +46,6 @@ manifests.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 from typing import Any
@@ -164,7 +163,3 @@ def loads(text: str, where: str = "vlmc.json") -> dict:
     except json.JSONDecodeError as exc:
         raise VlmcError(f"{where}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
     return validate(m, where)
-
-
-def clone(m: dict) -> dict:
-    return copy.deepcopy(m)

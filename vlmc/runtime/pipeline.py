@@ -53,12 +53,24 @@ class GenerationResult:
 class Pipeline:
     """Run a package on onnxruntime CPU."""
 
-    def __init__(self, pkg: Package, threads: int | None = None) -> None:
+    def __init__(self, pkg: Package, threads: int | None = None, on_graph=None) -> None:
+        """
+        Args:
+            pkg: the package to run.
+            threads: onnxruntime intra-op threads (default: onnxruntime's).
+            on_graph: ``on_graph(name, feeds, outputs)``, called after every graph run (calibration
+                and fidelity code record activations through it).
+        """
         self.pkg = pkg
         self.m = pkg.manifest
         self.threads = threads
+        self.on_graph = on_graph
         self._sessions: dict[str, object] = {}
         self._tokenizer = None
+
+    def close(self) -> None:
+        """Drop the onnxruntime sessions (each holds a copy of its graph's weights)."""
+        self._sessions.clear()
 
     # ---- sessions -------------------------------------------------------------------------
     def session(self, name: str):
@@ -78,8 +90,10 @@ class Pipeline:
             want = _FLOAT_TYPES.get(i.type)
             if want is not None and feeds[i.name].dtype != want and feeds[i.name].dtype.kind == "f":
                 feeds[i.name] = feeds[i.name].astype(want)
-        outs = sess.run(None, feeds)
-        return dict(zip([o.name for o in sess.get_outputs()], outs))
+        outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        if self.on_graph is not None:
+            self.on_graph(name, feeds, outs)
+        return outs
 
     def run_chain(self, names: list[str], available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run graphs in order; each one's outputs become available to the next (stage chains, decoder ranges)."""
