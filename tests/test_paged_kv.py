@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -538,3 +539,33 @@ def test_onnxruntime_reads_the_pools_where_they_are(exported):
     assert grew < pool_bytes // 4, (
         f"peak RSS grew by {grew / 2**20:.0f} MiB for {2 * layers} pools of 128 MiB"
     )
+
+
+# ---- Ascend: read-only pools, the host-side write in compile.json ------------------------------------
+def test_ascend_builds_take_read_only_pools_and_say_how_rows_are_written(exported, tmp_path):
+    from vlmc.backends import ascend
+
+    pkg, _ = _paged(exported("tiny-llava"))
+    summary = ascend.compile(
+        pkg, tmp_path / "build", {"soc": "Ascend910B", "soc_variant": "Ascend910B2", "sequence_buckets": [64]}
+    )
+    kv = pkg.manifest["kv"]
+    info = summary["paged_kv"]
+    assert set(info["builds"]) == {"decoder_prefill", "decoder_decode"}
+    for dims in info["builds"].values():
+        assert dims[1:] == [BLOCK, kv["kv_heads"], kv["head_dim"]] and dims[0] > 1
+    assert "ReshapeAndCache" in info["write"]["op"] and "slot_mapping" in info["write"]["slotMapping"]
+    assert all(u.startswith("https://www.hiascend.com/") for u in info["sources"])
+    on_disk = json.loads((tmp_path / "build" / "compile.json").read_text())
+    assert on_disk["paged_kv"] == info
+    # The decoder file both builds read returns rows, never a pool, and writes nothing.
+    model = onnx.load(str(tmp_path / "build" / "graphs" / "decoder.onnx"), load_external_data=False)
+    outs = [o.name for o in model.graph.output]
+    assert outs[0] == "logits" and all(o.startswith(("new_key.", "new_value.")) for o in outs[1:])
+    assert "ScatterND" not in {n.op_type for n in model.graph.node}
+    contiguous = ascend.compile(
+        Package.load(exported("tiny-llava")),
+        tmp_path / "c",
+        {"soc": "Ascend910B", "soc_variant": "Ascend910B2", "sequence_buckets": [64]},
+    )
+    assert contiguous["paged_kv"] is None
