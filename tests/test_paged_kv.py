@@ -569,3 +569,23 @@ def test_ascend_builds_take_read_only_pools_and_say_how_rows_are_written(exporte
         {"soc": "Ascend910B", "soc_variant": "Ascend910B2", "sequence_buckets": [64]},
     )
     assert contiguous["paged_kv"] is None
+
+
+def test_fp16_io_decoder_gets_fp16_pools(exported, use_allocator):
+    # quantize fp16 with keep_io_fp32: false makes the cache inputs float16; pools of that dtype are fed
+    # as they are (a float32 pool would be cast, i.e. copied whole, every step).
+    path = exported("tiny-llava")
+    quant = pass_api.get("quantize")(
+        decoder={"weights": "fp16", "keep_io_fp32": False}, eval_tokens=0, eval_samples=0
+    )
+    fp16 = Package.load(path)
+    quant.run(fp16)
+    paged = Package.load(path)
+    quant.run(paged)
+    pass_api.get("paged_kv")(block_size=BLOCK).run(paged)
+    assert {i["name"]: i["dtype"] for i in paged.info("decoder")["inputs"]}["key_cache.0"] == "float16"
+    ref = Pipeline(fp16).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    use_allocator(BlockAllocator(128, BLOCK, seed=5))
+    got = Pipeline(paged).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    assert got.tokens == ref.tokens
+    assert {p.dtype for p in KeptPools.kept[0].values()} == {np.dtype(np.float16)}

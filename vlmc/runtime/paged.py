@@ -170,6 +170,7 @@ class PagedKV:
         dtype: str = "float32",
         attention_mask: np.ndarray | None = None,
         allocator: BlockAllocator | None = None,
+        pipeline: object | None = None,
         **_: object,
     ) -> None:
         self.layers = int(kv["layers"])
@@ -195,7 +196,9 @@ class PagedKV:
             )
         self.allocator = allocator
         self.seqs = [object() for _ in range(batch)]  # private ids: several states can share one allocator
-        self.dtype = np.dtype(dtype)
+        # The pools take the decoder's own cache dtype (float16 for a graph whose IO was converted):
+        # a pool of another dtype would be cast, i.e. copied whole, by every step's feed.
+        self.dtype = np.dtype(_cache_dtype(pipeline) or dtype)
         self.pools = {name: self._zeros(allocator.num_blocks) for name in self._pool_names()}
         self._slots: np.ndarray | None = None  # the last step's slot_mapping, for update()
 
@@ -265,6 +268,18 @@ class PagedKV:
         for s in self.seqs:
             self.allocator.release(s)
         self.pools.clear()
+
+
+def _cache_dtype(pipeline: object | None) -> str | None:
+    """The dtype the package's decoder declares for key_cache.* (None without a pipeline or such input)."""
+    pkg = getattr(pipeline, "pkg", None)
+    if pkg is None:
+        return None
+    for name in pkg.manifest["pipeline"].get("decoder", []):
+        for spec in pkg.info(name)["inputs"]:
+            if spec["name"].startswith("key_cache."):
+                return spec["dtype"]
+    return None
 
 
 _ROWS_RE = re.compile(r"^new_(key|value)\.(\d+)$")
