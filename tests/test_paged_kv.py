@@ -303,12 +303,14 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     onnx.checker.check_model(model, full_check=True)
     added = [n.op_type for n in model.graph.node if n.name.startswith("paged_kv/")]
     layers = pkg.manifest["kv"]["layers"]
-    # Exactly: per K/V pool a Gather+Reshape+Transpose read and a Slice+Transpose for this step's rows.
+    # Exactly: per K/V pool a Reshape+Gather read and a Slice+Transpose for this step's rows.
     assert added.count("Gather") == 2 * layers + 1 and added.count("Slice") == 2 * layers
+    assert added.count("Transpose") == 2 * layers
     assert set(added) == {
         "Shape",
         "Gather",
         "Mul",
+        "Add",
         "Squeeze",
         "Cast",
         "GreaterOrEqual",
@@ -322,12 +324,14 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
         "Transpose",
         "Slice",
     }
-    # The graph never writes the pool: a pool's only consumer is the block-table Gather, and no
-    # graph output is pool-sized.
+    # The graph never writes the pool: a pool's only consumer is a Reshape to rows (a view), whose only
+    # consumer is the row Gather; no graph output is pool-sized.
     pools = {f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")}
     readers = [n for n in model.graph.node if pools & set(n.input)]
-    assert len(readers) == 2 * layers and {n.op_type for n in readers} == {"Gather"}
-    assert all(list(n.input).index(next(iter(pools & set(n.input)))) == 0 for n in readers)
+    assert len(readers) == 2 * layers and {n.op_type for n in readers} == {"Reshape"}
+    for r in readers:
+        (use,) = [n for n in model.graph.node if r.output[0] in n.input]
+        assert use.op_type == "Gather" and list(use.input).index(r.output[0]) == 0
     assert "ScatterND" not in {n.op_type for n in model.graph.node}
     assert len(model.graph.node) == len(before.graph.node) + len(added)
     with open(REPO / "vlmc/backends/ascend/data/onnx_ops.tsv") as f:
