@@ -593,3 +593,20 @@ def test_fp16_io_decoder_gets_fp16_pools(exported, use_allocator):
     got = Pipeline(paged).generate(PROMPTS, IMAGES, max_new_tokens=5)
     assert got.tokens == ref.tokens
     assert {p.dtype for p in KeptPools.kept[0].values()} == {np.dtype(np.float16)}
+
+
+def test_split_decoder_ranges_each_return_their_rows(exported, use_allocator):
+    # split first, then paged_kv: every layer range reads its own pools and returns its own rows.
+    path = exported("tiny-llava")
+    pkg = manager.run(
+        Package.load(path),
+        [Step("split", {"decoder_ranges": 2}, 1), Step("paged_kv", {"block_size": BLOCK}, 2)],
+    )
+    ranges = pkg.manifest["pipeline"]["decoder"]
+    assert len(ranges) == 2
+    outs = [[o["name"] for o in pkg.info(r)["outputs"]] for r in ranges]
+    assert [o for o in outs[0] if o.startswith("new_")] == ["new_key.0", "new_value.0"]
+    assert [o for o in outs[1] if o.startswith("new_")] == ["new_key.1", "new_value.1"]
+    ref = Pipeline(Package.load(path)).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    use_allocator(BlockAllocator(128, BLOCK, seed=3))
+    assert Pipeline(pkg).generate(PROMPTS, IMAGES, max_new_tokens=5).tokens == ref.tokens
