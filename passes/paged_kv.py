@@ -1,4 +1,4 @@
-"""paged_kv: rewrite contiguous-KV decoder graphs to read and write a paged KV block pool."""
+"""paged_kv: rewrite contiguous-KV decoder graphs to read a paged KV block pool and return this step's rows."""
 
 from __future__ import annotations
 
@@ -22,25 +22,36 @@ MAX_BLOCKS_DIM = "max_blocks"
 PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
 CACHE_IN = {"key": "key_cache.{}", "value": "value_cache.{}"}
-CACHE_OUT = {"key": "key_cache_out.{}", "value": "value_cache_out.{}"}
+# Interface v2 (docs/architecture.md): the graph returns this step's rows; whoever runs it writes them.
+NEW_OUT = {"key": "new_key.{}", "value": "new_value.{}"}
 NEW_INPUTS = ("block_tables", "slot_mapping", "context_lens")
-# Documented in docs/paged_kv.md: a negative slot marks a padding position; its K/V go to slot -1 - s.
-PADDING_RULE = "slot < 0 marks padding; its K/V are written to slot -1 - slot (a slot no live sequence owns)"
+# Documented in docs/paged_kv.md: a negative slot marks a padding position, masked and never stored.
+PADDING_RULE = "slot < 0 marks padding: masked for every query, and its row is not written to the pool"
+# The definition the graph's mask relies on (docs/paged_kv.md, recorded in the manifest as kv.context_lens).
+CONTEXT_LENS_RULE = (
+    "tokens stored for the sequence after this step, this step's real (slot >= 0) tokens included; "
+    "the past read from the pool is the first context_lens - (real tokens in the step) slots"
+)
 _P = "paged_kv/"  # prefix of every tensor and node this pass adds, so names never clash with the decoder's
 
 
 @register
 class PagedKV(Pass):
-    """Wrap each decoder so that its past K/V come from a block pool and its new K/V go back into it.
+    """Wrap each decoder so that its past K/V come from a block pool and its new K/V rows come out.
 
     The original decoder graph is kept whole (its attention, RoPE and masking are not re-derived):
     a prefix gathers each sequence's blocks into a contiguous past and builds the 2-D attention
-    mask from ``context_lens`` and ``slot_mapping``; a suffix takes the new K/V (the last ``seq``
-    positions of each ``present``) and scatters them into the pools at ``slot_mapping``.
+    mask from ``context_lens`` and ``slot_mapping``; a suffix takes this step's rows (the last
+    ``seq`` positions of each ``present``) out as ``new_key.{i}``/``new_value.{i}``. The pool is
+    only read: the runtime stores the rows at ``slot_mapping`` in place, so a step costs what its
+    context costs, whatever the pool's size (interface v2, docs/paged_kv.md).
     """
 
     name = "paged_kv"
-    summary = "paged KV cache: the decoder reads and writes a (num_blocks, block_size, kv_heads, head_dim) block pool via block tables"
+    summary = (
+        "paged KV cache: the decoder reads a (num_blocks, block_size, kv_heads, head_dim) block pool via "
+        "block tables and returns this step's K/V rows for the runtime to store in place"
+    )
     options = (
         Option(
             "block_size",
@@ -88,6 +99,7 @@ class PagedKV(Pass):
                 "block_size": bs,
                 "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM,
                 "padding_slot": PADDING_RULE,
+                "context_lens": CONTEXT_LENS_RULE,
             }
         )
         return PassResult(package, True, report)
@@ -124,9 +136,10 @@ def rewrite(
             f"paged_kv: graph {where}: past_key_values inputs and present outputs do not pair up "
             f"({len(past)} inputs, {len(present)} outputs)"
         )
-    for taken in (*NEW_INPUTS, *(CACHE_IN[k].format(i) for i, k in past)):
-        if taken in inputs:
-            raise VlmcError(f"paged_kv: graph {where} already has an input named {taken!r}")
+    taken = [*NEW_INPUTS, *(CACHE_IN[k].format(i) for i, k in past), *(NEW_OUT[k].format(i) for i, k in past)]
+    for name in taken:
+        if name in inputs or name in outputs:
+            raise VlmcError(f"paged_kv: graph {where} already has a tensor named {name!r}")
     layers = sorted({i for i, _ in past})
     kv_type = inputs[past[(layers[0], "key")]].type.tensor_type.elem_type
     mask_type = inputs["attention_mask"].type.tensor_type.elem_type
@@ -140,14 +153,14 @@ def rewrite(
         _const("bs", np.array([block_size], np.int64)),
         _const("zero", np.array(0, np.int64)),
         _const("one", np.array(1, np.int64)),
-        _const("minus_one", np.array(-1, np.int64)),
         _const("axis1", np.array([1], np.int64)),
-        _const("axis2", np.array([2], np.int64)),
         _const("big", np.array([np.iinfo(np.int64).max], np.int64)),
-        _const("past_shape", np.array([0, -1, kv_heads, head_dim], np.int64)),
-        _const("flat_shape", np.array([-1, kv_heads, head_dim], np.int64)),
-        _const("pool_shape", np.array([-1, block_size, kv_heads, head_dim], np.int64)),
-        _const("idx_shape", np.array([-1, 1], np.int64)),
+        _const("axis2", np.array([2], np.int64)),
+        _const("flat_bp", np.array([0, -1], np.int64)),
+        _const("rows_shape", np.array([-1, head_dim], np.int64)),
+        _const("offsets", np.arange(block_size, dtype=np.int64)),
+        _const("heads", np.array([kv_heads], np.int64)),
+        _const("head_ids", np.arange(kv_heads, dtype=np.int64).reshape(1, kv_heads, 1)),
     ]
     n = _Namer()
     # Shared: gathered past length P = max_blocks * block_size.
@@ -156,7 +169,8 @@ def rewrite(
         n.node("Gather", ["bt_shape", _P + "axis1"], ["max_blocks"], axis=0),
         n.node("Mul", ["max_blocks", _P + "bs"], ["past_len1d"]),  # [1] int64
         n.node("Squeeze", ["past_len1d"], ["past_len"]),
-        # Valid (non-padding) new tokens and each sequence's real past length.
+        # Real (non-padding) new tokens and each sequence's past length: context_lens counts the
+        # tokens stored after this step, this step's real ones included (CONTEXT_LENS_RULE).
         n.node("Cast", ["slot_mapping"], ["slots64"], to=TensorProto.INT64),
         n.node("GreaterOrEqual", ["slots64", _P + "zero"], ["is_new"]),
         n.node("Cast", ["is_new"], ["is_new64"], to=TensorProto.INT64),
@@ -165,49 +179,64 @@ def rewrite(
         n.node("Unsqueeze", ["ctx64", _P + "axis1"], ["ctx_col"]),
         n.node("Sub", ["ctx_col", "n_new"], ["past_real"]),  # [B, 1]
         n.node("Range", [_P + "zero", "past_len", _P + "one"], ["past_pos"]),  # [P]
+        # The gathered past is the sequence's positions 0..P-1 in order; the first past_real are
+        # stored rows, the rest (this step's slots, not yet written, and unused blocks) are masked.
         n.node("Less", ["past_pos", "past_real"], ["past_valid"]),  # [B, P]
         n.node("Cast", ["past_valid"], ["past_mask"], to=mask_type),
+        # A padding position (left-padded prompt, finished batch row) is masked for every query,
+        # as the contiguous runtime's attention_mask does; the decoder adds causality itself.
         n.node("Cast", ["is_new"], ["new_mask"], to=mask_type),
         n.node("Concat", ["past_mask", "new_mask"], ["attention_mask"], axis=1, raw=True),
-        # Scatter indices: live tokens at their slot, padding at -1 - slot (distinct, owned by nobody).
-        n.node("Sub", [_P + "minus_one", "slots64"], ["pad_slots"]),
-        n.node("Where", ["is_new", "slots64", "pad_slots"], ["write_slots"]),
-        n.node("Reshape", ["write_slots", _P + "idx_shape"], ["write_idx"]),
+        # Row index of every gathered K/V row, in the decoder's past layout [B, kv_heads, P]: the pool
+        # viewed as [num_blocks*block_size*kv_heads, head_dim] has row (slot*kv_heads + head), and
+        # slot = block_tables[b, j // block_size]*block_size + j % block_size. One Gather per pool
+        # then yields past_key_values directly: no gathered copy to transpose (3x faster on ORT CPU
+        # than Gather+Transpose at LLaVA widths), and the index is built once per step for all pools.
+        n.node("Cast", ["block_tables"], ["bt64"], to=TensorProto.INT64),
+        n.node("Unsqueeze", ["bt64", _P + "axis2"], ["bt3"]),  # [B, MB, 1]
+        n.node("Mul", ["bt3", _P + "bs"], ["block_base"]),
+        n.node("Add", ["block_base", _P + "offsets"], ["slots3"]),  # [B, MB, bs]
+        n.node("Reshape", ["slots3", _P + "flat_bp"], ["past_slots"]),  # [B, P]
+        n.node("Unsqueeze", ["past_slots", _P + "axis1"], ["past_slots3"]),  # [B, 1, P]
+        n.node("Mul", ["past_slots3", _P + "heads"], ["row_base"]),
+        n.node("Add", ["row_base", _P + "head_ids"], ["row_idx"]),  # [B, H, P]
     ]
     new_inputs = [
         helper.make_tensor_value_info("block_tables", TensorProto.INT32, [batch, MAX_BLOCKS_DIM]),
         helper.make_tensor_value_info("slot_mapping", TensorProto.INT32, [batch, seq]),
         helper.make_tensor_value_info("context_lens", TensorProto.INT32, [batch]),
     ]
-    new_outputs = []
+    pool_inputs, row_outputs = [], []
     for i in layers:
         for k in ("key", "value"):
-            pool, pool_out = CACHE_IN[k].format(i), CACHE_OUT[k].format(i)
+            pool, rows = CACHE_IN[k].format(i), NEW_OUT[k].format(i)
             t = f"{k}{i}_"
             prefix += [
-                n.node("Gather", [pool, "block_tables"], [t + "blocks"], axis=0),  # [B, MB, bs, H, D]
-                n.node("Reshape", [t + "blocks", _P + "past_shape"], [t + "seqmajor"]),  # [B, P, H, D]
-                n.node("Transpose", [t + "seqmajor"], [past[(i, k)]], perm=[0, 2, 1, 3], raw=True),
+                # A view, not a copy: onnxruntime's Reshape aliases its input (the tests check that
+                # no pool is copied), so only the gathered rows are read.
+                n.node("Reshape", [pool, _P + "rows_shape"], [t + "rows"]),  # [NB*bs*H, D]
+                n.node(
+                    "Gather", [t + "rows", _P + "row_idx"], [past[(i, k)]], axis=0, raw=True
+                ),  # [B, H, P, D]
             ]
+            # present = past ++ this step's rows along the sequence axis: the rows are its last seq
+            # positions, keys already rotated; they leave the graph in the pool's row layout.
             suffix += [
                 n.node("Slice", [present[(i, k)], "past_len1d", _P + "big", _P + "axis2"], [t + "new"]),
-                n.node("Transpose", [t + "new"], [t + "new_t"], perm=[0, 2, 1, 3]),  # [B, S, H, D]
-                n.node("Reshape", [t + "new_t", _P + "flat_shape"], [t + "updates"]),
-                n.node("Reshape", [pool, _P + "flat_shape"], [t + "flat_pool"]),
-                n.node("ScatterND", [t + "flat_pool", _P + "write_idx", t + "updates"], [t + "written"]),
-                n.node("Reshape", [t + "written", _P + "pool_shape"], [pool_out], raw=True),
+                n.node("Transpose", [t + "new"], [rows], perm=[0, 2, 1, 3], raw=True),  # [B, S, H, D]
             ]
-            shape = [nb_dim, block_size, kv_heads, head_dim]
-            new_inputs.append(helper.make_tensor_value_info(pool, kv_type, shape))
-            new_outputs.append(helper.make_tensor_value_info(pool_out, kv_type, shape))
+            pool_inputs.append(
+                helper.make_tensor_value_info(pool, kv_type, [nb_dim, block_size, kv_heads, head_dim])
+            )
+            row_outputs.append(helper.make_tensor_value_info(rows, kv_type, [batch, seq, kv_heads, head_dim]))
 
     keep_in = [i for i in g.input if i.name != "attention_mask" and not PAST_RE.match(i.name)]
     keep_out = [o for o in g.output if not PRESENT_RE.match(o.name)]
     # Cache inputs follow the other inputs, in layer order, as the architecture doc lists them.
     del g.input[:]
-    g.input.extend(keep_in + new_inputs[3:] + new_inputs[:3])
+    g.input.extend(keep_in + pool_inputs + new_inputs)
     del g.output[:]
-    g.output.extend(keep_out + new_outputs)
+    g.output.extend(keep_out + row_outputs)
     body = list(g.node)
     del g.node[:]
     g.node.extend(prefix + body + suffix)
@@ -250,14 +279,14 @@ def _external(name: str) -> bool:
         or name == "attention_mask"
         or bool(PAST_RE.match(name))
         or bool(PRESENT_RE.match(name))
-        or name.startswith(("key_cache", "value_cache"))
+        or name.startswith(("key_cache", "value_cache", "new_key", "new_value"))
     )
 
 
 def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     """Consistent sample inputs for a paged graph: two sequences with shuffled blocks, one padded position.
 
-    Generated samples (zeros everywhere) would give duplicate scatter indices, which ONNX leaves undefined.
+    Generated samples (zeros everywhere) would make every position padding and every past empty.
     """
     rng = np.random.default_rng(seed)
     specs = {i["name"]: i for i in package.info(name)["inputs"]}
@@ -265,7 +294,7 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
     max_blocks = max(-(-(p + seq) // block_size) for p in past)
     pool_dim = specs[CACHE_IN["key"].format(min(_layers(specs)))]["shape"][0]
     nb = pool_dim if isinstance(pool_dim, int) else 2 * batch * max_blocks + 1
-    order = rng.permutation(np.arange(1, nb))  # block 0 stays unowned: it takes the padding position
+    order = rng.permutation(np.arange(1, nb))  # block 0 stays unowned, as the runtime's null block
     tables = np.zeros((batch, max_blocks), np.int32)
     slots = np.full((batch, seq), -1, np.int32)
     pos = np.ones((batch, seq), np.int64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from vlmc.package import Package
 from vlmc.recipe import Step
 from vlmc.runtime import Pipeline
 from vlmc.runtime import kv as kvmod
-from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV
+from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -45,15 +46,26 @@ class RecordingAllocator(BlockAllocator):
         super().release(seq)
 
 
+class KeptPools(PagedKV):
+    """PagedKV that keeps its pools when released, so a test can look at what was written."""
+
+    kept: list[dict[str, np.ndarray]] = []
+
+    def release(self) -> None:
+        KeptPools.kept.append(dict(self.pools))
+        super().release()
+
+
 @pytest.fixture
 def use_allocator(monkeypatch):
     """Route paged generation through a given allocator (the runtime's default makes its own)."""
+    KeptPools.kept = []
 
     def install(alloc: BlockAllocator) -> None:
         monkeypatch.setitem(
             kvmod.LAYOUTS,
             "paged",
-            lambda kv, batch, dtype, **ex: PagedKV(kv, batch, dtype, allocator=alloc, **ex),
+            lambda kv, batch, dtype, **ex: KeptPools(kv, batch, dtype, allocator=alloc, **ex),
         )
 
     return install
@@ -86,6 +98,15 @@ def test_paged_generation_is_token_exact(builtin, exported, use_allocator):
     for (table, length), prompt_len in zip(alloc.finished, lengths):
         assert length >= prompt_len + 1 and len(table) == -(-length // BLOCK)
     assert alloc.num_free == 255 and not alloc.sequences
+    # The runtime wrote every stored token's row and nothing else: padding positions were skipped,
+    # so the null block and every block no sequence owned are still all zeros.
+    (pools,) = KeptPools.kept
+    owned = sorted(flat)
+    for name, pool in pools.items():
+        assert not np.any(np.delete(pool, owned, axis=0)), name
+        for table, length in alloc.finished:
+            rows = pool[table].reshape(-1, *pool.shape[2:])
+            assert np.all(np.any(rows[:length] != 0, axis=(1, 2))) and not np.any(rows[length:]), name
 
 
 def test_default_runtime_grows_a_symbolic_pool(exported):
@@ -153,7 +174,7 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
         p = np.arange(real[b])
         slots[b, seq - real[b] :] = tables[b][p // BLOCK] * BLOCK + p % BLOCK
         pos[b, seq - real[b] :] = p
-    slots[1, : seq - real[1]] = -1 - np.arange(seq - real[1])  # padding -> scratch slots 0..6 of block 0
+    slots[1, : seq - real[1]] = -1  # padding: masked, and never stored
     pools = {
         f"{k}_cache.{i}": (100 * rng.standard_normal((nb, BLOCK, heads, dim))).astype(np.float32)
         for i in range(layers)
@@ -187,29 +208,36 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
         "slot_mapping": slots,
         "context_lens": np.array(real, np.int32),
     }
+    before = {n: p.copy() for n, p in pools.items()}
     got = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, feeds)))
-    assert sorted(got) == sorted(
-        ["logits"] + [f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")]
-    )
+    rows = [f"new_{k}.{i}" for i in range(layers) for k in ("key", "value")]
+    assert sorted(got) == sorted(["logits", *rows])
     for b in range(batch):  # logits of real positions only (padding rows are garbage in both)
         np.testing.assert_allclose(
             got["logits"][b, seq - real[b] :], ref["logits"][b, seq - real[b] :], rtol=1e-4, atol=1e-4
         )
-    written = set()
     for i in range(layers):
         for k in ("key", "value"):
-            pool_in, pool_out = pools[f"{k}_cache.{i}"], got[f"{k}_cache_out.{i}"]
-            present = ref[f"present.{i}.{k}"]  # [B, H, seq, D]
-            flat_out = pool_out.reshape(-1, heads, dim)
+            new = got[f"new_{k}.{i}"]
+            assert new.shape == (batch, seq, heads, dim)
+            present = ref[f"present.{i}.{k}"]  # [B, H, seq, D]: this step's rows as stored (keys rotated)
             for b in range(batch):
-                for s in range(seq - real[b], seq):
-                    np.testing.assert_allclose(flat_out[slots[b, s]], present[b, :, s], rtol=1e-5, atol=1e-5)
-                    written.add(int(slots[b, s]))
-            # Every live slot this step did not write, and every other block, is bit-identical.
-            touched = written | set(range(seq - real[1]))
-            untouched = np.setdiff1d(np.arange(nb * BLOCK), sorted(touched))
-            np.testing.assert_array_equal(flat_out[untouched], pool_in.reshape(-1, heads, dim)[untouched])
-    assert not written & set(range(BLOCK))  # padding only ever lands in the unowned block 0
+                np.testing.assert_allclose(
+                    new[b, seq - real[b] :],
+                    present[b, :, seq - real[b] :].transpose(1, 0, 2),
+                    rtol=1e-5,
+                    atol=1e-5,
+                )
+            # The graph only reads the pool.
+            np.testing.assert_array_equal(pools[f"{k}_cache.{i}"], before[f"{k}_cache.{i}"])
+            write_rows(pools[f"{k}_cache.{i}"], new, slots)
+    # What the runtime wrote: each real token's row at its slot; padding skipped; everything else untouched.
+    live = slots[slots >= 0]
+    for name, pool in pools.items():
+        flat, old = pool.reshape(-1, heads, dim), before[name].reshape(-1, heads, dim)
+        rest = np.setdiff1d(np.arange(nb * BLOCK), live)
+        np.testing.assert_array_equal(flat[rest], old[rest])
+        assert not np.array_equal(flat[live], old[live])
 
     # Decode: one token per row, attending to the pool just written (holes past each context length).
     step = rng.standard_normal((batch, 1, hidden)).astype(np.float32)
@@ -217,36 +245,52 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     new_slots = np.array(
         [[tables[b][real[b] // BLOCK] * BLOCK + real[b] % BLOCK] for b in range(batch)], np.int32
     )
-    pools2 = {n.replace("_out", ""): v for n, v in got.items() if n != "logits"}
-    got2 = dict(
+    past = {
+        f"past_key_values.{i}.{k}": ref[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")
+    }
+    ref2 = dict(
         zip(
-            [o.name for o in s_paged.get_outputs()],
-            s_paged.run(
+            [o.name for o in s_cont.get_outputs()],
+            s_cont.run(
                 None,
                 {
                     "inputs_embeds": step,
+                    "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
                     "position_ids": _positions(specs["position_ids"], nxt),
-                    **pools2,
-                    "block_tables": tables,
-                    "slot_mapping": new_slots,
-                    "context_lens": np.array(real, np.int32) + 1,
+                    **past,
                 },
             ),
         )
     )
-    past = {
-        f"past_key_values.{i}.{k}": ref[f"present.{i}.{k}"] for i in range(layers) for k in ("key", "value")
+    decode = {
+        "inputs_embeds": step,
+        "position_ids": _positions(specs["position_ids"], nxt),
+        **pools,
+        "block_tables": tables,
+        "slot_mapping": new_slots,
+        "context_lens": np.array(real, np.int32) + 1,
     }
-    ref2 = s_cont.run(
-        None,
-        {
-            "inputs_embeds": step,
-            "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
-            "position_ids": _positions(specs["position_ids"], nxt),
-            **past,
-        },
-    )
-    np.testing.assert_allclose(got2["logits"], ref2[0], rtol=1e-4, atol=1e-4)
+    got2 = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, decode)))
+    np.testing.assert_allclose(got2["logits"], ref2["logits"], rtol=1e-4, atol=1e-4)
+    for i in range(layers):
+        for k in ("key", "value"):
+            want = ref2[f"present.{i}.{k}"][:, :, -1:].transpose(0, 2, 1, 3)
+            np.testing.assert_allclose(got2[f"new_{k}.{i}"], want, rtol=1e-5, atol=1e-5)
+
+    # A decode step where row 1 is padding (slot -1, its context unchanged): row 0 is unaffected, and
+    # the padding row's rows are never stored.
+    pad = dict(decode, slot_mapping=np.array([[new_slots[0, 0]], [-1]], np.int32))
+    pad["context_lens"] = np.array([real[0] + 1, real[1]], np.int32)
+    got3 = dict(zip([o.name for o in s_paged.get_outputs()], s_paged.run(None, pad)))
+    np.testing.assert_allclose(got3["logits"][0], ref2["logits"][0], rtol=1e-4, atol=1e-4)
+    snapshot = {n: p.copy() for n, p in pools.items()}
+    for i in range(layers):
+        for k in ("key", "value"):
+            write_rows(pools[f"{k}_cache.{i}"], got3[f"new_{k}.{i}"], pad["slot_mapping"])
+            changed = np.flatnonzero(
+                np.any(pools[f"{k}_cache.{i}"] != snapshot[f"{k}_cache.{i}"], axis=(2, 3)).reshape(-1)
+            )
+            assert changed.tolist() == [int(new_slots[0, 0])]
 
 
 def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
@@ -259,13 +303,14 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     onnx.checker.check_model(model, full_check=True)
     added = [n.op_type for n in model.graph.node if n.name.startswith("paged_kv/")]
     layers = pkg.manifest["kv"]["layers"]
-    # Exactly: per K/V pool a Gather+Reshape+Transpose read and a Slice+Transpose+3 Reshape+ScatterND write.
-    assert added.count("ScatterND") == 2 * layers
-    assert added.count("Gather") == 2 * layers + 1
+    # Exactly: per K/V pool a Reshape+Gather read and a Slice+Transpose for this step's rows.
+    assert added.count("Gather") == 2 * layers + 1 and added.count("Slice") == 2 * layers
+    assert added.count("Transpose") == 2 * layers
     assert set(added) == {
         "Shape",
         "Gather",
         "Mul",
+        "Add",
         "Squeeze",
         "Cast",
         "GreaterOrEqual",
@@ -275,15 +320,19 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
         "Range",
         "Less",
         "Concat",
-        "Where",
         "Reshape",
         "Transpose",
         "Slice",
-        "ScatterND",
     }
-    assert all(
-        not a.name == "reduction" for n in model.graph.node if n.op_type == "ScatterND" for a in n.attribute
-    )
+    # The graph never writes the pool: a pool's only consumer is a Reshape to rows (a view), whose only
+    # consumer is the row Gather; no graph output is pool-sized.
+    pools = {f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")}
+    readers = [n for n in model.graph.node if pools & set(n.input)]
+    assert len(readers) == 2 * layers and {n.op_type for n in readers} == {"Reshape"}
+    for r in readers:
+        (use,) = [n for n in model.graph.node if r.output[0] in n.input]
+        assert use.op_type == "Gather" and list(use.input).index(r.output[0]) == 0
+    assert "ScatterND" not in {n.op_type for n in model.graph.node}
     assert len(model.graph.node) == len(before.graph.node) + len(added)
     with open(REPO / "vlmc/backends/ascend/data/onnx_ops.tsv") as f:
         atc = {row[0] for row in csv.reader((ln for ln in f if not ln.startswith("#")), delimiter="\t")}
@@ -300,8 +349,10 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     assert by["block_tables"] == {"name": "block_tables", "dtype": "int32", "shape": ["batch", "max_blocks"]}
     assert by["slot_mapping"]["dtype"] == by["context_lens"]["dtype"] == "int32"
     assert [o["name"] for o in sig["outputs"]] == ["logits"] + [
-        f"{k}_cache_out.{i}" for i in range(layers) for k in ("key", "value")
+        f"new_{k}.{i}" for i in range(layers) for k in ("key", "value")
     ]
+    outs = {o["name"]: o for o in sig["outputs"]}
+    assert outs["new_key.0"]["shape"] == ["batch", "sequence", kv["kv_heads"], kv["head_dim"]]
     assert {k: kv[k] for k in ("layout", "block_size", "num_blocks")} == {
         "layout": "paged",
         "block_size": BLOCK,
@@ -317,11 +368,13 @@ def test_manager_runs_the_pass_and_saves_a_loadable_package(exported, tmp_path):
     assert again.manifest["kv"]["block_size"] == 32
     res = Pipeline(again).generate(PROMPTS[:1], IMAGES[:1], max_new_tokens=3)
     assert len(res.tokens[0]) >= 1
-    # Stored samples are consistent paged inputs (distinct scatter slots), so checks can run the graph.
+    # Stored samples are consistent paged inputs (real slots distinct, one padding position), so checks
+    # can run the graph.
     from vlmc import samples
 
     feeds = samples.inputs_for(again, "decoder")
-    assert len(set(feeds["slot_mapping"].ravel().tolist())) == feeds["slot_mapping"].size
+    real = feeds["slot_mapping"][feeds["slot_mapping"] >= 0].tolist()
+    assert len(set(real)) == len(real) and (feeds["slot_mapping"] < 0).sum() == 1
     ortsession.for_graph(again, "decoder").run(None, feeds)
 
 
@@ -407,16 +460,36 @@ def test_allocator_out_of_blocks_is_atomic():
         BlockAllocator(1, 16)
 
 
-def test_allocator_scratch_slots_never_touch_live_blocks():
-    a = BlockAllocator(8, 4, seed=1)
-    a.allocate("a", 9)
-    live = {b * 4 + o for b in a.table("a") for o in range(4)}
-    for n in (1, 4, 5, 17):
-        slots = a.scratch_slots(n)
-        assert len(slots) == n and len(set(slots.tolist())) == n and not live & set(slots.tolist())
-        assert slots[: min(n, 4)].tolist() == list(range(min(n, 4)))  # the null block first
-    with pytest.raises(OutOfBlocks):
-        a.scratch_slots(4 * 8)
+def test_write_rows_stores_in_place_and_skips_padding():
+    pool = np.zeros((4, 2, 3, 5), np.float32)
+    rows = np.arange(2 * 3 * 3 * 5, dtype=np.float32).reshape(2, 3, 3, 5) + 1
+    slots = np.array([[-1, 6, 1], [-1, -1, 3]], np.int32)
+    view = pool  # the caller's array object must be the one that changes
+    write_rows(pool, rows, slots)
+    flat = view.reshape(-1, 3, 5)
+    np.testing.assert_array_equal(flat[6], rows[0, 1])
+    np.testing.assert_array_equal(flat[1], rows[0, 2])
+    np.testing.assert_array_equal(flat[3], rows[1, 2])
+    assert not np.any(np.delete(flat, [1, 3, 6], axis=0))
+    with pytest.raises(VlmcError, match="slot 8 is outside the pool of 8 slots"):
+        write_rows(pool, rows[:1, :1], np.array([[8]], np.int32))
+    with pytest.raises(VlmcError, match="do not match slot_mapping"):
+        write_rows(pool, rows, slots[:, :2])
+    with pytest.raises(VlmcError, match="C-contiguous"):
+        write_rows(np.zeros((2, 4, 3, 5), np.float32).transpose(1, 0, 2, 3), rows[:1, :1], np.array([[0]]))
+
+
+def test_update_names_the_old_whole_pool_interface():
+    kv = {"layers": 1, "kv_heads": 2, "head_dim": 4, "block_size": 16, "num_blocks": 4}
+    state = PagedKV(kv, 1)
+    state.feeds({"attention_mask": np.ones((1, 3), np.int64), "new_tokens": 3})
+    with pytest.raises(VlmcError, match="earlier key_cache_out interface: re-run the paged_kv pass"):
+        state.update({"logits": np.zeros(1), "key_cache_out.0": state.pools["key_cache.0"]})
+    rows = np.ones((1, 3, 2, 4), np.float32)
+    pools = dict(state.pools)
+    state.update({"new_key.0": rows, "new_value.0": 2 * rows})
+    assert state.pools["key_cache.0"] is pools["key_cache.0"]  # written in place, not replaced
+    np.testing.assert_array_equal(state.pools["value_cache.0"][1, :3], 2 * rows[0])
 
 
 def test_allocator_shuffles_with_a_seed_and_grows_when_allowed():
@@ -426,3 +499,114 @@ def test_allocator_shuffles_with_a_seed_and_grows_when_allowed():
     g = BlockAllocator(2, 16, growable=True)
     g.allocate("x", 16 * 5)
     assert g.num_blocks >= 6 and len(g.table("x")) == 5 and len(set(g.table("x"))) == 5
+
+
+# ---- cost follows the context, not the pool -------------------------------------------------------
+def _peak_rss_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
+def test_onnxruntime_reads_the_pools_where_they_are(exported):
+    """A decode step over large pools adds far less than one pool to peak memory: nothing copies them.
+
+    The pools are fresh np.zeros (pages not yet resident), so any copy, by onnxruntime's input
+    conversion or inside the graph, would make a pool's worth of pages resident.
+    """
+    pkg, _ = _paged(exported("tiny-llava"))
+    kv = pkg.manifest["kv"]
+    layers, heads, dim = kv["layers"], kv["kv_heads"], kv["head_dim"]
+    pool_bytes = 128 * 2**20
+    nb = pool_bytes // (BLOCK * heads * dim * 4)
+    sess = ortsession.for_graph(pkg, "decoder")
+    hidden = {i.name: i for i in sess.get_inputs()}["inputs_embeds"].shape[2]
+    alloc = BlockAllocator(nb, BLOCK, seed=0)
+    slots = alloc.allocate("s", 40)
+    feeds = {
+        "inputs_embeds": np.ones((1, 1, hidden), np.float32),
+        "position_ids": np.array([[39]], np.int64),
+        "block_tables": alloc.block_tables(["s"]),
+        "slot_mapping": slots[-1:].reshape(1, 1).astype(np.int32),
+        "context_lens": np.array([40], np.int32),
+    }
+    for i in range(layers):
+        for k in ("key", "value"):
+            feeds[f"{k}_cache.{i}"] = np.zeros((nb, BLOCK, heads, dim), np.float32)
+    sess.run(None, feeds)  # warm-up: onnxruntime's own buffers
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS counter
+    base = _peak_rss_since_reset()
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    grew = _peak_rss_since_reset() - base
+    assert outs["new_key.0"].shape == (1, 1, heads, dim)
+    assert grew < pool_bytes // 4, (
+        f"peak RSS grew by {grew / 2**20:.0f} MiB for {2 * layers} pools of 128 MiB"
+    )
+
+
+# ---- Ascend: read-only pools, the host-side write in compile.json ------------------------------------
+def test_ascend_builds_take_read_only_pools_and_say_how_rows_are_written(exported, tmp_path):
+    from vlmc.backends import ascend
+
+    pkg, _ = _paged(exported("tiny-llava"))
+    summary = ascend.compile(
+        pkg, tmp_path / "build", {"soc": "Ascend910B", "soc_variant": "Ascend910B2", "sequence_buckets": [64]}
+    )
+    kv = pkg.manifest["kv"]
+    info = summary["paged_kv"]
+    assert set(info["builds"]) == {"decoder_prefill", "decoder_decode"}
+    for dims in info["builds"].values():
+        assert dims[1:] == [BLOCK, kv["kv_heads"], kv["head_dim"]] and dims[0] > 1
+    assert "ReshapeAndCache" in info["write"]["op"] and "slot_mapping" in info["write"]["slotMapping"]
+    assert all(u.startswith("https://www.hiascend.com/") for u in info["sources"])
+    on_disk = json.loads((tmp_path / "build" / "compile.json").read_text())
+    assert on_disk["paged_kv"] == info
+    # The decoder file both builds read returns rows, never a pool, and writes nothing.
+    model = onnx.load(str(tmp_path / "build" / "graphs" / "decoder.onnx"), load_external_data=False)
+    outs = [o.name for o in model.graph.output]
+    assert outs[0] == "logits" and all(o.startswith(("new_key.", "new_value.")) for o in outs[1:])
+    assert "ScatterND" not in {n.op_type for n in model.graph.node}
+    contiguous = ascend.compile(
+        Package.load(exported("tiny-llava")),
+        tmp_path / "c",
+        {"soc": "Ascend910B", "soc_variant": "Ascend910B2", "sequence_buckets": [64]},
+    )
+    assert contiguous["paged_kv"] is None
+
+
+def test_fp16_io_decoder_gets_fp16_pools(exported, use_allocator):
+    # quantize fp16 with keep_io_fp32: false makes the cache inputs float16; pools of that dtype are fed
+    # as they are (a float32 pool would be cast, i.e. copied whole, every step).
+    path = exported("tiny-llava")
+    quant = pass_api.get("quantize")(
+        decoder={"weights": "fp16", "keep_io_fp32": False}, eval_tokens=0, eval_samples=0
+    )
+    fp16 = Package.load(path)
+    quant.run(fp16)
+    paged = Package.load(path)
+    quant.run(paged)
+    pass_api.get("paged_kv")(block_size=BLOCK).run(paged)
+    assert {i["name"]: i["dtype"] for i in paged.info("decoder")["inputs"]}["key_cache.0"] == "float16"
+    ref = Pipeline(fp16).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    use_allocator(BlockAllocator(128, BLOCK, seed=5))
+    got = Pipeline(paged).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    assert got.tokens == ref.tokens
+    assert {p.dtype for p in KeptPools.kept[0].values()} == {np.dtype(np.float16)}
+
+
+def test_split_decoder_ranges_each_return_their_rows(exported, use_allocator):
+    # split first, then paged_kv: every layer range reads its own pools and returns its own rows.
+    path = exported("tiny-llava")
+    pkg = manager.run(
+        Package.load(path),
+        [Step("split", {"decoder_ranges": 2}, 1), Step("paged_kv", {"block_size": BLOCK}, 2)],
+    )
+    ranges = pkg.manifest["pipeline"]["decoder"]
+    assert len(ranges) == 2
+    outs = [[o["name"] for o in pkg.info(r)["outputs"]] for r in ranges]
+    assert [o for o in outs[0] if o.startswith("new_")] == ["new_key.0", "new_value.0"]
+    assert [o for o in outs[1] if o.startswith("new_")] == ["new_key.1", "new_value.1"]
+    ref = Pipeline(Package.load(path)).generate(PROMPTS, IMAGES, max_new_tokens=5)
+    use_allocator(BlockAllocator(128, BLOCK, seed=3))
+    assert Pipeline(pkg).generate(PROMPTS, IMAGES, max_new_tokens=5).tokens == ref.tokens

@@ -73,6 +73,13 @@ def test_plan_arithmetic_on_a_hand_sized_model():
     assert p.max_sequences_paged == p.free_for_kv // (3 * 4096)
     assert p.max_sequences_contiguous == p.free_for_kv // 25600
     assert p.max_context_one_sequence == 100 and p.fits_paged and p.fits_contiguous
+    # A paged decode step (interface v2: the pool is read in place) holds, for one layer, the gathered
+    # past, its transpose and the past+new concat: 3 x (3 sequences x 48 rows) x K,V x 4 x 8 x 2 B.
+    assert p.paged_step_bytes == 3 * 3 * 48 * 2 * 4 * 8 * 2 == 55296
+    assert any("paged decode step of 3 sequence(s) needs 54.0 KiB" in n for n in p.notes)
+    assert ["paged decode step, transient (one layer's gathered past)", "54.0 KiB"] in p.rows()
+    one = PL.plan(spec, 1_000_000, images=2, text_tokens=13, block_size=16)
+    assert one.paged_step_bytes == 18432 and not any("paged decode step" in n for n in one.notes)
     two = PL.plan(spec, 1_000_000, images=2, text_tokens=13, batch=3, block_size=16, cards=2, reserve="1KiB")
     assert two.free_for_kv == 2 * (1_000_000 - 41844 - 1024) - 2500
 

@@ -29,7 +29,8 @@ Layout (format version 1; ``?`` marks keys only some packages have)::
                  "token_type_ids"?: str},       # the source model's input marking placeholders (verify)
       "kv":     {"layers", "kv_heads", "head_dim", "layout": "contiguous" | "paged",
                  "block_size": int | null, "dtype",
-                 "num_blocks": int | "num_blocks", "padding_slot": str},   # the last two when paged
+                 "num_blocks": int | "num_blocks", "padding_slot": str,
+                 "context_lens": str},   # num_blocks and the two rules only when paged
       "graphs": {name: {"file", "role", "precision", "inputs": [...], "outputs": [...],
                         "quantization"?: {"mode", ...},       # quantize: what lowering needs
                         "weights_file"?: str,                 # merge: the shared weights file

@@ -139,6 +139,7 @@ class Plan:
     max_sequences_paged: int
     max_sequences_contiguous: int
     max_context_one_sequence: int
+    paged_step_bytes: int = 0  # transient of one paged decode step of the batch (see paged_step_bytes())
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -187,6 +188,7 @@ class Plan:
                 f"{self.max_sequences_paged} / {self.max_sequences_contiguous}",
             ],
             ["max context of one sequence", str(self.max_context_one_sequence)],
+            ["paged decode step, transient (one layer's gathered past)", fmt_bytes(self.paged_step_bytes)],
         ]
 
 
@@ -234,6 +236,12 @@ def plan(
     if int4:
         notes.append(int4)
     act = activation_bytes(spec, seq, images)
+    step = paged_step_bytes(spec, seq, batch, bs) // cards
+    if step > act:
+        notes.append(
+            f"a paged decode step of {batch} sequence(s) needs {fmt_bytes(step)} transient per card, more than "
+            "the prefill headroom; keep that much free beside the pool"
+        )
     free = cards * (mem - act - res) - spec.weight_bytes
     paged = batch * math.ceil(seq / bs) * per_block
     contiguous = batch * ctx_max * per_tok
@@ -266,6 +274,7 @@ def plan(
         max_sequences_paged=max(0, free // seq_paged) if seq_paged else 0,
         max_sequences_contiguous=max(0, free // (ctx_max * per_tok)),
         max_context_one_sequence=max(0, min(free // per_tok, spec.max_positions)),
+        paged_step_bytes=step,
         notes=notes,
     )
 
@@ -282,6 +291,19 @@ def _int4_note(spec: Spec) -> str | None:
         f"per quantized weight on the NPU, not 0.5, so INT4 saves what INT8 does there (0.25x of FP32)"
         f"{extra}; compile target int4_weights: int4 keeps 0.5 (unverified on hardware)"
     )
+
+
+def paged_step_bytes(spec: Spec, seq: int, batch: int, block_size: int) -> int:
+    """Transient device memory of one paged decode step (interface v2), beside the pool itself.
+
+    The pool is read in place and only this step's rows leave the graph, so a step holds no second
+    pool; what it does hold, one layer at a time, is each sequence's gathered past (all its blocks,
+    K and V), its transpose into the decoder's layout, and the decoder's past-plus-new concat: three
+    copies of batch x ceil(seq / block_size) x block_size rows of one layer. The earlier interface
+    (whole pool returned every step) needed a second pool-sized buffer instead.
+    """
+    rows = batch * math.ceil(seq / block_size) * block_size
+    return 3 * rows * 2 * spec.kv_heads * spec.head_dim * DTYPE_BYTES[spec.kv_dtype]
 
 
 def activation_bytes(spec: Spec, seq: int, images: int) -> int:

@@ -11,8 +11,7 @@ from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
-# Block 0 is never given to a sequence: unused block-table entries point at it (they are masked),
-# and padding positions write their K/V into it (see docs/paged_kv.md, "Padding slots").
+# Block 0 is never given to a sequence: unused block-table entries point at it (they are masked).
 NULL_BLOCK = 0
 
 
@@ -111,21 +110,6 @@ class BlockAllocator:
         self._lengths.pop(seq, None)
         self._free.extend(reversed(blocks))
 
-    def scratch_slots(self, n: int) -> np.ndarray:
-        """``n`` distinct slots that no sequence owns (the null block first, then free blocks).
-
-        Padding positions write their K/V here; nothing reads a scratch slot unmasked, and a block
-        taken later by a sequence is written before its positions become visible.
-        """
-        blocks = [NULL_BLOCK] + self._free[::-1]
-        if n > len(blocks) * self.block_size:
-            self._ensure_free(len(self._free) + -(-n // self.block_size), f"{n} padding slots")
-            blocks = [NULL_BLOCK] + self._free[::-1]
-        slots = (
-            np.asarray(blocks, np.int64)[:, None] * self.block_size + np.arange(self.block_size)
-        ).reshape(-1)
-        return slots[:n]
-
     def _ensure_free(self, need: int, what: str) -> None:
         if need <= len(self._free):
             return
@@ -140,12 +124,43 @@ class BlockAllocator:
         self._free = self._ordered(new) + self._free
 
 
+def write_rows(pool: np.ndarray, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+    """Store a step's rows in the pool in place: ``pool`` viewed as [slots, kv_heads, head_dim] gets
+    ``rows`` [batch, seq, kv_heads, head_dim] at ``slot_mapping`` [batch, seq]; negative slots
+    (padding) are skipped. This is the CPU counterpart of ATB ReshapeAndCache (docs/paged_kv.md).
+
+    Raises:
+        VlmcError: the pool is not C-contiguous (a reshape would copy, and the write would be lost),
+            shapes disagree, or a slot lies outside the pool.
+    """
+    if not pool.flags.c_contiguous:
+        raise VlmcError("paged KV: the pool must be C-contiguous to be written in place")
+    slots = np.asarray(slot_mapping).reshape(-1)
+    heads, dim = pool.shape[2], pool.shape[3]
+    if rows.shape[:2] != np.shape(slot_mapping) or rows.shape[2:] != (heads, dim):
+        raise VlmcError(
+            f"paged KV: rows of shape {list(rows.shape)} do not match slot_mapping {list(np.shape(slot_mapping))} "
+            f"and the pool's [{heads}, {dim}] rows"
+        )
+    live = slots >= 0
+    flat = pool.reshape(-1, heads, dim)  # a view: the assignment below lands in the caller's pool
+    if live.all():
+        target, src = slots, rows.reshape(-1, heads, dim)
+    else:
+        target, src = slots[live], rows.reshape(-1, heads, dim)[live]
+    if target.size and int(target.max()) >= flat.shape[0]:
+        raise VlmcError(f"paged KV: slot {int(target.max())} is outside the pool of {flat.shape[0]} slots")
+    flat[target] = src
+
+
 class PagedKV:
-    """KV state for paged decoder graphs (manifest kv.layout == "paged").
+    """KV state for paged decoder graphs (manifest kv.layout == "paged", interface v2).
 
     Each batch row is one sequence in a :class:`BlockAllocator`. Per step it feeds the pools
-    ``key_cache.{i}``/``value_cache.{i}``, ``block_tables``, ``slot_mapping`` and ``context_lens``;
-    the step's attention mask (left padding) says which new positions are real tokens.
+    ``key_cache.{i}``/``value_cache.{i}`` (the same numpy arrays every step: onnxruntime reads
+    them where they are), ``block_tables``, ``slot_mapping`` and ``context_lens``; the step's
+    attention mask (left padding) says which new positions are real tokens. The graph returns
+    ``new_key.{i}``/``new_value.{i}``, which :meth:`update` writes into the pools in place.
     """
 
     def __init__(
@@ -155,6 +170,7 @@ class PagedKV:
         dtype: str = "float32",
         attention_mask: np.ndarray | None = None,
         allocator: BlockAllocator | None = None,
+        pipeline: object | None = None,
         **_: object,
     ) -> None:
         self.layers = int(kv["layers"])
@@ -167,9 +183,8 @@ class PagedKV:
                 allocator = BlockAllocator(fixed, self.block_size)
             else:
                 tokens = int(attention_mask.sum()) if attention_mask is not None else 0
-                width = attention_mask.shape[1] if attention_mask is not None else 1
-                # Prompts plus one spare block per sequence plus the padding slots; grows if needed.
-                guess = 1 + -(-(tokens + batch * width) // self.block_size) + batch
+                # The prompts plus one spare block per sequence; grows (doubling) while decoding.
+                guess = 1 + -(-tokens // self.block_size) + batch
                 allocator = BlockAllocator(guess, self.block_size, growable=True)
         if allocator.block_size != self.block_size:
             raise VlmcError(
@@ -181,8 +196,11 @@ class PagedKV:
             )
         self.allocator = allocator
         self.seqs = [object() for _ in range(batch)]  # private ids: several states can share one allocator
-        self.dtype = np.dtype(dtype)
+        # The pools take the decoder's own cache dtype (float16 for a graph whose IO was converted):
+        # a pool of another dtype would be cast, i.e. copied whole, by every step's feed.
+        self.dtype = np.dtype(_cache_dtype(pipeline) or dtype)
         self.pools = {name: self._zeros(allocator.num_blocks) for name in self._pool_names()}
+        self._slots: np.ndarray | None = None  # the last step's slot_mapping, for update()
 
     def _pool_names(self) -> list[str]:
         return [f"{k}_cache.{i}" for i in range(self.layers) for k in ("key", "value")]
@@ -191,16 +209,13 @@ class PagedKV:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
 
     def feeds(self, step: dict) -> dict[str, np.ndarray]:
-        """Allocate slots for this step's real tokens and return the paged inputs."""
+        """Allocate slots for this step's real tokens and return the paged inputs (padding slots are -1)."""
         mask = np.asarray(step["attention_mask"])
         n = int(step["new_tokens"])
         new = mask[:, -n:] != 0
-        slots = np.zeros((self.batch, n), np.int64)
+        slots = np.full((self.batch, n), -1, np.int64)
         for b in range(self.batch):
             slots[b, new[b]] = self.allocator.allocate(self.seqs[b], int(new[b].sum()))
-        n_pad = int((~new).sum())
-        if n_pad:
-            slots[~new] = -1 - self.allocator.scratch_slots(n_pad)
         ctx = np.array([self.allocator.length(s) for s in self.seqs], np.int32)
         if not np.array_equal(ctx, mask.sum(axis=1)):
             raise VlmcError(
@@ -208,11 +223,12 @@ class PagedKV:
                 f"{mask.sum(axis=1).tolist()}"
             )
         self._resize()
+        self._slots = slots.astype(np.int32)
         out = dict(self.pools)
         out.update(
             {
                 "block_tables": self.allocator.block_tables(self.seqs),
-                "slot_mapping": slots.astype(np.int32),
+                "slot_mapping": self._slots,
                 "context_lens": ctx,
             }
         )
@@ -225,12 +241,46 @@ class PagedKV:
                 self.pools[name] = np.concatenate([pool, self._zeros(grow)])
 
     def update(self, outputs: dict[str, np.ndarray]) -> None:
-        for name in outputs:
-            m = re.match(r"^(key|value)_cache_out\.(\d+)$", name)
+        """Write the step's ``new_key.{i}``/``new_value.{i}`` rows into the pools at its slots.
+
+        Raises:
+            VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
+                ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
+        """
+        written = 0
+        for name, rows in outputs.items():
+            m = _ROWS_RE.match(name)
             if m:
-                self.pools[f"{m[1]}_cache.{m[2]}"] = outputs[name]
+                write_rows(self.pools[f"{m[1]}_cache.{m[2]}"], rows, self._slots)
+                written += 1
+        if written != 2 * self.layers:
+            old = any(_OLD_RE.match(name) for name in outputs)
+            raise VlmcError(
+                f"paged KV: the decoder returned {written} of {2 * self.layers} new_key/new_value outputs"
+                + (
+                    "; it has the earlier key_cache_out interface: re-run the paged_kv pass on the contiguous package"
+                    if old
+                    else ""
+                )
+            )
 
     def release(self) -> None:
         for s in self.seqs:
             self.allocator.release(s)
         self.pools.clear()
+
+
+def _cache_dtype(pipeline: object | None) -> str | None:
+    """The dtype the package's decoder declares for key_cache.* (None without a pipeline or such input)."""
+    pkg = getattr(pipeline, "pkg", None)
+    if pkg is None:
+        return None
+    for name in pkg.manifest["pipeline"].get("decoder", []):
+        for spec in pkg.info(name)["inputs"]:
+            if spec["name"].startswith("key_cache."):
+                return spec["dtype"]
+    return None
+
+
+_ROWS_RE = re.compile(r"^new_(key|value)\.(\d+)$")
+_OLD_RE = re.compile(r"^(key|value)_cache_out\.(\d+)$")

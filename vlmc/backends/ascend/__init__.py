@@ -370,8 +370,61 @@ def _summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict)
             for name, r in plan["reports"].items()
         },
         "builds": builds,
+        "paged_kv": paged_kv_host_write(package.manifest.get("kv", {}), plan["builds"]),
         "warnings": plan["warnings"] + ([resolution.warning] if resolution.warning else []),
         "run": None,
+    }
+
+
+def _pool_shapes(b: gears.Build) -> list[list[int]]:
+    return [dims for name, dims in b.input_shape if name.startswith("key_cache.")]
+
+
+# Public CANN documentation the host-side write below follows (docs/ascend.md, "Paged decoder builds").
+_PAGED_SOURCES = [
+    "https://www.hiascend.com/document/detail/zh/canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0073.html",
+    "https://www.hiascend.com/document/detail/zh/canncommercial/82RC1/API/ascendtbapi/ascendtb_01_0242.html",
+    "https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/83RC1alpha002/API/aolapi/context/aclnnScatterPaKvCache.md",
+]
+
+
+def paged_kv_host_write(kv: dict, builds: list[gears.Build]) -> dict | None:
+    """What the host runtime must do around a paged decoder build (interface v2), for compile.json.
+
+    The builds only read the pools and return this step's rows; storing the rows is a runtime op
+    on the device, as ATB/MindIE do it, not part of the .om. None when the package is not paged.
+    """
+    if kv.get("layout") != "paged":
+        return None
+    layers = int(kv["layers"])
+    return {
+        "interface": "v2",
+        # Each paged build's static pool shape: the device pools must have exactly this shape.
+        "builds": {b.name: pools[0] for b in builds if (pools := _pool_shapes(b))},
+        "block_size": kv.get("block_size"),
+        "pools": (
+            f"allocate key_cache.{{i}} and value_cache.{{i}} for i < {layers} once on the device, "
+            "[num_blocks, block_size, kv_heads, head_dim] ND, and bind the same buffers as the build's "
+            "inputs every step; the .om never writes them"
+        ),
+        "write": {
+            "when": "after every decoder_prefill / decoder_decode execution, before the next step",
+            "op": "ATB ReshapeAndCacheOperation (one per layer; keyCache/valueCache are updated in place)",
+            "key": "new_key.{i} [batch, seq, kv_heads, head_dim] viewed as [batch*seq, kv_heads, head_dim]",
+            "value": "new_value.{i}, viewed the same way",
+            "slotMapping": "the step's slot_mapping flattened to [batch*seq] int32",
+            "padding": (
+                "slot_mapping < 0 marks padding; CANN 8.2.RC1 documents negative slots as not copied "
+                "(ascendtb_01_0242); on older CANN drop those rows on the host first"
+            ),
+            "dtype": (
+                "ReshapeAndCache takes float16/bfloat16/int8 rows and caches: keep the pools in float16 "
+                "and give the builds float16 cache inputs and row outputs (ATC --input_fp16_nodes / "
+                "--output_type), or cast the rows before the write"
+            ),
+            "alternative": "aclnnScatterPaKvCache(key, keyCacheRef, slotMapping, value, valueCacheRef)",
+        },
+        "sources": list(_PAGED_SOURCES),
     }
 
 
