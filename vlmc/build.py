@@ -21,10 +21,10 @@ logger = logging.getLogger(__name__)
 @contextlib.contextmanager
 def _phase(phases: dict, name: str):
     """Time a build phase and record its peak RSS (report.json, read by `make bench`)."""
-    memory.reset_peak()
     t0 = time.perf_counter()
-    yield
-    phases[name] = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": memory.peak()}
+    with memory.peak() as p:
+        yield
+    phases[name] = {"seconds": round(time.perf_counter() - t0, 3), "peak_rss_bytes": p.bytes}
 
 
 @dataclass

@@ -222,15 +222,18 @@ def _large_initializers(model: ir.Model) -> list[ir.Value]:
     ]
 
 
-def save(model: onnx.ModelProto | ir.Model, path: str | Path) -> None:
+def save(model: onnx.ModelProto | ir.Model, path: str | Path, base_dir: Path | None = None) -> None:
     """Save a graph with its large tensors in one external data file named ``<file>.data``.
 
     onnx-ir streams each weight from where it lives (its source file, memory-mapped, or memory) to
     the data file one tensor at a time; the model is left unchanged. Offsets are 64-byte aligned so
-    runtimes can map tensors in place.
+    runtimes can map tensors in place. ``base_dir`` is where a ModelProto read without its weights
+    (``load(path, load_weights=False)``) finds its external data.
     """
     path = Path(path)
     m = as_ir(model)
+    if base_dir is not None:
+        ir.external_data.set_base_dir(m.graph, base_dir)
     values = [v for g in m.graphs() for v in g.initializers.values()]
     tensors = [v.const_value for v in values]
     try:
@@ -440,8 +443,13 @@ def tensor_hash(t) -> str:
     return digest
 
 
+def digest_start(dtype: int, dims: list[int]):
+    """The sha256 :func:`tensor_hash` uses, before the tensor's bytes are fed to it."""
+    return hashlib.sha256(f"{dtype}|{[int(d) for d in dims]}|".encode())
+
+
 def _digest(dtype: int, dims: list[int], raw: bytes) -> str:
-    h = hashlib.sha256(f"{dtype}|{dims}|".encode())
+    h = digest_start(dtype, dims)
     h.update(raw)
     return h.hexdigest()
 

@@ -59,81 +59,81 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             bar.describe(f"pass {step.index}/{len(steps)}: {step.name}")
             label = f"pass #{step.index} {step.name!r}"
             after_txt = f" (ran before it: {', '.join(ran)})" if ran else " (it was the first pass)"
-            memory.reset_peak()
-            t0 = time.perf_counter()
-            try:
-                check_requirements(p, pkg)
-                plan = p.check_package(pkg)
-                before = _snapshot(
-                    pkg,
-                    Path(tmp) / str(step.index),
-                    keep_graphs=check and p.preserves_numerics,
-                    keep_package=p.lossy,
-                )
-                result = p.run(pkg, plan) if plan is not None else p.run(pkg)
-            except VlmcError as exc:
-                raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
-            except Exception as exc:  # a pass bug: still one line, traceback with -v
-                logger.debug("pass failure", exc_info=True)
-                raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
-            if result is None or not hasattr(result, "modified"):
-                raise PassFailed(f"{label} did not return a PassResult{after_txt}")
-            out = result.package
-            try:
-                M.validate(out.manifest, where=f"the manifest after {step.name}")
-            except VlmcError as exc:
-                raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
-            changed = _changed(before, out)
-            actual = bool(changed)
-            if result.modified is not None and bool(result.modified) != actual:
-                what = f"changed {', '.join(changed)}" if changed else "changed nothing"
-                raise PassFailed(
-                    f"{label} reported modified={bool(result.modified)} but it {what}; "
-                    f"a pass must report modified exactly (or leave it to the manager){after_txt}"
-                )
-            for name in changed:
-                if name not in out.manifest["graphs"]:
-                    continue
+            with memory.Peak() as mem:  # sampled while the pass runs; its peak goes to report.json
+                t0 = time.perf_counter()
                 try:
-                    path = out.path_of(name)
-                    if path is not None:
-                        G.check_path(path, name=f"{name} after {step.name}")
-                    else:
-                        G.check(out.model(name), name=f"{name} after {step.name}")
+                    check_requirements(p, pkg)
+                    plan = p.check_package(pkg)
+                    before = _snapshot(
+                        pkg,
+                        Path(tmp) / str(step.index),
+                        keep_graphs=check and p.preserves_numerics,
+                        keep_package=p.lossy,
+                    )
+                    result = p.run(pkg, plan) if plan is not None else p.run(pkg)
                 except VlmcError as exc:
-                    raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
-            report = dict(result.report or {})
-            if p.lossy and actual:
+                    raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
+                except Exception as exc:  # a pass bug: still one line, traceback with -v
+                    logger.debug("pass failure", exc_info=True)
+                    raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
+                if result is None or not hasattr(result, "modified"):
+                    raise PassFailed(f"{label} did not return a PassResult{after_txt}")
+                out = result.package
                 try:
-                    fidelity = p.evaluate(before.package, out, result)
+                    M.validate(out.manifest, where=f"the manifest after {step.name}")
                 except VlmcError as exc:
-                    raise PassFailed(f"{label}: measuring its fidelity failed: {exc}{after_txt}") from exc
-                if fidelity is not None:
-                    report["fidelity"] = fidelity
-            if check and p.preserves_numerics and actual:
-                report["numerics_check"] = _numerics(before, out, changed, label)
-            seconds = time.perf_counter() - t0
-            out.manifest["history"].append(
-                {
-                    "pass": step.name,
-                    "index": step.index,
-                    "options": step.options,
-                    "modified": actual,
-                    "report": report,
-                }
-            )
-            out.report["passes"].append(
-                {
-                    "pass": step.name,
-                    "index": step.index,
-                    "seconds": round(seconds, 4),
-                    "peak_rss_bytes": memory.peak(),
-                    "modified": actual,
-                    "changed": changed,
-                }
-            )
-            pkg = out
-            ran.append(step.name)
+                    raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
+                changed = _changed(before, out)
+                actual = bool(changed)
+                if result.modified is not None and bool(result.modified) != actual:
+                    what = f"changed {', '.join(changed)}" if changed else "changed nothing"
+                    raise PassFailed(
+                        f"{label} reported modified={bool(result.modified)} but it {what}; "
+                        f"a pass must report modified exactly (or leave it to the manager){after_txt}"
+                    )
+                for name in changed:
+                    if name not in out.manifest["graphs"]:
+                        continue
+                    try:
+                        path = out.path_of(name)
+                        if path is not None:
+                            G.check_path(path, name=f"{name} after {step.name}")
+                        else:
+                            G.check(out.model(name), name=f"{name} after {step.name}")
+                    except VlmcError as exc:
+                        raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
+                report = dict(result.report or {})
+                if p.lossy and actual:
+                    try:
+                        fidelity = p.evaluate(before.package, out, result)
+                    except VlmcError as exc:
+                        raise PassFailed(f"{label}: measuring its fidelity failed: {exc}{after_txt}") from exc
+                    if fidelity is not None:
+                        report["fidelity"] = fidelity
+                if check and p.preserves_numerics and actual:
+                    report["numerics_check"] = _numerics(before, out, changed, label)
+                seconds = time.perf_counter() - t0
+                out.manifest["history"].append(
+                    {
+                        "pass": step.name,
+                        "index": step.index,
+                        "options": step.options,
+                        "modified": actual,
+                        "report": report,
+                    }
+                )
+                out.report["passes"].append(
+                    {
+                        "pass": step.name,
+                        "index": step.index,
+                        "seconds": round(seconds, 4),
+                        "peak_rss_bytes": mem.bytes,
+                        "modified": actual,
+                        "changed": changed,
+                    }
+                )
+                pkg = out
+                ran.append(step.name)
             bar.advance()
     return pkg
 

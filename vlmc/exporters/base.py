@@ -187,14 +187,16 @@ def _weights_out_of_proto(large: dict[str, torch.Tensor]):
 
 @contextlib.contextmanager
 def _linear_weights_transposed(module: torch.nn.Module):
-    """Store every Linear weight as [in, out] while tracing, and restore [out, in] afterwards.
+    """While tracing, hand every Linear's weight to the tracer as a transposed *view*, [in, out].
 
     torch exports ``Linear`` on 3-D inputs as ``MatMul(x, Transpose(W))`` and its constant folding
-    then materializes ``W^T`` for every layer at once: a second copy of nearly all decoder weights.
-    With the weight already stored transposed (one layer at a time, freeing the original), the
-    exported graph is the same ``MatMul(x, W^T) + b`` (2-D inputs: ``Gemm(x, W^T, b)``) and nothing
-    is copied. The weight is transposed back after export, so the model is unchanged. Tied weights
-    (one parameter used by several modules) are left as they are.
+    then materializes ``W^T`` for every layer at once: a second copy of nearly all decoder weights,
+    on top of the model's own. Here the forward multiplies by a parameter that is a view of ``W``
+    transposed (no copy), so nothing is folded and the exported graph is the same
+    ``MatMul(x, W^T) + b`` (2-D inputs: ``Gemm(x, W^T, b)``); the streaming writer makes each
+    view contiguous one tensor at a time as it writes it. The original parameters are put back
+    afterwards, so the model is unchanged. Tied weights (one parameter used by several modules)
+    are left alone.
     """
     counts: dict[int, int] = {}
     for m in module.modules():
@@ -205,19 +207,21 @@ def _linear_weights_transposed(module: torch.nn.Module):
         for m in module.modules()
         if type(m) is torch.nn.Linear and counts.get(id(m.weight), 0) == 1 and "forward" not in vars(m)
     ]
+    originals = []
     for m in linears:
-        wt = torch.nn.Parameter(m.weight.detach().t().contiguous(), requires_grad=False)
-        m.weight = torch.nn.Parameter(wt.t(), requires_grad=False)  # a view: no second copy
-        m.register_parameter("weight_t", wt)
+        w = m._parameters.pop("weight")
+        originals.append(w)
+        m.__dict__["weight"] = w.detach()  # still readable (dtype, shape), but not a traced parameter
+        m.register_parameter("weight_t", torch.nn.Parameter(w.detach().t(), requires_grad=False))
         m.forward = _transposed_forward(m)
     try:
         yield
     finally:
-        for m in linears:
+        for m, w in zip(linears, originals):
             del m.forward
-            w = m.weight_t.detach().t().contiguous()
-            del m.weight_t
-            m.weight = torch.nn.Parameter(w, requires_grad=False)
+            del m._parameters["weight_t"]
+            del m.__dict__["weight"]
+            m.weight = w
 
 
 def _transposed_forward(m: torch.nn.Linear):
@@ -230,6 +234,27 @@ def _transposed_forward(m: torch.nn.Linear):
     return forward
 
 
+def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20):
+    """A tensor's bytes in C order, in pieces of at most about ``limit`` bytes.
+
+    A contiguous tensor is one piece straight from its memory; a view (a transposed Linear weight)
+    is made contiguous a block of rows at a time, so writing it never holds a full copy.
+    """
+    import numpy as np
+
+    def as_bytes(t: torch.Tensor) -> memoryview:
+        arr = t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
+        return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+    if tensor.is_contiguous() or tensor.dim() == 0:
+        yield as_bytes(tensor.contiguous())
+        return
+    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    step = max(1, limit // row_bytes)
+    for r in range(0, tensor.shape[0], step):
+        yield as_bytes(tensor[r : r + step].contiguous())
+
+
 def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], path: Path) -> None:
     """Turn the graph inputs that stand for parameters into initializers whose bytes go to ``path.data``.
 
@@ -237,8 +262,6 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
     external, as in any saved package). Each tensor is written from its own memory and hashed while
     it is written, so the pass manager never reads it again to fingerprint it.
     """
-    import numpy as np
-
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = path.name + ".data"
     g = model.graph
@@ -254,13 +277,17 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
     offset = 0
     with open(path.parent / data_name, "wb") as f:
 
-        def put(t: onnx.TensorProto, raw) -> None:
+        def put(t: onnx.TensorProto, chunks) -> None:
             nonlocal offset
             pad = (-offset) % 64
             f.write(b"\0" * pad)
             offset += pad
-            n = f.write(raw)
-            hashes.append((offset, n, G._digest(t.data_type, list(t.dims), raw)))
+            h = G.digest_start(t.data_type, list(t.dims))
+            n = 0
+            for chunk in chunks:
+                h.update(chunk)
+                n += f.write(chunk)
+            hashes.append((offset, n, h.hexdigest()))
             G._point_at(t, data_name, offset, n)
             t.data_location = onnx.TensorProto.EXTERNAL
             offset += n
@@ -269,16 +296,15 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
             if t.HasField("raw_data") and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD:
                 raw = t.raw_data
                 t.ClearField("raw_data")
-                put(t, raw)
+                put(t, [raw])
         for vi in params:
-            tensor = large.pop(vi.name).detach().contiguous()
-            arr = tensor.numpy() if tensor.dtype != torch.bfloat16 else tensor.view(torch.int16).numpy()
+            tensor = large.pop(vi.name).detach()
             t = g.initializer.add()
             t.name = vi.name
             t.data_type = vi.type.tensor_type.elem_type
             t.dims.extend(tensor.shape)
-            put(t, memoryview(np.ascontiguousarray(arr)).cast("B"))
-            del tensor, arr
+            put(t, _byte_chunks(tensor))
+            del tensor
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
     G.remember_hashes(path.parent / data_name, hashes)

@@ -152,6 +152,7 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         "commands": {build: AtcCommand}, "warnings": [...]}``
     """
     findings: list[precheck.Finding] = []
+    bases: dict[str, Path] = {}  # build file -> directory its external weights are read from
     models: dict[str, onnx.ModelProto] = {}
     private: set[str] = set()  # graphs read from disk here: lowered in place, no copy needed
     known = set((opts.get("dims") or {}).keys())
@@ -164,9 +165,15 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
                 continue
         # A graph on disk is read privately (not cached in the package), so lowering may rewrite it
         # in place: the package's copy and a CopyFrom of it would be two more copies of the weights.
-        model = G.load(path) if path is not None else package.graph(name)
+        # The lowering rules read weight values only in quantized graphs; a float graph is read
+        # without its weights, which are streamed from the package's file when the build is written.
+        info = package.info(name)
+        needs_weights = bool(info.get("quantization")) or info.get("precision") not in ("fp32", "fp16")
+        model = G.load(path, load_weights=needs_weights) if path is not None else package.graph(name)
         if path is not None:
             private.add(name)
+            if not needs_weights:
+                bases[f"{name}.onnx"] = path.parent
         findings += precheck.check_ops(model, name, lowered=False)
         sample = samples.load(package, name) or {}
         findings += precheck.check_inputs(model, name, known, set(sample))
@@ -248,6 +255,7 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         commands[b.name] = _command(b, package.info(b.graph), reports[b.graph], opts, soc_version)
     return {
         "files": files,
+        "bases": bases,
         "shared": shared,
         "reports": reports,
         "builds": builds,
@@ -433,7 +441,7 @@ def _write(out_dir: Path, plan: dict, summary: dict, force: bool) -> None:
         (tmp / "graphs").mkdir(parents=True)
         for file, model in plan["files"].items():
             if file not in plan["shared"]:
-                G.save(model, tmp / "graphs" / file)
+                G.save(model, tmp / "graphs" / file, base_dir=plan["bases"].get(file))
         for file, base in plan["shared"].items():
             _save_sharing(plan["files"][file], tmp / "graphs" / file, tmp / "graphs" / base)
         for b in plan["builds"]:
@@ -462,8 +470,10 @@ def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
     }
     moved = []
     for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL and not t.external_data:
-            # a weightless stub (see prepare): its bytes are the base graph's tensor of the same name
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            # a weightless stub (see prepare), or a weight still in the package's file: its bytes are
+            # the base graph's tensor of the same name, already written there
+            del t.external_data[:]
             if t.name not in entries:
                 raise VlmcError(f"{path.name}: weight {t.name!r} is not in {base.name}")
             t.external_data.extend(entries[t.name])
@@ -483,14 +493,30 @@ def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
         ]
         if rest:
             # Tensors the prefill graph does not share go to its own data file.
-            G.save(model, path)
-        else:
-            path.write_bytes(model.SerializeToString(deterministic=True))
+            _externalize(rest, path)
+        path.write_bytes(model.SerializeToString(deterministic=True))
     finally:
         for t, raw in moved:
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
             t.raw_data = raw
+
+
+def _externalize(tensors: list[onnx.TensorProto], path: Path) -> None:
+    """Move in-memory tensors' bytes to ``<path>.data`` (64-byte aligned), leaving other tensors as they are."""
+    data = path.name + ".data"
+    offset = 0
+    with open(path.parent / data, "wb") as f:
+        for t in tensors:
+            pad = (-offset) % 64
+            f.write(b"\0" * pad)
+            offset += pad
+            raw = t.raw_data
+            f.write(raw)
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            G._point_at(t, data, offset, len(raw))
+            offset += len(raw)
 
 
 def _build_sh(plan: dict) -> str:
