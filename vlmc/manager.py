@@ -113,6 +113,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                 if check and p.preserves_numerics and actual:
                     report["numerics_check"] = _numerics(before, out, changed, label)
                 seconds = time.perf_counter() - t0
+                mem.stop()  # the pass is over: its peak is final
                 out.manifest["history"].append(
                     {
                         "pass": step.name,

@@ -151,38 +151,57 @@ _STREAM_BYTES = 1 << 16
 
 @contextlib.contextmanager
 def _weights_out_of_proto(large: dict[str, torch.Tensor]):
-    """Keep large parameters out of the TorchScript exporter's protobuf, collecting them in ``large``.
+    """Keep large parameters out of every protobuf the TorchScript exporter builds; collect them in ``large``.
 
-    The exporter hands its final name -> tensor map to ``_jit_pass_onnx_deduplicate_initializers``
-    and serializes whatever that returns as initializers; parameters it does not return stay graph
-    inputs. Wrapping that one pass is the narrowest hook into torch 2.13's exporter (pinned in
-    constraints.txt); if torch renames it, the export fails loudly here rather than silently
-    holding every weight in memory again.
+    - The exporter hands its final name -> tensor map to ``_jit_pass_onnx_deduplicate_initializers``
+      and serializes whatever that returns as initializers; parameters it does not return stay
+      graph inputs, which :func:`_write_with_weights` turns into external initializers.
+    - Its ONNX shape inference (whole graph, and node by node while converting) serializes the
+      parameters it is given into a ModelProto: for a 525 MB embedding table that was a 1 GB
+      transient. Weights are never shape constants, so the large ones are left out of those calls;
+      their shapes still come from the graph's typed inputs.
+
+    These three entry points of torch 2.13's exporter (pinned in constraints.txt) are the narrowest
+    hooks there are; if torch renames one, the export fails loudly here rather than silently holding
+    every weight in memory again. A test compares the result with torch.onnx.export's own output.
     """
     from torch import _C
 
-    name = "_jit_pass_onnx_deduplicate_initializers"
-    real = getattr(_C, name, None)
-    if real is None:
-        raise RuntimeError(
-            f"torch {torch.__version__} has no {name}; vlmc's streaming export needs torch 2.13"
-        )
+    def small(params: dict) -> dict:
+        return {k: t for k, t in params.items() if t.numel() * t.element_size() <= _STREAM_BYTES}
 
-    def split(graph, params, training):
-        params = real(graph, params, training)
-        small = {}
-        for key, tensor in params.items():
-            if tensor.numel() * tensor.element_size() > _STREAM_BYTES:
-                large[key] = tensor
-            else:
-                small[key] = tensor
-        return small
+    def dedupe(real):
+        # Large parameters skip torch's deduplication: it compares tensors by value, which made
+        # contiguous copies of the transposed weight views (a 0.5 GB transient at LLaVA-1.5 widths).
+        # A weight shared by two modules is one Parameter, so one graph input, without it.
+        def split(graph, params, training):
+            large.update({k: t for k, t in params.items() if t.numel() * t.element_size() > _STREAM_BYTES})
+            return real(graph, small(params), training)
 
-    setattr(_C, name, split)
+        return split
+
+    def shapes(real):
+        return lambda target, params, opset: real(target, small(params), opset)
+
+    hooks = {
+        "_jit_pass_onnx_deduplicate_initializers": dedupe,
+        "_jit_pass_onnx_graph_shape_type_inference": shapes,
+        "_jit_pass_onnx_node_shape_type_inference": shapes,
+    }
+    originals = {}
+    for name, wrap in hooks.items():
+        real = getattr(_C, name, None)
+        if real is None:
+            raise RuntimeError(
+                f"torch {torch.__version__} has no {name}; vlmc's streaming export needs torch 2.13"
+            )
+        originals[name] = real
+        setattr(_C, name, wrap(real))
     try:
         yield
     finally:
-        setattr(_C, name, real)
+        for name, real in originals.items():
+            setattr(_C, name, real)
 
 
 @contextlib.contextmanager
