@@ -205,11 +205,14 @@ def _steps(report_json: Path) -> dict:
     """Per-step seconds and peak RSS of one build, from the report.json it wrote."""
     rep = json.loads(report_json.read_text())
     out = {}
-    for name, ph in rep.get("build_phases", {}).items():
-        out[name] = ph
+    phases = rep.get("build_phases", {})
+    for name in ("export", "passes", "save", "compile"):  # the build's order (report.json sorts keys)
+        if name not in phases:
+            continue
+        out[name] = phases[name]
         if name == "passes":
             for p in rep.get("passes", []):
-                out[f"  pass {p['pass']}"] = {
+                out[f"· pass {p['pass']}"] = {
                     "seconds": p["seconds"],
                     "peak_rss_bytes": p.get("peak_rss_bytes"),
                 }
@@ -285,8 +288,9 @@ def targets(cost: list[dict]) -> list[str]:
             f"| `vlmc build` time ≤ 1.5× bare export | {r['time_ratio']:.2f}× ({r['build_seconds']:.1f} s vs "
             f"{r['bare_seconds']:.1f} s) | {'yes' if time_ok else 'no'} |",
             "",
-            "Per step of the build (medians over the runs; peak RSS of the process during that step, "
-            "VmHWM reset at its start; passes run inside `passes`):",
+            "Per step of the build (medians over the runs; peak RSS of the process during that step: the "
+            "kernel's high-water mark where the step raised it, else sampled every 10 ms, see vlmc/memory.py; "
+            "the passes run inside `passes`):",
             "",
             "| step | seconds | peak RSS | peak RSS / FP32 weights |",
             "|---|---|---|---|",
