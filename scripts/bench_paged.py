@@ -69,7 +69,7 @@ _TEXT_KEYS = (
 )
 
 
-def _export(cfg: dict):
+def _export(cfg: dict, tmp: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -92,6 +92,7 @@ def _export(cfg: dict):
                 for name, p in list(mod0.named_parameters(recurse=False)):
                     setattr(mod, name, p)
     pkg = Package(M.new("bench", "LlamaForCausalLM", "bench", "none"))
+    pkg.use_scratch(tmp / "export")  # the exported file (weights streamed to it) stays for the sessions
     heads = cfg["num_attention_heads"]
     head_dim = cfg["hidden_size"] // heads
     base.export_decoder(
@@ -105,7 +106,7 @@ def _export(cfg: dict):
     )
     del model
     _stage("exported")
-    return pkg.graph("decoder"), head_dim
+    return pkg.path_of("decoder"), head_dim
 
 
 def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
@@ -117,13 +118,12 @@ def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
     from vlmc import ortsession
     from vlmc.passes.paged_kv import rewrite
 
-    G.save(contiguous, tmp / "contiguous.onnx")
-    del contiguous
-    _stage("saved")
-    weightless = G.load(tmp / "contiguous.onnx", load_weights=False)
+    # ``contiguous`` is the exported decoder's file; the paged graph goes beside it, sharing its data file.
+    folder = contiguous.parent
+    weightless = G.load(contiguous, load_weights=False)
     paged, _ = G.weightless_copy(weightless)  # the external-data entries stay: both name one file
     rewrite(paged, cfg["block_size"], None, cfg["num_key_value_heads"], head_dim)
-    (tmp / "paged.onnx").write_bytes(paged.SerializeToString())
+    (folder / "paged.onnx").write_bytes(paged.SerializeToString())
     # The weights once, as numpy read straight from the data file; each session takes them as shared
     # initializers instead of reading the file again (an OrtValue over a numpy array does not copy it).
     weights = {}
@@ -133,7 +133,7 @@ def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
         info = {e.key: e.value for e in t.external_data}
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
         count = int(info["length"]) // dtype.itemsize
-        arr = np.fromfile(tmp / info["location"], dtype, count, offset=int(info.get("offset", 0)))
+        arr = np.fromfile(folder / info["location"], dtype, count, offset=int(info.get("offset", 0)))
         weights[t.name] = arr.reshape(tuple(t.dims))
     values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
     out = []
@@ -146,7 +146,8 @@ def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         for n, v in values.items():
             so.add_initializer(n, v)
-        out.append(ort.InferenceSession(str(tmp / f"{name}.onnx"), so, providers=["CPUExecutionProvider"]))
+        path = contiguous if name == "contiguous" else folder / "paged.onnx"
+        out.append(ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]))
     return out[0], out[1], (weights, values)
 
 
@@ -172,7 +173,7 @@ def measure(cfg: dict, tmp: Path) -> dict:
     )
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     s_cont, s_paged, keep = _sessions(
-        *_export(cfg), cfg, tmp
+        *_export(cfg, tmp), cfg, tmp
     )  # no reference to the exported proto stays here
     _stage("sessions")
     rng = np.random.default_rng(0)
