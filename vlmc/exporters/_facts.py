@@ -31,6 +31,26 @@ def kv_facts(text_config) -> dict:
     }
 
 
+def text_facts(config, text_config, **family) -> dict:
+    """The manifest's ``text`` section from a VLM config and its text config; ``family`` adds or
+    overrides the family's own facts (prompt template, image marker, position kind...)."""
+    t = text_config
+    eos = t.eos_token_id if t.eos_token_id is not None else getattr(config, "eos_token_id", None)
+    return {
+        "vocab_size": int(t.vocab_size),
+        "eos_token_id": eos,
+        "bos_token_id": t.bos_token_id,
+        "pad_token_id": t.pad_token_id if t.pad_token_id is not None else 0,
+        "max_positions": int(t.max_position_embeddings),
+        "hidden_size": int(t.hidden_size),
+        "intermediate_size": getattr(t, "intermediate_size", None),
+        "tokenizer": "bytes",
+        "position": "1d",
+        "add_bos": True,
+        **family,
+    }
+
+
 def image_processor_config(directory) -> dict | None:
     """The source's image processor settings: preprocessor_config.json, or (transformers 5 saves processors
     that way) the ``image_processor`` entry of processor_config.json; None when it has neither."""

@@ -9,7 +9,7 @@ import torch
 from vlmc import samples
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -133,21 +133,16 @@ def export(source, pkg: Package) -> None:
         "num_query_tokens": n_query,
         "hidden_size": embed_dim,
     }
-    m["text"] = {
-        "vocab_size": int(tcfg.vocab_size),
-        "eos_token_id": tcfg.eos_token_id,
-        "bos_token_id": tcfg.bos_token_id,
-        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-        "max_positions": int(tcfg.max_position_embeddings),
-        "hidden_size": embed_dim,
-        "intermediate_size": int(tcfg.ffn_dim),
-        "tokenizer": "bytes",
-        "prompt_template": BLIP2_TEMPLATE,
-        "image_marker": "<image>",
-        "position": "1d",
-        "add_bos": True,
-        "image_tokens_first": True,
-    }
+    m["text"] = text_facts(
+        cfg,
+        tcfg,
+        eos_token_id=tcfg.eos_token_id,
+        hidden_size=embed_dim,
+        intermediate_size=int(tcfg.ffn_dim),
+        prompt_template=BLIP2_TEMPLATE,
+        image_marker="<image>",
+        image_tokens_first=True,
+    )
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder", "fusion"], "embed": "embed_tokens", "decoder": ["decoder"]}
 

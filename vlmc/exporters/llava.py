@@ -8,7 +8,7 @@ import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -143,21 +143,7 @@ def export(source, pkg: Package) -> None:
         "select_strategy": cfg.vision_feature_select_strategy,
         "hidden_size": int(tcfg.hidden_size),
     }
-    eos = tcfg.eos_token_id if tcfg.eos_token_id is not None else getattr(cfg, "eos_token_id", None)
-    m["text"] = {
-        "vocab_size": int(tcfg.vocab_size),
-        "eos_token_id": eos,
-        "bos_token_id": tcfg.bos_token_id,
-        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-        "max_positions": int(tcfg.max_position_embeddings),
-        "hidden_size": int(tcfg.hidden_size),
-        "intermediate_size": getattr(tcfg, "intermediate_size", None),
-        "tokenizer": "bytes",
-        "prompt_template": LLAVA_TEMPLATE,
-        "image_marker": "<image>",
-        "position": "1d",
-        "add_bos": True,
-    }
+    m["text"] = text_facts(cfg, tcfg, prompt_template=LLAVA_TEMPLATE, image_marker="<image>")
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 

@@ -24,7 +24,7 @@ import torch
 
 from vlmc import attention, samples
 from vlmc.exporters import base, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -368,23 +368,15 @@ def export(source, pkg: Package) -> None:
         # no single CLS attention row to score tokens with (read by prune_visual_tokens)
         "attention": None,
     }
-    eos = tcfg.eos_token_id if tcfg.eos_token_id is not None else getattr(cfg, "eos_token_id", None)
-    m["text"] = {
-        "vocab_size": int(tcfg.vocab_size),
-        "eos_token_id": eos,
-        "bos_token_id": tcfg.bos_token_id,
-        "pad_token_id": tcfg.pad_token_id if tcfg.pad_token_id is not None else 0,
-        "max_positions": int(tcfg.max_position_embeddings),
-        "hidden_size": int(tcfg.hidden_size),
-        "intermediate_size": getattr(tcfg, "intermediate_size", None),
-        "tokenizer": "bytes",
-        "prompt_template": QWEN_TEMPLATE.format(marker=marker),
-        "image_marker": marker,
-        "position": "mrope",
-        "mrope_section": list(tcfg.rope_parameters.get("mrope_section", [])),
-        "token_type_ids": "mm_token_type_ids",
-        "add_bos": True,
-    }
+    m["text"] = text_facts(
+        cfg,
+        tcfg,
+        prompt_template=QWEN_TEMPLATE.format(marker=marker),
+        image_marker=marker,
+        position="mrope",
+        mrope_section=list(tcfg.rope_parameters.get("mrope_section", [])),
+        token_type_ids="mm_token_type_ids",
+    )
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
