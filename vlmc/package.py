@@ -128,7 +128,7 @@ class Package:
 
     def current(self, name: str) -> onnx.ModelProto | ir.Model:
         """The graph in whichever form is current (IR or proto), without converting it; read-only use."""
-        return self._proto.get(name) or self.model(name)
+        return self._proto[name] if name in self._proto else self.model(name)
 
     def set_graph(
         self,

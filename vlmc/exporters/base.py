@@ -327,7 +327,6 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
     G.remember_hashes(path.parent / data_name, hashes)
-    # The caller reads facts off the returned graph's structure; weights are not part of it.
 
 
 def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:
