@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmc import limits as L
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,13 @@ CALIB_KEYS: dict[str, tuple[type, dict]] = {
     ),
     "count": (
         int,
-        {"type": "integer", "minimum": 1, "description": "number of calibration samples (default 32)"},
+        {
+            "type": "integer",
+            "minimum": 1,
+            "maximum": L.MAX_CALIBRATION_SAMPLES,
+            "description": "number of calibration samples (default 32; at most VLMC_MAX_CALIBRATION_SAMPLES, "
+            f"default {L.MAX_CALIBRATION_SAMPLES})",
+        },
     ),
     "method": (
         str,
@@ -234,6 +241,11 @@ def parse_calibration(value: Any, where: str, base: Calibration | None = None) -
     d = _check_keys(value, CALIB_KEYS, where)
     if "count" in d and d["count"] < 1:
         raise VlmcError(f"{where}.count must be at least 1, got {d['count']}")
+    if "count" in d and d["count"] > L.MAX_CALIBRATION_SAMPLES:
+        raise VlmcError(
+            f"{where}.count={d['count']} is above the maximum {L.MAX_CALIBRATION_SAMPLES} "
+            "(raise it with VLMC_MAX_CALIBRATION_SAMPLES)"
+        )
     if "prompts" in d and not d["prompts"]:
         raise VlmcError(f"{where}.prompts must name at least one prompt")
     return Calibration(

@@ -6,6 +6,7 @@ import logging
 
 import onnx_graphsurgeon as gs
 
+from vlmc import limits as L
 from vlmc.pass_api import Option, Pass, PassResult, register
 from vlmc.passes._folding import foldable, same_graph, with_big_weights, without_big_weights
 
@@ -21,7 +22,7 @@ class FoldConstants(Pass):
     preserves_numerics = True
     options = (
         Option("graphs", list, None, "graph names to fold (default: all)", items=str),
-        Option("size_threshold_mb", float, 64.0, "do not materialize folded tensors larger than this", min=0),
+        Option("size_threshold_mb", float, 64.0, "do not materialize folded tensors larger than this", min=0, max=1 << 20),
         Option(
             "weight_limit_mb",
             float,
@@ -29,6 +30,7 @@ class FoldConstants(Pass):
             "weights this large are never read: expressions over them alone are left unfolded "
             "(torch's exporter already folded those)",
             min=0,
+            max=1 << 20,
         ),
     )
 

@@ -68,6 +68,7 @@ class PagedKV(Pass):
             None,
             "blocks in the pool; unset keeps it a symbolic dimension 'num_blocks'",
             min=1,
+            max=1 << 24,
         ),
     )
 

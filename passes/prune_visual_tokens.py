@@ -27,6 +27,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
+from vlmc import limits as L
 from vlmc import pruning
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
@@ -367,7 +368,14 @@ class PruneVisualTokens(Pass):
     lossy = True
     requires = ("unmerged",)
     options = (
-        Option("keep", int, None, "visual tokens kept per image (k); give keep or ratio", min=1),
+        Option(
+            "keep",
+            int,
+            None,
+            "visual tokens kept per image (k); give keep or ratio",
+            min=1,
+            max=L.MAX_TOKENS_PER_IMAGE,
+        ),
         Option(
             "ratio",
             float,
@@ -384,7 +392,7 @@ class PruneVisualTokens(Pass):
             "(no-CLS encoders), or the uniform/random baselines",
             choices=METHODS,
         ),
-        Option("seed", int, 0, "seed for method random", min=0),
+        Option("seed", int, 0, "seed for method random", min=0, max=2**32 - 1),
         Option(
             "recompute_attention",
             bool,

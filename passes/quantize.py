@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from vlmc import limits as L
 from vlmc import graphs as G
 from vlmc import manifest as M
 from vlmc.errors import VlmcError
@@ -55,9 +56,16 @@ class Quantize(Pass):
             "default calibration for all graphs: "
             "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}",
         ),
-        Option("eval_samples", int, 2, "calibration samples also used to measure fidelity vs FP32", min=0),
-        Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0),
-        Option("seed", int, 0, "seed for demo calibration images and sampling", min=0),
+        Option(
+            "eval_samples",
+            int,
+            2,
+            "calibration samples also used to measure fidelity vs FP32",
+            min=0,
+            max=L.MAX_CALIBRATION_SAMPLES,
+        ),
+        Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0, max=4096),
+        Option("seed", int, 0, "seed for demo calibration images and sampling", min=0, max=2**32 - 1),
         Option(
             "target",
             str,

@@ -43,6 +43,7 @@ class Simplify(Pass):
             "weights this large are never read: onnxsim sees them as opaque inputs, so it works on "
             "graphs of any size and copies no weights",
             min=0,
+            max=1 << 20,
         ),
     )
 

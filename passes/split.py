@@ -14,6 +14,7 @@ import re
 
 import onnx
 
+from vlmc import limits as L
 from vlmc import graphs as G
 from vlmc.errors import VlmcError
 from vlmc.package import Package
@@ -40,6 +41,7 @@ class Split(Pass):
             1,
             "number of contiguous layer ranges to cut the decoder into (1: keep it whole)",
             min=1,
+            max=L.MAX_LAYERS,
         ),
         Option(
             "boundaries",
@@ -48,6 +50,9 @@ class Split(Pass):
             "first layer of every range after the first, e.g. [4, 8] for 3 ranges "
             "(default: ranges of near-equal size)",
             items=int,
+            min=1,
+            max=L.MAX_LAYERS,
+            max_items=L.MAX_LAYERS,
         ),
     )
 

@@ -46,7 +46,8 @@ def build(
     if not recipe.model:
         raise VlmcError(f"{recipe.source}: `vlmc build` needs a 'model' key in the recipe")
     out = Path(output).resolve()
-    outdir.check(out, force)
+    model_dir = [Path(recipe.model)] if Path(recipe.model).is_dir() else []
+    outdir.check(out, force, inputs=model_dir)
     source = exporters.load_source(
         recipe.model,
         trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
@@ -54,7 +55,7 @@ def build(
         revision=recipe.export.get("revision"),
     )
     phases: dict[str, dict] = {}
-    with outdir.atomic(out, force) as tmp:
+    with outdir.atomic(out, force, inputs=model_dir) as tmp:
         # Exported graphs are written once, into a scratch directory beside the output (same
         # filesystem), and moved into the package when it is saved; passes read their weights from
         # there, memory-mapped, and only weights a pass replaces are ever held in memory.

@@ -123,7 +123,7 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
         raise click.UsageError("export needs MODEL and -o/--output (or --list)")
     from vlmc import outdir
 
-    outdir.check(output.resolve(), force)
+    outdir.check(output, force, inputs=[Path(model)] if Path(model).is_dir() else [])
     source = exporters.load_source(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     pkg = exporters.export(source)
     path = pkg.save(output, force=force)
@@ -152,7 +152,7 @@ def optimize(package, recipe_path, output, check, force):
     from vlmc import package as P
 
     r = recipe.load(recipe_path)
-    outdir.check(output.resolve(), force, source=package)
+    outdir.check(output, force, source=package)
     pkg = P.Package.load(package)
     pkg = manager.run(pkg, r.steps, check=check)
     path = pkg.save(output, force=force)
@@ -592,6 +592,9 @@ def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, f
     elif soc or soc_variant or run_atc:
         raise click.UsageError("--soc, --soc-variant and --run apply to --target ascend only")
     target = backends.validate_target(target, where="compile target")
+    from vlmc import outdir
+
+    outdir.check(output, force, source=package)
     pkg = Package.load(package)
     summary = backends.get(backend).compile(pkg, output, target, force=force)
     rows = [

@@ -19,6 +19,7 @@ import onnx
 import onnx_ir as ir
 from onnx import helper, numpy_helper
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -88,12 +89,15 @@ def check_external_data(model: onnx.ModelProto, base: Path) -> None:
         if not uses_external_data(tensor):
             continue
         info = {e.key: e.value for e in tensor.external_data}
-        location = (base / info.get("location", "")).resolve()
-        if base.resolve() not in location.parents:
+        try:  # the one confinement rule (vlmc/paths.py), symlinks followed
+            location = paths.inside(
+                base, info.get("location", ""), f"external data of tensor {tensor.name!r}", str(base)
+            )
+        except VlmcError:
             raise VlmcError(
                 f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
                 f"{base}; re-export the package"
-            )
+            ) from None
         if location not in sizes:
             if not location.is_file():
                 raise VlmcError(
@@ -121,10 +125,22 @@ def _load_external(model: onnx.ModelProto, base: Path) -> None:
         if not uses_external_data(tensor):
             continue
         info = {e.key: e.value for e in tensor.external_data}
-        location = base / info.get("location", "")
+        try:  # the one confinement rule (vlmc/paths.py), before the file is even looked at
+            location = paths.inside(
+                base, info.get("location", ""), f"external data of tensor {tensor.name!r}", str(base)
+            )
+        except VlmcError:
+            raise VlmcError(
+                f"tensor {tensor.name!r} points at external data outside {base}; re-export the package"
+            ) from None
         if not location.is_file():
             raise VlmcError(f"external data {location} for tensor {tensor.name!r} is missing")
-        offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+        try:
+            offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
+        except ValueError:
+            raise VlmcError(
+                f"tensor {tensor.name!r} has a malformed external data entry; re-export the package"
+            ) from None
         if length >= 0 and offset + length > location.stat().st_size:
             raise VlmcError(
                 f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})"

@@ -14,7 +14,7 @@ import numpy as np
 from vlmc import graphs as G
 from vlmc import manifest as M
 from vlmc import memory, ortsession, samples, ui
-from vlmc.errors import CheckFailed, PassFailed, VlmcError
+from vlmc.errors import CheckFailed, PassFailed, PassRefused, VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import check_requirements
 from vlmc.recipe import Step
@@ -71,8 +71,12 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                         keep_package=p.lossy,
                     )
                     result = p.run(pkg, plan) if plan is not None else p.run(pkg)
-                except VlmcError as exc:
+                except PassFailed:
+                    raise
+                except CheckFailed as exc:
                     raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
+                except VlmcError as exc:  # the pass refused the package or a recipe value: bad input
+                    raise PassRefused(f"{label} failed: {exc}{after_txt}") from exc
                 except Exception as exc:  # a pass bug: still one line, traceback with -v
                     logger.debug("pass failure", exc_info=True)
                     raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc

@@ -150,6 +150,10 @@ def validate(m: Any, where: str = "vlmc.json") -> dict:
                 )
     if not isinstance(m.get("history", []), list):
         raise VlmcError(f"{where}: 'history' must be a list")
+    # Every field typed and bounded (vlmc/manifest_schema.py, docs/manifest.schema.json).
+    from vlmc import manifest_schema
+
+    manifest_schema.check(m, where)
     return m
 
 
@@ -158,9 +162,21 @@ def dumps(m: dict) -> str:
     return json.dumps(m, indent=2, sort_keys=True) + "\n"
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def loads(text: str, where: str = "vlmc.json") -> dict:
+    from vlmc import limits
+
+    if len(text) > limits.MAX_MANIFEST_BYTES:
+        raise VlmcError(f"{where}: {len(text)} characters, above the {limits.MAX_MANIFEST_BYTES} limit")
     try:
-        m = json.loads(text)
+        m = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise VlmcError(f"{where}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
+    except RecursionError:
+        raise VlmcError(f"{where}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # NaN/Infinity, or an integer with thousands of digits
+        raise VlmcError(f"{where}: not valid JSON ({exc})") from None
     return validate(m, where)

@@ -7,7 +7,7 @@ import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from vlmc.errors import VlmcError
@@ -19,44 +19,63 @@ PACKAGE_MARKER = "vlmc.json"
 BUILD_MARKER = "vlmc-build.json"
 
 
-def check(out: Path, force: bool, source: Path | None = None) -> None:
+def check(out: Path, force: bool, source: Path | None = None, inputs: Iterable[Path] = ()) -> None:
     """Refuse to overwrite a directory unless --force and it is a previous vlmc output.
 
-    With ``source`` (the input package), an output nested inside it or around it is refused too:
-    writing there would change the input (or, with --force, delete it).
+    With ``source`` (the input package) or ``inputs`` (other input directories: a model directory), an
+    output nested inside one or around one is refused too: writing there would change the input (or,
+    with --force, delete it). A symbolic link as the output is always refused, dangling or not: vlmc
+    never writes through a link, and --force never replaces what one points at.
     """
     out = Path(out)
-    if source is not None:
-        src, dest = Path(source).resolve(), out.resolve()
+    sources = [(source, "input package")] + [(i, "input directory") for i in inputs]
+    if out.is_symlink():
+        raise VlmcError(
+            f"output {out} is a symbolic link; vlmc does not write through links, name a real directory"
+        )
+    dest = _resolved(out)
+    for s, what in sources:
+        if s is None:
+            continue
+        src = Path(s).resolve()
         if src in dest.parents:
-            raise VlmcError(
-                f"output {out} is inside the input package {source}; choose a directory outside it"
-            )
+            raise VlmcError(f"output {out} is inside the {what} {s}; choose a directory outside it")
         if dest in src.parents or dest == src:
-            raise VlmcError(
-                f"output {out} contains the input package {source}; choose a directory outside it"
-            )
+            raise VlmcError(f"output {out} contains the {what} {s}; choose a directory outside it")
     if not out.exists():
         return
     if not force:
         raise VlmcError(f"output {out} already exists; pass --force to replace it")
-    if not out.is_dir() or not any((out / m).is_file() for m in (PACKAGE_MARKER, BUILD_MARKER)):
+    if not out.is_dir() or not any(_is_marker(out / m) for m in (PACKAGE_MARKER, BUILD_MARKER)):
         raise VlmcError(
             f"output {out} exists and is not a vlmc output; refusing to replace it even with --force"
         )
 
 
+def _is_marker(p: Path) -> bool:
+    return p.is_file() and not p.is_symlink()
+
+
+def _resolved(out: Path) -> Path:
+    """The output's path with its parent's links resolved, the last component kept as named."""
+    out = Path(out)
+    return out.parent.resolve() / out.name
+
+
 @contextlib.contextmanager
-def atomic(out: str | Path, force: bool = False, source: Path | None = None) -> Iterator[Path]:
+def atomic(
+    out: str | Path, force: bool = False, source: Path | None = None, inputs: Iterable[Path] = ()
+) -> Iterator[Path]:
     """Yield a temporary sibling of ``out`` to fill; on success it replaces ``out`` in one rename.
 
-    If the body raises (an error, Ctrl-C, SIGTERM turned into an exception by the CLI), the temporary
-    directory is removed and ``out`` is left exactly as it was. The body must write one of the marker
-    files so that a later ``--force`` may replace the directory.
+    If the body raises (an error, Ctrl-C, SIGTERM turned into an exception by the CLI, a full disk),
+    the temporary directory is removed, and so are the parent directories this call created, so
+    ``out`` and its surroundings are left exactly as they were. The body must write one of the
+    marker files so that a later ``--force`` may replace the directory.
     """
-    out = Path(out).resolve()
-    check(out, force, source)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check(Path(out), force, source, inputs)
+    out = _resolved(Path(out))
+    made = _mkdirs(out.parent)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
@@ -64,7 +83,59 @@ def atomic(out: str | Path, force: bool = False, source: Path | None = None) -> 
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):
+                d.rmdir()  # only if still empty
         raise
+
+
+def _mkdirs(d: Path) -> list[Path]:
+    """mkdir -p, returning the directories it created (outermost first)."""
+    missing = []
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    made = []
+    for m in reversed(missing):
+        try:
+            m.mkdir()
+        except FileExistsError:
+            continue
+        except BaseException:
+            for x in reversed(made):
+                with contextlib.suppress(OSError):
+                    x.rmdir()
+            raise
+        made.append(m)
+    return made
+
+
+def write_file(root: str | Path, rel: str, data: bytes | str) -> Path:
+    """Write one file into an existing vlmc directory (verify's report), atomically and never through a link.
+
+    The bytes go to a fresh temporary file beside the target (created exclusively, links not followed),
+    which is then renamed over the target: a symlink at the target is replaced, never written through,
+    and a failed write leaves the old file as it was.
+    """
+    from vlmc import paths
+
+    root = Path(root)
+    paths.check_relative(rel, rel, str(root))
+    target = root.resolve() / rel
+    if target.parent.resolve() != target.parent or not target.parent.is_dir():
+        raise VlmcError(f"{root}: {rel} would be written through a link or outside the directory")
+    blob = data.encode() if isinstance(data, str) else data
+    tmp = target.parent / f".{target.name}.tmp-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return target
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from vlmc import graphs as G
 from vlmc import manifest as M
-from vlmc import outdir
+from vlmc import outdir, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -65,15 +65,22 @@ class Package:
             raise VlmcError(
                 f"{root} is not a vlmc package (no {M.MANIFEST_NAME}); create one with `vlmc export`"
             )
-        try:
-            text = mpath.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise VlmcError(f"{mpath} cannot be read: {exc}") from exc
+        # Every file of the package obeys the confinement rule (vlmc/paths.py), checked before any is read.
+        paths.package_files(root, str(root))
+        text = paths.read_text(root, M.MANIFEST_NAME, "manifest", str(mpath))
         manifest = M.loads(text, where=str(mpath))
         for name, g in manifest["graphs"].items():
-            if not (root / g["file"]).is_file():
+            key = f"graphs.{name}.file"
+            if not paths.inside(root, g["file"], key, str(mpath)).exists():
                 raise VlmcError(f"{root}: graph {name!r} file {g['file']} is missing")
+            paths.regular_file(root, g["file"], key, str(mpath))
+            if g.get("weights_file"):
+                paths.inside(root, g["weights_file"], f"graphs.{name}.weights_file", str(mpath))
             _check_graph_file(root, name, g, str(mpath))
+        text_facts = manifest["text"]
+        for key in ("tokenizer_file", "chat_template"):
+            if text_facts.get(key):  # refused at open, before anything reads them
+                paths.regular_file(root, text_facts[key], f"text.{key}", str(mpath))
         pkg = cls(manifest, root)
         for name, g in manifest["graphs"].items():
             pkg._file[name] = root / g["file"]
@@ -81,7 +88,7 @@ class Package:
         if report.is_file():
             try:
                 pkg.report = json.loads(report.read_text())
-            except (OSError, json.JSONDecodeError):
+            except (OSError, ValueError, RecursionError):  # a damaged report only loses the timings
                 pkg.report = {}
         return pkg
 
@@ -277,7 +284,8 @@ class Package:
                     unchanged[name] = path
             for data_file, names in sorted(shared.items()):
                 # Graphs that share weights (merge) are written together so each weight is stored once.
-                G.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, tmp / data_file)
+                dest = paths.inside(tmp, data_file, f"graphs.{names[0]}.weights_file", "manifest to save")
+                G.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, dest)
             # Unchanged files go last: a changed graph may still read weights from them.
             for name, src in unchanged.items():
                 self._place(src, tmp / self.info(name)["file"], move=adopt)
@@ -375,9 +383,10 @@ def _own_data_only(path: Path) -> bool:
 
 def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
     """Copy auxiliary files (samples, tokenizer, pictures) from the source package."""
-    for p in sorted(src_root.rglob("*")):
-        rel = p.relative_to(src_root).as_posix()
-        if p.is_dir() or rel in keep or rel == M.MANIFEST_NAME or rel in _REPORT_FILES:
+    # Every file is checked by the one confinement rule: a regular file resolving inside the source
+    # package (a symlink out of it refuses the package instead of copying what it points at).
+    for rel, p in paths.package_files(src_root, str(src_root)):
+        if rel in keep or rel == M.MANIFEST_NAME or rel in _REPORT_FILES:
             continue
         if rel.endswith(".onnx") or rel.endswith(".onnx.data"):
             continue  # graphs are written from the manifest; stale ones must not leak

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,9 +38,11 @@ class Option:
         default: value when the recipe omits the key; ``None`` means "not set".
         doc: one-line description, shown by ``vlmc passes`` and in the JSON Schema.
         choices: allowed values, if the option is an enum.
-        min / max: inclusive numeric bounds.
+        min / max: inclusive numeric bounds (for a list of numbers: of each item). Every option that
+            sizes work (counts, samples, gears, batch) has a ``max`` (vlmc/limits.py, docs/security.md).
         multiple_of: numeric values must be a multiple of this.
         items: element type for list options.
+        max_items: most items a list option may have.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Option:
     multiple_of: int | None = None
     items: type | None = None
     required: bool = False
+    max_items: int | None = None
 
     def coerce(self, value: Any, where: str) -> Any:
         """Validate one value; raise VlmcError naming the key on a wrong type or range."""
@@ -70,19 +74,31 @@ class Option:
                 f"{where}: {self.name}={value!r} is not one of {', '.join(map(str, self.choices))}"
             )
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            if self.min is not None and value < self.min:
-                raise VlmcError(f"{where}: {self.name}={value} is below the minimum {self.min}")
-            if self.max is not None and value > self.max:
-                raise VlmcError(f"{where}: {self.name}={value} is above the maximum {self.max}")
-            if self.multiple_of and value % self.multiple_of:
-                raise VlmcError(f"{where}: {self.name}={value} must be a multiple of {self.multiple_of}")
-        if t is list and self.items is not None:
-            for v in value:
-                if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
-                    raise VlmcError(
-                        f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}"
-                    )
+            self._bounds(value, self.name, where)
+        if t is list:
+            if self.max_items is not None and len(value) > self.max_items:
+                raise VlmcError(
+                    f"{where}: {self.name} has {len(value)} items, above the maximum {self.max_items}"
+                )
+            if self.items is not None:
+                for v in value:
+                    if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
+                        raise VlmcError(
+                            f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}"
+                        )
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self._bounds(v, f"{self.name} item", where)
         return value
+
+    def _bounds(self, value: float, name: str, where: str) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise VlmcError(f"{where}: {name}={value} must be a finite number")
+        if self.min is not None and value < self.min:
+            raise VlmcError(f"{where}: {name}={value} is below the minimum {self.min}")
+        if self.max is not None and value > self.max:
+            raise VlmcError(f"{where}: {name}={value} is above the maximum {self.max}")
+        if self.multiple_of and value % self.multiple_of:
+            raise VlmcError(f"{where}: {name}={value} must be a multiple of {self.multiple_of}")
 
     def json_schema(self) -> dict:
         s: dict[str, Any] = {"type": _JSON_TYPES[self.type], "description": self.doc}
@@ -92,14 +108,20 @@ class Option:
             s["type"] = [s["type"], "null"]
         if self.choices is not None:
             s["enum"] = list(self.choices) + ([] if self.required else [None])
+        bounds: dict[str, Any] = {}
         if self.min is not None:
-            s["minimum"] = self.min
+            bounds["minimum"] = self.min
         if self.max is not None:
-            s["maximum"] = self.max
+            bounds["maximum"] = self.max
         if self.multiple_of:
-            s["multipleOf"] = self.multiple_of
-        if self.items is not None:
-            s["items"] = {"type": _JSON_TYPES[self.items]}
+            bounds["multipleOf"] = self.multiple_of
+        if self.type is list:
+            if self.items is not None:
+                s["items"] = {"type": _JSON_TYPES[self.items], **bounds}
+            if self.max_items is not None:
+                s["maxItems"] = self.max_items
+        else:
+            s.update(bounds)
         return s
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc import graphs as G
+from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
@@ -118,9 +119,11 @@ def verify_data(pkg, root: Path | None = None) -> dict | None:
     data = pkg.report.get("verify")
     root = root or pkg.root
     if not data and root is not None and (root / "verify.json").is_file():
+        from vlmc import paths
+
         try:
-            data = json.loads((root / "verify.json").read_text())
-        except (OSError, json.JSONDecodeError):
+            data = json.loads(paths.read_text(root, "verify.json", "verify.json", str(root)))
+        except (OSError, ValueError, RecursionError, VlmcError):
             data = None
     if not isinstance(data, dict) or data.get("manifest_sha256") != manifest_digest(pkg.manifest):
         return None  # absent, or measured on the package this one was optimized from
@@ -135,10 +138,11 @@ def pictures(pkg, root: Path | None = None) -> list[str]:
     root = root or pkg.root
     names = {rel for rel in pkg.files if rel.lower().endswith(PICTURE_SUFFIXES)}
     if root is not None and root.is_dir():
+        from vlmc import paths
+
+        # Through the confinement rule: a picture that is a link out of the package refuses it.
         names |= {
-            p.relative_to(root).as_posix()
-            for p in root.rglob("*")
-            if p.is_file() and p.suffix.lower() in PICTURE_SUFFIXES
+            rel for rel, _ in paths.package_files(root, str(root)) if rel.lower().endswith(PICTURE_SUFFIXES)
         }
     return sorted(names)
 
@@ -156,9 +160,13 @@ def compile_summary(compiled: dict | None) -> dict | None:
 
 def write(pkg, root: Path) -> None:
     """(Re)write report.json and report.md in a package directory."""
+    from vlmc import outdir
+
     root = Path(root)
-    (root / "report.json").write_text(json.dumps(pkg.report, indent=2, sort_keys=True, default=str) + "\n")
-    (root / "report.md").write_text(render_markdown(pkg, root))
+    outdir.write_file(
+        root, "report.json", json.dumps(pkg.report, indent=2, sort_keys=True, default=str) + "\n"
+    )
+    outdir.write_file(root, "report.md", render_markdown(pkg, root))
 
 
 def _as_stored(pkg):

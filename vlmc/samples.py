@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from vlmc.errors import VlmcError
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,21 @@ def load(pkg: Package, graph: str) -> dict[str, np.ndarray] | None:
     """Stored samples for a graph, if the package has them and they match its inputs."""
     rel = sample_path(graph)
     blob = pkg.files.get(rel)
-    if blob is None and pkg.root is not None and (pkg.root / rel).is_file():
-        blob = (pkg.root / rel).read_bytes()
+    if blob is None and pkg.root is not None:
+        from vlmc import paths
+
+        where = str(pkg.root / "vlmc.json")
+        if paths.inside(pkg.root, rel, f"samples of graph {graph!r}", where).is_file():
+            blob = paths.read_bytes(pkg.root, rel, f"samples of graph {graph!r}", where)
     if blob is None:
         return None
-    with np.load(io.BytesIO(blob)) as z:
-        feeds = {k: z[k] for k in z.files}
+    try:  # never pickle: allow_pickle stays off, object arrays are refused
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            feeds = {k: z[k] for k in z.files}
+    except (ValueError, OSError, EOFError, KeyError) as exc:
+        raise VlmcError(
+            f"{rel} is not a readable sample file ({type(exc).__name__}); re-export the package"
+        ) from None
     names = [i["name"] for i in pkg.info(graph)["inputs"]]
     if sorted(names) != sorted(feeds):
         return None

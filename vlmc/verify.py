@@ -95,6 +95,9 @@ def _pil(ref):
     if isinstance(ref, np.ndarray):
         return Image.fromarray(ref)
     if Path(str(ref)).is_file():
+        preprocess.load_image(
+            ref
+        )  # the same checks (pixel bound from the header) before transformers opens it
         return str(ref)
     # 'demo:N' is vlmc's synthetic picture (uint8 pixels); making it is not preprocessing.
     return Image.fromarray(preprocess.load_image(ref))
@@ -342,6 +345,9 @@ def write(pkg: Package, result: VerifyResult) -> None:
 
         # The digest ties the numbers to this exact package, so a later optimize does not inherit them.
         data = dict(result.to_dict(), manifest_sha256=report.manifest_digest(pkg.manifest))
-        (pkg.root / "verify.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        from vlmc import outdir
+
+        # Through the one output writer: atomic, and a link at the name is replaced, never followed.
+        outdir.write_file(pkg.root, "verify.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
         pkg.report["verify"] = data  # report.md shows parity/fidelity numbers: keep it in step
         report.write(pkg, pkg.root)

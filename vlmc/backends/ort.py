@@ -28,8 +28,8 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         target: ``{"backend": "ort"}``; no other options exist.
         force: replace an existing vlmc build at ``out_dir``.
     """
-    out_dir = Path(out_dir).resolve()
-    outdir.check(out_dir, force)
+    out_dir = Path(out_dir)  # not resolved: a symlink output is refused, never followed
+    outdir.check(out_dir, force, source=package.root)
     graphs = {}
     for name in package.graph_names:
         try:

@@ -145,7 +145,11 @@ class Pipeline:
         add = bool(t.get("add_bos", True))
         if marker in prompt:
             return prompt, add
-        template = tokmod.package_text(self.pkg, t["chat_template"]) if t.get("chat_template") else None
+        template = (
+            tokmod.package_text(self.pkg, t["chat_template"], "text.chat_template")
+            if t.get("chat_template")
+            else None
+        )
         if template is not None and self.tokenizer.source:
             text = chat.render(template, prompt, n_images, t.get("special_tokens"))
             bos = (t.get("special_tokens") or {}).get("bos_token")

@@ -45,10 +45,25 @@ def load_image(ref) -> np.ndarray:
         from PIL import Image, UnidentifiedImageError
     except ModuleNotFoundError as exc:
         raise VlmcError("reading image files needs pillow: pip install pillow") from exc
+    from vlmc import limits
+
+    # PIL's decompression-bomb guard at vlmc's bound (it raises past twice MAX_IMAGE_PIXELS; the size
+    # check below refuses anything past the bound itself, from the header, before decoding).
+    Image.MAX_IMAGE_PIXELS = limits.MAX_IMAGE_PIXELS
     try:
         with Image.open(path) as im:
+            w, h = im.size
+            if w * h > limits.MAX_IMAGE_PIXELS:
+                raise VlmcError(
+                    f"image {ref} is {w}x{h} = {w * h} pixels, above the {limits.MAX_IMAGE_PIXELS}-pixel "
+                    "limit (raise it with VLMC_MAX_IMAGE_PIXELS); it was not decoded"
+                )
             return np.asarray(im.convert("RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except Image.DecompressionBombError as exc:
+        raise VlmcError(
+            f"image {ref} is refused as a decompression bomb ({exc}); raise VLMC_MAX_IMAGE_PIXELS if you trust it"
+        ) from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise VlmcError(
             f"{ref} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file"
         ) from exc

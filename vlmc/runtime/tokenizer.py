@@ -106,12 +106,22 @@ class TransformersTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
 
-def package_text(pkg, name: str) -> str | None:
-    """A text file the package carries (saved in its directory, or still in memory after export)."""
+def package_text(pkg, name: str, key: str = "file") -> str | None:
+    """A text file the package carries (saved in its directory, or still in memory after export).
+
+    Read through the confinement rule (vlmc/paths.py): ``name`` must resolve inside the package.
+    """
+    from vlmc import paths
+
     if name in pkg.files:
-        return pkg.files[name].decode("utf-8")
-    if pkg.root is not None and (pkg.root / name).is_file():
-        return (pkg.root / name).read_text(encoding="utf-8")
+        try:
+            return pkg.files[name].decode("utf-8")
+        except UnicodeDecodeError:
+            raise VlmcError(f"{key} {name!r} is not UTF-8 text") from None
+    if pkg.root is not None:
+        where = str(pkg.root / "vlmc.json")
+        if paths.inside(pkg.root, name, key, where).exists():
+            return paths.read_text(pkg.root, name, key, where)
     return None
 
 
@@ -121,7 +131,7 @@ def load(pkg):
     image_id = int(vision["image_token_id"])
     if text.get("tokenizer") == "source":
         if text.get("tokenizer_file"):
-            data = package_text(pkg, text["tokenizer_file"])
+            data = package_text(pkg, text["tokenizer_file"], "text.tokenizer_file")
             if data is None:
                 raise VlmcError(
                     f"the package has no {text['tokenizer_file']} (text.tokenizer_file); re-export it"

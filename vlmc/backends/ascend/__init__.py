@@ -11,6 +11,7 @@ from pathlib import Path
 
 import onnx
 
+from vlmc import limits as L
 from vlmc import graphs as G
 from vlmc import outdir, pass_api, samples
 from vlmc.backends import BUILD_MARKER
@@ -35,13 +36,38 @@ TARGET_OPTIONS = (
         "910B variant when soc is the family and npu-smi is absent (e.g. Ascend910B4)",
     ),
     pass_api.Option(
-        "sequence_buckets", list, list(DEFAULT_SEQUENCE_BUCKETS), "prefill sequence-length gears", items=int
+        "sequence_buckets",
+        list,
+        list(DEFAULT_SEQUENCE_BUCKETS),
+        "prefill sequence-length gears",
+        items=int,
+        min=1,
+        max=L.MAX_POSITIONS,
+        max_items=L.MAX_GEARS,
     ),
     pass_api.Option(
-        "past_buckets", list, None, "decode past-length gears (default: sequence_buckets)", items=int
+        "past_buckets",
+        list,
+        None,
+        "decode past-length gears (default: sequence_buckets)",
+        items=int,
+        min=0,
+        max=L.MAX_POSITIONS,
+        max_items=L.MAX_GEARS,
     ),
-    pass_api.Option("batch_sizes", list, [1], "batch-size gears", items=int),
-    pass_api.Option("images", list, [1], "images-per-request gears for vision graphs", items=int),
+    pass_api.Option(
+        "batch_sizes", list, [1], "batch-size gears", items=int, min=1, max=L.MAX_BATCH, max_items=L.MAX_GEARS
+    ),
+    pass_api.Option(
+        "images",
+        list,
+        [1],
+        "images-per-request gears for vision graphs",
+        items=int,
+        min=1,
+        max=L.MAX_BATCH,
+        max_items=L.MAX_GEARS,
+    ),
     pass_api.Option("dims", dict, None, "sizes for other symbolic dims: name -> int or list of ints"),
     pass_api.Option(
         "precision",
@@ -122,8 +148,8 @@ def compile(package: Package, out_dir: Path, target: dict, force: bool = False) 
         CheckFailed: the precheck or the lowering failed; the message names the nodes.
     """
     opts = options(target)
-    out_dir = Path(out_dir).resolve()
-    outdir.check(out_dir, force)
+    out_dir = Path(out_dir)  # not resolved: a symlink output is refused, never followed
+    outdir.check(out_dir, force, source=package.root)
     resolution = S.resolve(opts["soc"], opts.get("soc_variant"))
     plan = prepare(package, opts, resolution.soc_version)
     summary = _summary(package, opts, resolution, plan)
