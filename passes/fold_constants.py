@@ -6,7 +6,6 @@ import logging
 
 import onnx_graphsurgeon as gs
 
-from vlmc import limits as L
 from vlmc.pass_api import Option, Pass, PassResult, register
 from vlmc.passes._folding import foldable, same_graph, with_big_weights, without_big_weights
 

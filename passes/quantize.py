@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 
-from vlmc import limits as L
 from vlmc import graphs as G
+from vlmc import limits as L
 from vlmc import manifest as M
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register

@@ -14,8 +14,8 @@ import re
 
 import onnx
 
-from vlmc import limits as L
 from vlmc import graphs as G
+from vlmc import limits as L
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import Option, Pass, PassResult, register

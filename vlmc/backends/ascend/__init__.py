@@ -11,8 +11,8 @@ from pathlib import Path
 
 import onnx
 
-from vlmc import limits as L
 from vlmc import graphs as G
+from vlmc import limits as L
 from vlmc import outdir, pass_api, samples
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, lower, precheck
