@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 
 from vlmc import __version__, ui
+from vlmc import limits as L
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,23 @@ def _raise_on_sigterm(ctx: click.Context) -> None:
 
     previous = signal.signal(signal.SIGTERM, handler)
     ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+
+
+class _FiniteFloat(click.ParamType):
+    """A float option that refuses nan and inf (they would make every threshold comparison pass or fail)."""
+
+    name = "float"
+
+    def convert(self, value, param, ctx):
+        import math
+
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(f) or f < 0:
+            self.fail(f"{value!r} must be a finite number of at least 0", param, ctx)
+        return f
 
 
 class _Group(click.Group):
@@ -60,6 +78,11 @@ class _Group(click.Group):
                 else ""
             )
             click.echo(f"vlmc: error: {exc.strerror or exc}{where}{hint}", err=True)
+            ctx.exit(2)
+        except click.UsageError as exc:  # a bad option value: one line too, naming the command's help
+            sub = exc.ctx.command_path if exc.ctx is not None else "vlmc"
+            message = " ".join(exc.format_message().split())
+            click.echo(f"vlmc: error: {message} (see `{sub} --help`)", err=True)
             ctx.exit(2)
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
@@ -256,12 +279,12 @@ def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list
 @click.option("--prompt", "prompts", multiple=True, help="Prompt(s); default: 'Describe the image.'")
 @click.option(
     "--max-logit-diff",
-    type=float,
+    type=_FiniteFloat(),
     help="Fail above this prefill logits max |diff| (default 1e-4 for exact packages).",
 )
 @click.option(
     "--min-token-agreement",
-    type=float,
+    type=_FiniteFloat(),
     help="Fail below this fraction of equal tokens (default 1.0 for exact packages).",
 )
 @_export_options
@@ -415,28 +438,32 @@ def inspect(package, as_json, pruning_image, output):
     help="Plan from a Hugging Face config.json or a vlmc sizing spec instead of a package.",
 )
 @click.option("--device-memory", required=True, help="Memory per card, e.g. 16GiB or 16GB.")
-@click.option("--images", default=1, show_default=True, type=click.IntRange(0), help="Images per sequence.")
+@click.option(
+    "--images", default=1, show_default=True, type=click.IntRange(0, L.MAX_BATCH), help="Images per sequence."
+)
 @click.option(
     "--text-tokens",
     default=512,
     show_default=True,
-    type=click.IntRange(0),
+    type=click.IntRange(0, L.MAX_POSITIONS),
     help="Text tokens per sequence (prompt plus generated).",
 )
-@click.option("--batch", default=1, show_default=True, type=click.IntRange(1), help="Concurrent sequences.")
+@click.option(
+    "--batch", default=1, show_default=True, type=click.IntRange(1, L.MAX_BATCH), help="Concurrent sequences."
+)
 @click.option(
     "--cards",
     default=1,
     show_default=True,
-    type=click.IntRange(1),
+    type=click.IntRange(1, 4096),
     help="Cards sharing the model (tensor parallel).",
 )
 @click.option(
-    "--block-size", type=click.IntRange(1), help="Paged block size (default: the package's, else 128)."
+    "--block-size", type=click.IntRange(1, 65536), help="Paged block size (default: the package's, else 128)."
 )
 @click.option(
     "--max-context",
-    type=click.IntRange(1),
+    type=click.IntRange(1, L.MAX_POSITIONS),
     help="Tokens a contiguous cache reserves per sequence (default: max positions).",
 )
 @click.option(

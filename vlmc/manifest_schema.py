@@ -539,8 +539,8 @@ MANIFEST = Obj(
             Obj(
                 {
                     "image": List(Nullable(Str(128, pattern=NAME)), 0, 64),
-                    "embed": Nullable(Str(128, pattern=NAME)),
-                    "decoder": List(Nullable(Str(128, pattern=NAME)), 0, 1024),
+                    "embed": Req(Str(128, pattern=NAME)),
+                    "decoder": Req(List(Nullable(Str(128, pattern=NAME)), 1, 1024)),
                     "vlm": Nullable(Str(128, pattern=NAME)),
                 },
                 Facts(depth=2),
@@ -567,7 +567,10 @@ MANIFEST = Obj(
 
 
 def cross_check(m: dict, where: str) -> None:
-    """Rules across fields: every ``*_token_id`` fact of vision and text is below text.vocab_size."""
+    """Rules across fields: an image path in the pipeline; every ``*_token_id`` fact of vision and text is
+    below text.vocab_size (pipeline names are checked against graphs in vlmc.manifest.validate)."""
+    if "image" not in m["pipeline"] and "vlm" not in m["pipeline"]:
+        raise VlmcError(f"{where}: pipeline.image is missing (and no pipeline.vlm graph takes images)")
     vocab = m["text"]["vocab_size"]
     for section in ("vision", "text"):
         for key, value in m[section].items():

@@ -129,6 +129,43 @@ def load_source(
     return _load_hub(name, trust_remote_code, allow_pickle, revision)
 
 
+# config.json sizes that shape the model built from it: positive ints under vlmc's bounds (limits.py).
+_CONFIG_SIZES = {
+    "num_hidden_layers": "MAX_LAYERS",
+    "num_attention_heads": "MAX_HEADS",
+    "num_key_value_heads": "MAX_HEADS",
+    "hidden_size": "MAX_HIDDEN",
+    "intermediate_size": "MAX_HIDDEN",
+    "head_dim": "MAX_HIDDEN",
+    "vocab_size": "MAX_VOCAB",
+    "max_position_embeddings": "MAX_POSITIONS",
+    "image_size": "MAX_IMAGE_SIDE",
+    "patch_size": "MAX_IMAGE_SIDE",
+    "num_query_tokens": "MAX_TOKENS_PER_IMAGE",
+}
+
+
+def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
+    """Refuse a config.json whose sizes are not positive ints under the bounds, naming the key (exit 2)."""
+    from vlmc import limits
+
+    for key, value in config.items():
+        if isinstance(value, dict) and len(prefix) < 200:
+            check_config_sizes(value, where, f"{prefix}{key}.")
+            continue
+        bound = _CONFIG_SIZES.get(key)
+        if bound is None or value is None:
+            continue
+        values = value if isinstance(value, list) and key == "image_size" else [value]
+        for v in values:
+            top = getattr(limits, bound)
+            if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
+                raise VlmcError(
+                    f"{where}: {prefix}{key}={v!r} must be an integer from 1 to {top} "
+                    f"(VLMC_{bound}); the config is damaged or not a real model's"
+                )
+
+
 def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Source:
     from transformers import AutoConfig
 
@@ -144,6 +181,7 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
     except (OSError, json.JSONDecodeError) as exc:
         raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]})") from exc
     family = _family_for_config(config, str(path))
+    check_config_sizes(config.to_dict(), f"{path}/config.json")
     has_safetensors = any(path.glob("*.safetensors"))
     has_pickle = any(path.glob("*.bin")) or any(path.glob("*.pt"))
     if not has_safetensors:
@@ -163,8 +201,9 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
             dtype="float32",
             attn_implementation="eager",
         )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise VlmcError(f"{path}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+    except Exception as exc:  # safetensors raises its own SafetensorError on a damaged header
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise VlmcError(f"{path}: cannot load weights ({type(exc).__name__}: {first})") from None
     model.eval()
     _eager(model)
     return Source(name=str(path), model=model, config=model.config, family=family, directory=path)

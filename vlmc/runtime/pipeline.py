@@ -189,12 +189,29 @@ class Pipeline:
                 f"the tokenizer does not map {marker!r} to the image token id {image_id} "
                 f"({sum(1 for x in ids if x == image_id)} placeholders for {sum(counts)} image tokens)"
             )
+        vocab = int(t["vocab_size"])
+        bad = next((x for x in ids if not 0 <= x < vocab), None)
+        if bad is not None:
+            raise VlmcError(
+                f"the package's tokenizer gave token id {bad}, outside the vocabulary (text.vocab_size {vocab}); "
+                "the tokenizer file does not belong to this model: re-export the package"
+            )
         return ids
 
     def prepare(self, prompts: list[str], images: list[list]) -> Inputs:
         """Tokenize prompts, expand image placeholders, left-pad into a batch, preprocess images."""
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
+        for i, prompt in enumerate(prompts):
+            if not isinstance(prompt, str):
+                raise VlmcError(f"prompt #{i + 1} must be text, got {type(prompt).__name__}")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise VlmcError(
+                    f"prompt #{i + 1} is not valid Unicode text (a lone surrogate at character {exc.start}); "
+                    "pass UTF-8 text"
+                ) from None
         t = self.m["text"]
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}

@@ -57,7 +57,14 @@ class SourceTokenizer:
             raise VlmcError(
                 "this package's tokenizer needs the tokenizers library: pip install tokenizers"
             ) from exc
-        self.tok = Tokenizer.from_str(json_text)
+        try:
+            self.tok = Tokenizer.from_str(json_text)
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise VlmcError(
+                f"the package's tokenizer (text.tokenizer_file) is not a valid tokenizers JSON ({first}); "
+                "re-export the package"
+            ) from None
         self.image_token_id = image_token_id
         self.marker = marker
         found = self.tok.token_to_id(marker)
