@@ -38,6 +38,7 @@ bench: $(STAMP)
 
 schema: $(STAMP)
 	$(BIN)/vlmc passes --schema > docs/recipe.schema.json
+	$(BIN)/vlmc schema manifest > docs/manifest.schema.json
 
 clean:
 	rm -rf out .pytest_cache build *.egg-info

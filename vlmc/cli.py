@@ -559,6 +559,25 @@ def passes(schema):
     ui.show(ui.table("passes", ["pass", "what it does", "options (defaults)"], rows))
 
 
+@main.command()
+@click.argument("which", type=click.Choice(["recipe", "manifest"]))
+def schema(which):
+    """Print a JSON Schema: of recipes, or of the package manifest (vlmc.json).
+
+    Example:
+
+        vlmc schema manifest > docs/manifest.schema.json
+    """
+    if which == "recipe":
+        from vlmc import recipe
+
+        click.echo(json.dumps(recipe.json_schema(), indent=2, sort_keys=True))
+    else:
+        from vlmc import manifest_schema
+
+        click.echo(json.dumps(manifest_schema.json_schema(), indent=2, sort_keys=True, ensure_ascii=False))
+
+
 @main.command(name="compile")
 @click.argument("package", type=click.Path(path_type=Path))
 @click.option(

@@ -179,4 +179,19 @@ def loads(text: str, where: str = "vlmc.json") -> dict:
         raise VlmcError(f"{where}: not valid JSON (nested too deeply)") from None
     except ValueError as exc:  # NaN/Infinity, or an integer with thousands of digits
         raise VlmcError(f"{where}: not valid JSON ({exc})") from None
+    if _depth(m) > limits.MAX_JSON_DEPTH:
+        raise VlmcError(
+            f"{where}: not valid JSON (nested too deeply: more than {limits.MAX_JSON_DEPTH} levels)"
+        )
     return validate(m, where)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a JSON value, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
