@@ -14,7 +14,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -793,3 +797,60 @@ def test_any_mutated_value_exits_0_or_2(base_manifest, tiny_llava, tmp_path_fact
         assert len(result.stderr.splitlines()) == 1, result.stderr
     assert tree(w) == before
     assert canary_leaks(w) == [] and CANARY not in result.stdout
+
+
+# ---- long loops react to signals ------------------------------------------------------------------
+MARKED = """\
+import os
+from vlmc.runtime import pipeline
+real = pipeline.Pipeline.prepare
+def prepare(self, *args, **kwargs):
+    open(os.environ["VLMC_TEST_MARKER"], "a").close()  # the calibration loop is running
+    return real(self, *args, **kwargs)
+pipeline.Pipeline.prepare = prepare
+from vlmc.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_calibration_loop_stops_on_a_signal(tiny_llava, tmp_path, sig, code):
+    """A 4096-sample calibration (the maximum) stops within a second of SIGINT/SIGTERM, writing nothing."""
+    r = tmp_path / "r.yaml"
+    r.write_text(
+        "passes:\n  - quantize: {decoder: {weights: int8, activations: int8}, calibration: {count: 4096}}\n"
+    )
+    marker = tmp_path / "calibrating"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            MARKED,
+            "-q",
+            "optimize",
+            str(tiny_llava),
+            "-r",
+            str(r),
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ, VLMC_TEST_MARKER=str(marker)),
+    )
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()
+        assert time.monotonic() < deadline, "calibration never started"
+        time.sleep(0.02)
+    time.sleep(0.5)
+    assert proc.poll() is None, "the calibration finished before the signal"
+    t0 = time.monotonic()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == code, err.decode()
+    assert "interrupted; nothing was written" in err.decode()
+    # A second on an idle machine; the slack is for a 2-core machine shared with other test workers.
+    assert elapsed < 3.0, f"took {elapsed:.2f}s to stop"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrating", "r.yaml"]

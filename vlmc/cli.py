@@ -416,10 +416,19 @@ def inspect(package, as_json, pruning_image, output):
 
     pkg = Package.load(package)
     if pruning_image:
-        from vlmc import pruning
+        from vlmc import outdir, pruning
 
         out = output or Path("pruning.png")
-        out.write_bytes(pruning.picture(pkg, pruning_image))
+        if (
+            out.resolve().parent == Path(package).resolve()
+            or Path(package).resolve() in out.resolve().parents
+        ):
+            raise VlmcError(f"output {out} is inside the input package {package}; choose a path outside it")
+        if not out.parent.is_dir():
+            raise VlmcError(f"output {out}: directory {out.parent} does not exist")
+        outdir.write_file(
+            out.parent, out.name, pruning.picture(pkg, pruning_image)
+        )  # atomic, never via a link
         p = pruning.facts(pkg)
         ui.info(f"wrote {out}: {p['keep']} of {p['tokens_before']} visual tokens kept ({p['method']})")
         return

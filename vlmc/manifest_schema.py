@@ -419,7 +419,7 @@ IO = Obj(
 
 # Preprocessing kinds: fields each kind's runtime reads (all kinds share COMMON_PREPROCESS).
 COMMON_PREPROCESS: dict[str, T | Req] = {
-    "kind": Req(Str(64, doc="clip, resize, packed_patches (the runtime refuses kinds it does not know)")),
+    "kind": Str(64, doc="clip, resize, packed_patches (the runtime refuses kinds it does not know, or none)"),
     "mean": List(Num(-1e3, 1e3), 1, 4),
     "std": List(Num(gt=0, max=1e3), 1, 4, doc="per-channel divisors: positive"),
     "rescale_factor": Num(gt=0, max=1e3),

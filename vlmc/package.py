@@ -290,9 +290,10 @@ class Package:
             for name, src in unchanged.items():
                 self._place(src, tmp / self.info(name)["file"], move=adopt)
             for rel, blob in sorted(self.files.items()):
-                target = (tmp / rel).resolve()
-                if tmp.resolve() not in target.parents:
-                    raise VlmcError(f"package file {rel!r} would be written outside the package")
+                try:
+                    target = paths.inside(tmp, rel, "package file", "package to save")
+                except VlmcError:
+                    raise VlmcError(f"package file {rel!r} would be written outside the package") from None
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(blob)
             if self.root is not None and self.root.resolve() != Path(out).resolve():
