@@ -21,7 +21,14 @@ class FoldConstants(Pass):
     preserves_numerics = True
     options = (
         Option("graphs", list, None, "graph names to fold (default: all)", items=str),
-        Option("size_threshold_mb", float, 64.0, "do not materialize folded tensors larger than this", min=0, max=1 << 20),
+        Option(
+            "size_threshold_mb",
+            float,
+            64.0,
+            "do not materialize folded tensors larger than this",
+            min=0,
+            max=1 << 20,
+        ),
         Option(
             "weight_limit_mb",
             float,
