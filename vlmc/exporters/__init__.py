@@ -27,6 +27,7 @@ FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
     "blip2": "vlmc.exporters.blip2",
+    "internvl": "vlmc.exporters.internvl",
 }
 
 

@@ -39,6 +39,9 @@ class Inputs:
     # Every output of the image chain once prefill ran it (e.g. a pruned package's image_token_indices,
     # which M-RoPE positions need).
     image_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    # Vision-graph rows per image when the preprocessing tiles images (vision.preprocess kind "tiles"):
+    # each row gets tokens_per_image placeholders. None: one row per image.
+    image_tiles: list[int] | None = None
 
 
 @dataclass
@@ -112,10 +115,17 @@ class Pipeline:
         return self._tokenizer
 
     # ---- inputs ----------------------------------------------------------------------------
-    def tokens_for_images(self, vision: dict[str, np.ndarray], n_images: int) -> list[int]:
-        """Placeholder count per image: fixed by the manifest, or derived from the image grid."""
+    def tokens_for_images(
+        self, vision: dict[str, np.ndarray], n_images: int, tiles: list[int] | None = None
+    ) -> list[int]:
+        """Placeholder count per image: fixed by the manifest (per tile when the preprocessing tiles images),
+        or derived from the image grid."""
         v = self.m["vision"]
         grid = vision.get("image_grid_thw")
+        if tiles is not None:
+            if not isinstance(v.get("tokens_per_image"), int):
+                raise VlmcError("a tiled package needs a fixed vision.tokens_per_image (tokens per tile)")
+            return [int(v["tokens_per_image"]) * int(n) for n in tiles]
         if isinstance(v.get("tokens_per_image"), int):
             k = int(v["tokens_per_image"])
             if grid is not None and v.get("pruning"):
@@ -177,8 +187,13 @@ class Pipeline:
             lead = self.tokenizer.encode(marker * sum(counts), add_bos=False) if counts else []
             ids = lead + self.tokenizer.encode(text.replace(marker, ""), add_bos=add)
         else:
+            # text.image_wrap: what the processor puts around each image's placeholder run (InternVL's
+            # <img> ... </img>); nothing for most families.
+            start, end = t.get("image_wrap") or ("", "")
             pieces = text.split(marker)
-            expanded = pieces[0] + "".join(marker * n + piece for n, piece in zip(counts, pieces[1:]))
+            expanded = pieces[0] + "".join(
+                start + marker * n + end + piece for n, piece in zip(counts, pieces[1:])
+            )
             ids = self.tokenizer.encode(expanded, add_bos=add)
         if sum(1 for x in ids if x == image_id) != sum(counts):
             raise VlmcError(
@@ -194,7 +209,9 @@ class Pipeline:
         t = self.m["text"]
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
-        counts = self.tokens_for_images(vision, len(flat)) if flat else []
+        tiles = vision.pop(preprocess.TILES_KEY, None)
+        tiles = None if tiles is None else [int(n) for n in tiles]
+        counts = self.tokens_for_images(vision, len(flat), tiles) if flat else []
         image_id = int(self.m["vision"]["image_token_id"])
         seqs, k = [], 0
         for prompt, per in zip(prompts, images):
@@ -215,7 +232,7 @@ class Pipeline:
         extra = {}
         if t.get("token_type_ids"):
             extra[t["token_type_ids"]] = (ids == image_id).astype(np.int64)
-        return Inputs(ids, mask, vision, [len(p) for p in images], extra)
+        return Inputs(ids, mask, vision, [len(p) for p in images], extra, image_tiles=tiles)
 
     # ---- generation ------------------------------------------------------------------------
     def image_outputs(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -251,7 +268,7 @@ class Pipeline:
     def _check_merged_slots(self, inp: Inputs) -> None:
         """The merged graph cannot report a placeholder/feature mismatch itself; check it before running."""
         n_slots = int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum())
-        expected = sum(self.tokens_for_images(inp.vision, sum(inp.image_counts)))
+        expected = sum(self.tokens_for_images(inp.vision, sum(inp.image_counts), inp.image_tiles))
         if n_slots != expected:
             raise VlmcError(f"{n_slots} image placeholders but the images give {expected} features")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc.errors import VlmcError
-from vlmc.runtime import patches
+from vlmc.runtime import patches, tiles
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,10 @@ KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
     "clip": clip,
     "resize": resize,
     "packed_patches": patches.packed_patches,
+    "tiles": tiles.tiles,
 }
+# A preprocessing output that is not a graph input: per-image tile counts (kind "tiles").
+TILES_KEY = tiles.TILES_KEY
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:

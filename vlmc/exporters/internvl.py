@@ -1,0 +1,279 @@
+"""InternVL exporter (InternVLForConditionalGeneration, the "-hf" checkpoints: InternVL2.5 / 3 / 3.5).
+
+An image becomes dynamic tiles plus a thumbnail (GotOcr2's image processor, crop_to_patches); every tile
+is one row of the vision graph: InternViT, then pixel shuffle 0.5 (each 2x2 patch group folded into one
+token) and the MLP projector, ``(tile / patch)² / 4`` tokens per tile. The processor writes
+``<img>`` + ``<IMG_CONTEXT>`` x tokens x tiles + ``</img>`` for each image; the manifest says so with
+``text.image_wrap`` and the tile rule with ``vision.preprocess`` (kind ``tiles``), so the runtime, plan and
+the passes need no InternVL code.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlmc import samples
+from vlmc.errors import VlmcError
+from vlmc.exporters import base, zoo
+from vlmc.exporters._facts import kv_facts, text_facts
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+MODEL_TYPES = ("internvl",)
+ARCHITECTURES = ("InternVLForConditionalGeneration",)
+# The -hf checkpoints' image placeholder and its wrap (the tokenizer's context/start/end image tokens).
+IMAGE_MARKER = "<IMG_CONTEXT>"
+IMAGE_WRAP = ("<img>", "</img>")
+# The converted checkpoints' chat layout (transformers' convert_internvl_weights_to_hf.py): Qwen turns,
+# one "<IMG_CONTEXT>\n" per image ahead of the text.
+INTERNVL_TEMPLATE = "<|im_start|>user\n{marker}\n{{prompt}}<|im_end|>\n<|im_start|>assistant\n"
+# ImageNet statistics, which every converted InternVL checkpoint's image processor uses.
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+# What InternVLProcessor asks of GotOcr2's image processor unless told otherwise, and GotOcr2's defaults.
+DEFAULT_TILING = {"crop_to_patches": True, "min_patches": 1, "max_patches": 12}
+_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+# Why vision.attention is null: what prune_visual_tokens says when asked for an attention method.
+ATTENTION_NOTE = (
+    "internvl: pixel shuffle folds each 2x2 patch group into one token, and those groups are not "
+    "consecutive patches, so one layer's CLS attention does not score the tokens"
+)
+
+
+def model_class():
+    from transformers import InternVLForConditionalGeneration
+
+    return InternVLForConditionalGeneration
+
+
+def _pair(v) -> tuple[int, int]:
+    return (int(v[0]), int(v[1])) if isinstance(v, (list, tuple)) else (int(v), int(v))
+
+
+def tokens_per_tile(config) -> int:
+    """Visual tokens one tile gives: its patches, folded 1/ratio² at a time by the pixel shuffle."""
+    v = config.vision_config
+    (h, w), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
+    fold = int(round(1 / float(config.downsample_ratio))) ** 2
+    return (h // ph) * (w // pw) // fold
+
+
+def tokens_per_image(config) -> int:
+    """Per tile (a vision-graph row); an image has 1 to max_patches + 1 tiles (see vision.preprocess)."""
+    return tokens_per_tile(config)
+
+
+# ---- built-in ----------------------------------------------------------------------------------
+
+
+def tiny_internvl_config(vision_over: dict | None = None, **text_over):
+    """A small InternVL3-like config: 64 px tiles of 8 px patches (16 tokens a tile), Qwen2 decoder."""
+    from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config
+
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=64,
+        patch_size=8,
+        initializer_range=0.2,
+        layer_scale_init_value=1.0,
+    )
+    vision.update(vision_over or {})
+    text = Qwen2Config(**zoo._text_kwargs(**text_over))
+    cfg = InternVLConfig(
+        vision_config=InternVLVisionConfig(**vision),
+        text_config=text,
+        image_token_id=zoo.TINY_IMAGE_TOKEN,
+        tie_word_embeddings=False,
+    )
+    cfg.image_seq_length = tokens_per_tile(cfg)
+    return cfg
+
+
+def _build_internvl():
+    from transformers import InternVLForConditionalGeneration
+
+    return InternVLForConditionalGeneration(tiny_internvl_config())
+
+
+zoo.register_builtin("tiny-internvl", "internvl", _build_internvl)
+
+
+# ---- manifest facts ----------------------------------------------------------------------------
+
+
+def _processor_settings(directory) -> tuple[dict, int | None]:
+    """The image settings InternVLProcessor actually passes to its image processor, and its image_seq_length.
+
+    The processor's own defaults (crop_to_patches: True) take precedence over the image processor's
+    attributes (GotOcr2's crop_to_patches: False, which the hub configs also save), so the settings are
+    read from the loaded processor the way its __call__ merges them, not from preprocessor_config.json.
+    """
+    from vlmc.exporters import processor as P
+
+    proc = P.load(directory)
+    ip = getattr(proc, "image_processor", None)
+    if ip is None:
+        raise VlmcError(f"{directory}: the processor has no image processor")
+    if "GotOcr2" not in type(ip).__name__:
+        raise VlmcError(
+            f"{directory}: internvl export reproduces GotOcr2's tiling; this checkpoint's image processor is "
+            f"{type(ip).__name__}, which vlmc does not reproduce yet"
+        )
+    merged = proc._merge_kwargs(tokenizer_init_kwargs=proc.tokenizer.init_kwargs)["images_kwargs"]
+    keys = (
+        "crop_to_patches",
+        "min_patches",
+        "max_patches",
+        "size",
+        "image_mean",
+        "image_std",
+        "rescale_factor",
+        "resample",
+        "do_rescale",
+        "do_normalize",
+    )
+    out = {k: merged.get(k, getattr(ip, k, None)) for k in keys}
+    if out["do_rescale"] is False or out["do_normalize"] is False:
+        raise VlmcError(
+            f"{directory}: the image processor turns off rescale or normalize, which vlmc does not reproduce"
+        )
+    return out, getattr(proc, "image_seq_length", None)
+
+
+def preprocess_facts(config, directory) -> dict:
+    """Tile rule and pixel statistics: the source processor's settings, else the converted checkpoints'."""
+    th, tw = _pair(config.vision_config.image_size)
+    facts = {
+        "kind": "tiles",
+        "tile_size": [th, tw],
+        "crop_to_patches": DEFAULT_TILING["crop_to_patches"],
+        "min_tiles": DEFAULT_TILING["min_patches"],
+        "max_tiles": DEFAULT_TILING["max_patches"],
+        "thumbnail": True,
+        "mean": IMAGENET_MEAN,
+        "std": IMAGENET_STD,
+        "rescale_factor": 1 / 255,
+        "resample": "bicubic",
+        "patch_size": _pair(config.vision_config.patch_size)[0],
+    }
+    if directory is None:
+        return facts
+    s, seq_len = _processor_settings(directory)
+    size = s["size"]
+    size = (size.get("height"), size.get("width")) if isinstance(size, dict) else (size.height, size.width)
+    if tuple(int(x) for x in size) != (th, tw):
+        raise VlmcError(
+            f"{directory}: the image processor makes {size[0]}x{size[1]} tiles but the vision tower takes "
+            f"{th}x{tw}; the processor and config.json do not belong together"
+        )
+    if seq_len is not None and int(seq_len) != tokens_per_tile(config):
+        raise VlmcError(
+            f"{directory}: the processor writes {seq_len} image tokens per tile (image_seq_length) but the "
+            f"model gives {tokens_per_tile(config)}; the processor and config.json do not belong together"
+        )
+    facts.update(
+        crop_to_patches=bool(s["crop_to_patches"]),
+        min_tiles=int(s["min_patches"]),
+        max_tiles=int(s["max_patches"]),
+        mean=[float(x) for x in s["image_mean"]],
+        std=[float(x) for x in s["image_std"]],
+        rescale_factor=float(s["rescale_factor"]),
+        resample=_PIL_RESAMPLE.get(int(s["resample"]), "bicubic") if s["resample"] is not None else "bicubic",
+    )
+    if int(s["resample"] if s["resample"] is not None else 3) not in _PIL_RESAMPLE:
+        raise VlmcError(f"{directory}: image processor resample={s['resample']} is not one vlmc reproduces")
+    return facts
+
+
+def vision_facts(config, directory) -> dict:
+    v = config.vision_config
+    (th, tw), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
+    fold = int(round(1 / float(config.downsample_ratio)))
+    return {
+        "image_size": [th, tw],
+        "tokens_per_image": tokens_per_tile(config),
+        "tiled": True,
+        "image_token_id": int(config.image_token_id),
+        "preprocess": preprocess_facts(config, directory),
+        "patch_grid": [th // ph, tw // pw],
+        # pixel shuffle: tokens run row-major over fold x fold patch groups of each tile
+        "token_grid": [th // ph // fold, tw // pw // fold],
+        "has_cls_token": True,
+        "feature_layer": config.vision_feature_layer,
+        "select_strategy": config.vision_feature_select_strategy,
+        "downsample_ratio": float(config.downsample_ratio),
+        "hidden_size": int(config.text_config.hidden_size),
+        "attention": None,
+        "attention_note": ATTENTION_NOTE,
+    }
+
+
+def _marker(source) -> tuple[str, list[str] | None]:
+    # The byte tokenizer maps only "<image>" to the image id and has no <img>/</img> tokens.
+    has_tok = source.directory is not None and any(
+        (source.directory / f).is_file() for f in ("tokenizer.json", "vocab.json")
+    )
+    return (IMAGE_MARKER, list(IMAGE_WRAP)) if has_tok else ("<image>", None)
+
+
+class VisionWrapper(torch.nn.Module):
+    """pixel_values [tiles, 3, H, W] -> image_features [tiles, tokens, hidden] (get_image_features' pooler_output).
+
+    Calls the model's own get_image_features (vision tower, feature layer and CLS drop, pixel shuffle,
+    projector), which works on the batch of tiles as one tensor.
+    """
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, pixel_values):
+        return self.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+
+
+def export(source, pkg: Package) -> None:
+    model, cfg = source.model, source.config
+    tcfg = cfg.text_config
+    marker, wrap = _marker(source)
+    if isinstance(cfg.vision_feature_layer, list):
+        raise VlmcError("internvl: a list of vision_feature_layer is not exported yet (one layer only)")
+
+    m = pkg.manifest
+    m["vision"] = vision_facts(cfg, source.directory)
+    family = {"prompt_template": INTERNVL_TEMPLATE.format(marker=marker), "image_marker": marker}
+    if wrap:
+        family["image_wrap"] = wrap
+    m["text"] = text_facts(cfg, tcfg, **family)
+    m["kv"] = kv = kv_facts(tcfg)
+    m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
+
+    th, tw = m["vision"]["image_size"]
+    g = torch.Generator().manual_seed(0)
+    pixels = torch.randn(3, 3, th, tw, generator=g)
+    base.export_stage(
+        pkg,
+        "vision_encoder",
+        VisionWrapper(model),
+        [pixels],
+        ["pixel_values"],
+        ["image_features"],
+        {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
+        role="vision",
+    )
+    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
+    base.export_decoder(
+        pkg,
+        model.get_decoder() if hasattr(model, "get_decoder") else model.model.language_model,
+        model.get_output_embeddings(),
+        kv["layers"],
+        kv["kv_heads"],
+        kv["head_dim"],
+        tcfg.hidden_size,
+    )
