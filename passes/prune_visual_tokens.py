@@ -467,9 +467,11 @@ class PruneVisualTokens(Pass):
         att = v.get("attention")
         if method not in BASELINES:
             if not att:
+                # vision.attention_note: the exporter's reason there are no attention facts, if it gave one
+                why = f" ({v['attention_note']})" if v.get("attention_note") else ""
                 raise VlmcError(
-                    f"method {method} needs the exporter's vision.attention facts, which this package lacks; "
-                    "use method uniform or random"
+                    f"method {method} needs the exporter's vision.attention facts, which this package lacks"
+                    f"{why}; use method uniform or random"
                 )
             if att.get("graph") != target:
                 raise VlmcError(

@@ -50,7 +50,9 @@ def load(directory, trust_remote_code: bool = False):
     directory = Path(directory)
     try:
         return AutoProcessor.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
-    except ImportError as exc:
+    except (ImportError, ValueError) as exc:
+        # transformers says "needs torchvision" with an ImportError for some video processors and a ValueError
+        # from AutoVideoProcessor for others (InternVL); any other ValueError is a broken directory.
         name = _declared_class(directory)
         if "torchvision" not in str(exc).lower() or not hasattr(transformers, name or ""):
             raise VlmcError(
