@@ -66,7 +66,7 @@ def load(directory, trust_remote_code: bool = False):
         return _images_only(getattr(transformers, name)).from_pretrained(
             str(directory), trust_remote_code=trust_remote_code
         )
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, TypeError) as exc:
         raise VlmcError(
             f"{directory}: cannot load the processor ({str(exc).strip().splitlines()[0]})"
         ) from exc
