@@ -67,7 +67,8 @@ def test_package_carries_the_processor_facts(internvl):
     m = internvl.pkg.manifest
     t, v = m["text"], m["vision"]
     assert type(internvl.proc.tokenizer).__name__ == "Qwen2Tokenizer"
-    assert t["image_marker"] == "<IMG_CONTEXT>" and t["image_wrap"] == ["<img>", "</img>"]
+    assert t["image_marker"] == t["image_token"] == "<IMG_CONTEXT>"
+    assert t["image_expansion"] == "<img>{tokens}</img>"
     assert (internvl.pkg_dir / t["chat_template"]).read_text() == T.INTERNVL_CHAT_TEMPLATE
     assert v["tokens_per_image"] == TOKENS_PER_TILE and v["tiled"] is True
     pre = v["preprocess"]

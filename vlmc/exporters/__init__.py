@@ -27,6 +27,8 @@ FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
     "blip2": "vlmc.exporters.blip2",
+    # the generic tier (vlmc/exporters/generic.py)
+    "llava_next": "vlmc.exporters.llava_next",
     "internvl": "vlmc.exporters.internvl",
 }
 

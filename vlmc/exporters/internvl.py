@@ -4,7 +4,7 @@ An image becomes dynamic tiles plus a thumbnail (GotOcr2's image processor, crop
 is one row of the vision graph: InternViT, then pixel shuffle 0.5 (each 2x2 patch group folded into one
 token) and the MLP projector, ``(tile / patch)² / 4`` tokens per tile. The processor writes
 ``<img>`` + ``<IMG_CONTEXT>`` x tokens x tiles + ``</img>`` for each image; the manifest says so with
-``text.image_wrap`` and the tile rule with ``vision.preprocess`` (kind ``tiles``), so the runtime, plan and
+``text.image_expansion`` and the tile rule with ``vision.preprocess`` (kind ``tiles``), so the runtime, plan and
 the passes need no InternVL code.
 """
 
@@ -14,11 +14,9 @@ import logging
 
 import torch
 
-from vlmc import samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, zoo
-from vlmc.exporters._facts import kv_facts, text_facts
-from vlmc.package import Package
+from vlmc.exporters import base, generic, zoo
+from vlmc.runtime import tiles
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +41,7 @@ ATTENTION_NOTE = (
 )
 
 
-def model_class():
+def _model_class():
     from transformers import InternVLForConditionalGeneration
 
     return InternVLForConditionalGeneration
@@ -59,11 +57,6 @@ def tokens_per_tile(config) -> int:
     (h, w), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
     fold = int(round(1 / float(config.downsample_ratio))) ** 2
     return (h // ph) * (w // pw) // fold
-
-
-def tokens_per_image(config) -> int:
-    """Per tile (a vision-graph row); an image has 1 to max_patches + 1 tiles (see vision.preprocess)."""
-    return tokens_per_tile(config)
 
 
 # ---- built-in ----------------------------------------------------------------------------------
@@ -208,72 +201,61 @@ def vision_facts(config, directory) -> dict:
         "feature_layer": config.vision_feature_layer,
         "select_strategy": config.vision_feature_select_strategy,
         "downsample_ratio": float(config.downsample_ratio),
-        "hidden_size": int(config.text_config.hidden_size),
         "attention": None,
         "attention_note": ATTENTION_NOTE,
     }
 
 
-def _marker(source) -> tuple[str, list[str] | None]:
-    # The byte tokenizer maps only "<image>" to the image id and has no <img>/</img> tokens.
-    has_tok = source.directory is not None and any(
+def _has_tokenizer(source) -> bool:
+    # The byte tokenizer of a built-in maps only "<image>" to the image id and has no <img>/</img> tokens.
+    return source.directory is not None and any(
         (source.directory / f).is_file() for f in ("tokenizer.json", "vocab.json")
     )
-    return (IMAGE_MARKER, list(IMAGE_WRAP)) if has_tok else ("<image>", None)
 
 
-class VisionWrapper(torch.nn.Module):
-    """pixel_values [tiles, 3, H, W] -> image_features [tiles, tokens, hidden] (get_image_features' pooler_output).
+class InternVL(generic.Family):
+    """InternVL on the generic tier: get_image_features traces as is (one tile per vision-graph row)."""
 
-    Calls the model's own get_image_features (vision tower, feature layer and CLS drop, pixel shuffle,
-    projector), which works on the batch of tiles as one tensor.
-    """
+    name = "internvl"
+    model_types = MODEL_TYPES
+    architectures = ARCHITECTURES
 
-    def __init__(self, model) -> None:
-        super().__init__()
-        self.model = model
+    def model_class(self, config=None):
+        return _model_class()
 
-    def forward(self, pixel_values):
-        return self.model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+    def vision_facts(self, source) -> dict:
+        if isinstance(source.config.vision_feature_layer, list):
+            raise VlmcError("internvl: a list of vision_feature_layer is not exported yet (one layer only)")
+        return vision_facts(source.config, source.directory)
+
+    def text_facts(self, source) -> dict:
+        if not _has_tokenizer(source):
+            return {"prompt_template": INTERNVL_TEMPLATE.format(marker="<image>"), "image_marker": "<image>"}
+        # The chat template writes <IMG_CONTEXT> per image; the processor replaces each with
+        # <img> + <IMG_CONTEXT> x tokens x tiles + </img>.
+        return {
+            "prompt_template": INTERNVL_TEMPLATE.format(marker=IMAGE_MARKER),
+            "image_marker": IMAGE_MARKER,
+            "image_token": IMAGE_MARKER,
+            "image_expansion": IMAGE_WRAP[0] + "{tokens}" + IMAGE_WRAP[1],
+        }
+
+    def tokens_per_image(self, config):
+        return None  # the tile count depends on the image size (tokens_for_size)
+
+    def tokens_for_size(self, config, height: int, width: int, directory=None) -> int:
+        facts = preprocess_facts(config, directory)
+        return tiles.tiles_for(height, width, facts) * tokens_per_tile(config)
+
+    def vision_trace(self, model, config) -> generic.VisionTrace:
+        th, tw = _pair(config.vision_config.image_size)
+        pixels = torch.randn(3, int(config.vision_config.num_channels), th, tw, generator=generic._gen())
+        return generic.VisionTrace(
+            generic.ImageFeatures(model, ["pixel_values"]),
+            [pixels],
+            ["pixel_values"],
+            {"pixel_values": {0: base.IMAGES}},
+        )
 
 
-def export(source, pkg: Package) -> None:
-    model, cfg = source.model, source.config
-    tcfg = cfg.text_config
-    marker, wrap = _marker(source)
-    if isinstance(cfg.vision_feature_layer, list):
-        raise VlmcError("internvl: a list of vision_feature_layer is not exported yet (one layer only)")
-
-    m = pkg.manifest
-    m["vision"] = vision_facts(cfg, source.directory)
-    family = {"prompt_template": INTERNVL_TEMPLATE.format(marker=marker), "image_marker": marker}
-    if wrap:
-        family["image_wrap"] = wrap
-    m["text"] = text_facts(cfg, tcfg, **family)
-    m["kv"] = kv = kv_facts(tcfg)
-    m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
-
-    th, tw = m["vision"]["image_size"]
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.randn(3, 3, th, tw, generator=g)
-    base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels],
-        ["pixel_values"],
-        ["image_features"],
-        {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
-        role="vision",
-    )
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
-    base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
-    base.export_decoder(
-        pkg,
-        model.get_decoder() if hasattr(model, "get_decoder") else model.model.language_model,
-        model.get_output_embeddings(),
-        kv["layers"],
-        kv["kv_heads"],
-        kv["head_dim"],
-        tcfg.hidden_size,
-    )
+globals().update(generic.module_api(InternVL()))

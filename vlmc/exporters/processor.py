@@ -114,13 +114,16 @@ def attach(directory, pkg) -> None:
         pkg.files[CHAT_TEMPLATE_FILE] = template.encode("utf-8")
         text["chat_template"] = CHAT_TEMPLATE_FILE
     marker = image_token(proc)
+    # A family whose marker expands into more than the image token run (text.image_expansion, e.g.
+    # Gemma3's <start_of_image>) keeps its marker; the processor's image token is the placeholder.
+    key = "image_token" if text.get("image_expansion") else "image_marker"
     if marker is not None:
-        text["image_marker"] = marker
+        text[key] = marker
     image_id = int(pkg.manifest["vision"]["image_token_id"])
-    found = backend.token_to_id(text.get("image_marker", "<image>"))
+    found = backend.token_to_id(text.get(key) or text.get("image_marker", "<image>"))
     if found != image_id:
         raise VlmcError(
-            f"{directory}: the tokenizer maps the image token {text.get('image_marker')!r} to {found}, "
+            f"{directory}: the tokenizer maps the image token {text.get(key)!r} to {found}, "
             "but the "
             f"config's image token id is {image_id}; the tokenizer and config.json do not belong together"
         )
