@@ -164,14 +164,28 @@ def test_vlmc_run_on_the_saved_package_needs_no_torch(internvl, pictures):
     assert out.stdout.split()[0] == "7"
 
 
-def test_plan_counts_tiles_for_an_image_size(internvl):
-    res = CliRunner().invoke(
-        main, ["plan", str(internvl.pkg_dir), "--device-memory", "1GiB", "--image-size", "120x200", "--json"]
-    )
+@pytest.mark.parametrize("size", ["120x200", None])
+def test_plan_counts_tiles_from_the_package(internvl, size):
+    args = ["plan", str(internvl.pkg_dir), "--device-memory", "1GiB", "--json"]
+    res = CliRunner().invoke(main, args + (["--image-size", size] if size else []))
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
-    assert plan["tokens_per_image"] == 7 * TOKENS_PER_TILE + 2  # tiles x 16, plus <img> and </img>
-    assert plan["image_tokens"] == plan["tokens_per_image"]
+    tiles_ = 7 if size else 6 + 1  # 3x2 + thumbnail; at most max_patches + thumbnail
+    assert plan["tokens_per_image"] == plan["image_tokens"] == tiles_ * TOKENS_PER_TILE
+    assert any(n.startswith("image tokens:") for n in plan["notes"])
+
+
+def test_plan_counts_tiles_from_a_config(internvl):
+    config = str(internvl.src / "config.json")
+    base_args = ["plan", "--config", config, "--device-memory", "1GiB", "--json"]
+    res = CliRunner().invoke(main, base_args + ["--image-size", "150x70"])
+    assert res.exit_code == 0, res.output
+    # the processor is loaded for its tile settings (a log line about its video half comes first)
+    assert json.loads(res.output[res.output.index("{") :])["tokens_per_image"] == 3 * TOKENS_PER_TILE
+    res = CliRunner().invoke(main, base_args)
+    assert res.exit_code != 0 and "--image-size" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(main, base_args + ["--image-size", "150by70"])
+    assert res.exit_code == 2 and "HEIGHTxWIDTH" in res.output
 
 
 def test_pruned_package_keeps_k_tokens_per_tile(internvl, pictures):

@@ -448,6 +448,11 @@ def inspect(package, as_json, pruning_image, output):
     multiple=True,
     help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).",
 )
+@click.option(
+    "--image-size",
+    callback=lambda ctx, param, value: _image_size(value),
+    help="HxW of the images, for models whose image token count depends on it (tiles), e.g. 448x896.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(
     package,
@@ -461,6 +466,7 @@ def plan(
     max_context,
     reserve,
     precisions,
+    image_size,
     as_json,
 ):
     """Plan device memory: weights, KV per token/block, image tokens, headroom -> sequences and context that fit.
@@ -485,13 +491,13 @@ def plan(
             )
         prec[role] = value
     if config_path is not None:
-        spec = PL.load_spec(config_path, prec or None)
+        spec = PL.load_spec(config_path, prec or None, image_size=image_size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = PL.spec_from_package(Package.load(package))
+        spec = PL.spec_from_package(Package.load(package), image_size=image_size)
     result = PL.plan(
         spec,
         device_memory,
@@ -509,6 +515,15 @@ def plan(
     ui.show(ui.table(f"plan for {spec.name}", ["quantity", "value"], result.rows()))
     for note in result.notes:
         ui.info(f"note: {note}")
+
+
+def _image_size(value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    h, sep, w = value.lower().partition("x")
+    if not sep or not h.strip().isdigit() or not w.strip().isdigit() or int(h) < 1 or int(w) < 1:
+        raise click.BadParameter(f"{value!r}: write HEIGHTxWIDTH in pixels, e.g. 448x896")
+    return int(h), int(w)
 
 
 @main.command()

@@ -244,8 +244,11 @@ class InternVL(generic.Family):
         return None  # the tile count depends on the image size (tokens_for_size)
 
     def tokens_for_size(self, config, height: int, width: int, directory=None) -> int:
-        facts = preprocess_facts(config, directory)
-        return tiles.tiles_for(height, width, facts) * tokens_per_tile(config)
+        return self.vision_rows_for_size(config, height, width, directory) * tokens_per_tile(config)
+
+    def vision_rows_for_size(self, config, height: int, width: int, directory=None) -> int:
+        """Tiles (vision-graph rows) of an image of this size, by the source processor's tile settings."""
+        return tiles.tiles_for(height, width, preprocess_facts(config, directory))
 
     def vision_trace(self, model, config) -> generic.VisionTrace:
         th, tw = _pair(config.vision_config.image_size)

@@ -120,6 +120,13 @@ FEEDS: dict[str, Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]]
 }
 
 
+# kind -> function(vision manifest facts, height, width) -> (image tokens, vision-graph rows, how counted):
+# the count for an image of a given size without the image (vlmc plan); for kinds whose count depends on it.
+SIZE_COUNTS: dict[str, Callable[[dict, int | None, int | None], tuple[int, int, str]]] = {
+    "tiles": tiles.tokens_for_size
+}
+
+
 def token_counts(vision: dict[str, np.ndarray], facts: dict) -> list[int] | None:
     """Image tokens per image by the preprocessing kind's own rule, or None when the kind has none."""
     fn = COUNTS.get(facts.get("kind"))

@@ -98,3 +98,24 @@ def tiles(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
         out.extend(_normalize(p, facts) for p in pieces)
         counts.append(len(pieces))
     return {"pixel_values": np.stack(out).astype(np.float32), TILES_KEY: np.array(counts, np.int64)}
+
+
+def max_tiles_per_image(facts: dict) -> int:
+    """The most tiles an image can become (the grid at max_tiles, plus the thumbnail)."""
+    if not facts.get("crop_to_patches", True) or int(facts["max_tiles"]) <= 1:
+        return 1
+    return int(facts["max_tiles"]) + (1 if facts.get("thumbnail", True) else 0)
+
+
+def tokens_for_size(vision: dict, height: int | None, width: int | None) -> tuple[int, int, str]:
+    """Image tokens of one image from the manifest's vision facts: (tokens, tiles, how they were counted).
+
+    Without a size, the worst case (:func:`max_tiles_per_image`).
+    """
+    facts = vision["preprocess"]
+    per_tile = int(vision["tokens_per_image"])
+    if height is None or width is None:
+        n = max_tiles_per_image(facts)
+        return n * per_tile, n, f"at most {n} tiles of {per_tile} tokens (give an image size for its count)"
+    n = tiles_for(height, width, facts)
+    return n * per_tile, n, f"{height}x{width}: {n} tiles of {per_tile} tokens"
