@@ -15,9 +15,9 @@ import _tokenizers_internvl as T
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_parity_raw_inputs import Family, _check, _ids
+from test_parity_raw_inputs import Family, _check, _ids, _vlmc_run
 
-from vlmc import manager, verify
+from vlmc import manager, recipe, verify
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.exporters import internvl as internvl_exporter
@@ -222,3 +222,41 @@ def test_thumbnail_tile_is_the_whole_image(internvl, pictures):
     inp = Pipeline(internvl.pkg).prepare(["x"], [[pictures[0]]])
     assert inp.image_tiles == [7]
     assert np.asarray(inp.vision["pixel_values"]).shape == (7, 3, 64, 64)
+
+
+# ---- passes and the Ascend backend on the real-format package ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "passes",
+    [[{"paged_kv": {"block_size": 16}}], [{"merge": {}}], [{"split": {"decoder_ranges": 2}}]],
+    ids=["paged_kv", "merge", "split"],
+)
+def test_exact_passes_keep_vlmc_run_equal_to_generate(internvl, pictures, tmp_path, passes):
+    out = manager.run(Package.load(internvl.pkg_dir), recipe.from_dict({"passes": passes}).steps)
+    out_dir = out.save(tmp_path / "pkg")
+    prompts, images = (
+        ["What is shown in this picture?", "Describe the image."],
+        [[pictures[0]], [pictures[2]]],
+    )
+    want = internvl.generate(internvl.reference(prompts, images))
+    assert _vlmc_run(out_dir, prompts, images) == want
+
+
+def test_quantized_package_compiles_for_ascend(internvl, tmp_path):
+    from vlmc.backends import ascend
+
+    steps = recipe.parse(
+        "passes:\n  - quantize:\n"
+        "      vision_encoder: {weights: int8, activations: int8, calibration: {count: 2}}\n"
+        "      decoder: {weights: int4, group_size: 32}\n"
+    ).steps
+    pkg = manager.run(Package.load(internvl.pkg_dir), steps)
+    summary = ascend.compile(pkg, tmp_path / "b", {"soc": "Ascend910B", "soc_variant": "Ascend910B2"})
+    names = {b["name"] for b in summary["builds"]}
+    assert {"vision_encoder", "decoder_prefill", "decoder_decode"} <= names
+    assert any(b["quantized"] for b in summary["builds"])
+    # the vision build takes tiles: its batch axis is the tile count, planned like any image batch
+    vision = next(b for b in summary["builds"] if b["name"] == "vision_encoder")
+    cmd = (tmp_path / "b" / vision["workdir"] / "atc.cmd").read_text()
+    assert "pixel_values" in cmd and "64,64" in cmd
