@@ -77,6 +77,9 @@ def test_package_carries_the_processor_facts(internvl):
     assert pre["kind"] == "tiles" and pre["crop_to_patches"] is True
     assert (pre["min_tiles"], pre["max_tiles"], pre["tile_size"]) == (1, 6, [64, 64])
     assert pre["mean"] == internvl_exporter.IMAGENET_MEAN and pre["resample"] == "bicubic"
+    from vlmc import report
+
+    assert f"- visual tokens per image: {TOKENS_PER_TILE} per tile\n" in report.render_markdown(internvl.pkg)
 
 
 def test_plain_prompt_several_tiles_and_a_thumbnail(internvl, pictures):

@@ -170,6 +170,9 @@ def preprocess_facts(config, directory) -> dict:
             f"{directory}: the processor writes {seq_len} image tokens per tile (image_seq_length) but the "
             f"model gives {tokens_per_tile(config)}; the processor and config.json do not belong together"
         )
+    resample = 3 if s["resample"] is None else int(s["resample"])
+    if resample not in _PIL_RESAMPLE:
+        raise VlmcError(f"{directory}: image processor resample={resample} is not one vlmc reproduces")
     facts.update(
         crop_to_patches=bool(s["crop_to_patches"]),
         min_tiles=int(s["min_patches"]),
@@ -177,10 +180,8 @@ def preprocess_facts(config, directory) -> dict:
         mean=[float(x) for x in s["image_mean"]],
         std=[float(x) for x in s["image_std"]],
         rescale_factor=float(s["rescale_factor"]),
-        resample=_PIL_RESAMPLE.get(int(s["resample"]), "bicubic") if s["resample"] is not None else "bicubic",
+        resample=_PIL_RESAMPLE[resample],
     )
-    if int(s["resample"] if s["resample"] is not None else 3) not in _PIL_RESAMPLE:
-        raise VlmcError(f"{directory}: image processor resample={s['resample']} is not one vlmc reproduces")
     return facts
 
 
