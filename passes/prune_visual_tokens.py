@@ -423,7 +423,9 @@ class PruneVisualTokens(Pass):
         refusal = v.get("prune") or {}
         if refusal.get("supported") is False:
             # A family states why its visual tokens cannot be pruned (e.g. anyres tiles with unpadding).
-            raise VlmcError(f"cannot prune this package: {refusal.get('reason', 'the family does not support it')}")
+            raise VlmcError(
+                f"cannot prune this package: {refusal.get('reason', 'the family does not support it')}"
+            )
         if v.get("pruning"):
             raise VlmcError(
                 f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "

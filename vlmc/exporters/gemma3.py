@@ -60,6 +60,7 @@ class Gemma3(generic.Family):
             "boi_token_id": int(cfg.boi_token_id),
             "eoi_token_id": int(cfg.eoi_token_id),
             "has_cls_token": False,
+            "processor_images": "per_prompt",  # Gemma3Processor takes a batch's images per prompt
             "preprocess": {
                 "kind": "resize",
                 "size": [int(s["height"]), int(s["width"])],
@@ -153,10 +154,22 @@ def tiny_gemma3_config(**text_over):
     )
 
 
-def _build():
+def build_tiny(config):
+    """A random Gemma3 whose image features are not all zero.
+
+    transformers initializes ``mm_input_projection_weight`` to zeros (trained checkpoints load theirs),
+    which would make every image feature 0 and the image (and its bidirectional mask) invisible.
+    """
     from transformers import Gemma3ForConditionalGeneration
 
-    return Gemma3ForConditionalGeneration(tiny_gemma3_config())
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    return model
+
+
+def _build():
+    return build_tiny(tiny_gemma3_config())
 
 
 zoo.register_builtin("tiny-gemma3", "gemma3", _build)
