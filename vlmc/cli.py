@@ -115,9 +115,11 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
 
     if list_:
         fams = exporters.families()
-        rows = [[name, fam, ""] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
-        rows += [["", name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
-        ui.show(ui.table("built-ins and families", ["built-in", "family", "architectures"], rows))
+        # Two tables, so an architecture name keeps the full width (a 3-column table cut the longest ones).
+        builtins = [[name, fam] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
+        ui.show(ui.table("built-ins", ["built-in", "family"], builtins))
+        rows = [[name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
+        ui.show(ui.table("families", ["family", "architectures"], rows))
         return
     if not model or not output:
         raise click.UsageError("export needs MODEL and -o/--output (or --list)")
@@ -450,8 +452,7 @@ def inspect(package, as_json, pruning_image, output):
 )
 @click.option(
     "--image-size",
-    callback=lambda ctx, param, value: _image_size(value),
-    help="HxW of the images, for models whose image token count depends on it (tiles), e.g. 448x896.",
+    help="HEIGHTxWIDTH of each image, for models whose image tokens depend on it (LLaVA-NeXT anyres, InternVL tiles).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(
@@ -490,14 +491,15 @@ def plan(
                 f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}"
             )
         prec[role] = value
+    size = PL.parse_image_size(image_size)
     if config_path is not None:
-        spec = PL.load_spec(config_path, prec or None, image_size=image_size)
+        spec = PL.load_spec(config_path, prec or None, size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = PL.spec_from_package(Package.load(package), image_size=image_size)
+        spec = PL.spec_from_package(Package.load(package), size)
     result = PL.plan(
         spec,
         device_memory,
@@ -515,15 +517,6 @@ def plan(
     ui.show(ui.table(f"plan for {spec.name}", ["quantity", "value"], result.rows()))
     for note in result.notes:
         ui.info(f"note: {note}")
-
-
-def _image_size(value: str | None) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    h, sep, w = value.lower().partition("x")
-    if not sep or not h.strip().isdigit() or not w.strip().isdigit() or int(h) < 1 or int(w) < 1:
-        raise click.BadParameter(f"{value!r}: write HEIGHTxWIDTH in pixels, e.g. 448x896")
-    return int(h), int(w)
 
 
 @main.command()

@@ -333,15 +333,60 @@ def activation_bytes(spec: Spec, seq: int, images: int) -> int:
 
 
 # ---- specs -----------------------------------------------------------------------------------
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """'HxW' (e.g. 672x1008) -> (h, w)."""
+    if text is None:
+        return None
+    h, sep, w = str(text).lower().partition("x")
+    if not sep or not h.strip().isdigit() or not w.strip().isdigit() or not int(h) or not int(w):
+        raise VlmcError(f"--image-size {text!r}: write HEIGHTxWIDTH in pixels, e.g. 672x1008")
+    return int(h), int(w)
+
+
+def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> tuple[int, int, str | None, int]:
+    """Image tokens per image from the manifest: (tokens, vision-graph rows per image, how they were
+    counted, tokens before pruning).
+
+    The fixed count, or the preprocessing kind's count rule (the runtime's own) for ``image_size``: per
+    vision row for kinds in ``SIZE_COUNTS`` (tiles: the fixed count is per tile; without a size, the
+    worst case), per image for kinds in ``COUNTS`` (anyres: the size is needed).
+    """
+    import numpy as np
+
+    from vlmc.runtime import preprocess
+
+    tpi = v.get("tokens_per_image")
+    facts = v.get("preprocess") or {}
+    pruned = v.get("pruning") or {}
+    rule = preprocess.SIZE_COUNTS.get(facts.get("kind"))
+    if rule is not None:
+        before = pruned.get("unpruned_tokens_per_image") or tpi
+        tokens, rows, note = rule(v, *(image_size or (None, None)))
+        return tokens, rows, note, int(before) * rows
+    if isinstance(tpi, int):
+        return tpi, 1, None, int(pruned.get("tokens_before", tpi))
+    if facts.get("kind") in preprocess.COUNTS:
+        if image_size is None:
+            raise VlmcError(
+                "image tokens depend on the image size in this package "
+                f"({facts['kind']} preprocessing); give --image-size HEIGHTxWIDTH"
+            )
+        n = preprocess.token_counts({"image_sizes": np.array([image_size], np.int64)}, facts)[0]
+        return n, 1, None, n
+    raise VlmcError(
+        "the package has no fixed vision.tokens_per_image (dynamic resolution); "
+        "plan needs it: export with a fixed image size"
+    )
+
+
 def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
     """Facts from vlmc.json and weight bytes from the package's graphs.
 
     ``image_size`` (height, width) counts the image tokens of an image of that size where the count depends
-    on it (the preprocessing kind's rule, e.g. tiles); without it, such a package is planned at its
+    on it (the preprocessing kind's rule: tiles, anyres); a tiled package without it is planned at its
     worst case.
     """
     from vlmc import graphs as G
-    from vlmc.runtime import preprocess
 
     m = pkg.manifest
     kv, t, v = m["kv"], m["text"], m["vision"]
@@ -349,20 +394,7 @@ def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
         GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
         for n, g in m["graphs"].items()
     ]
-    tpi = v.get("tokens_per_image")
-    rule = preprocess.SIZE_COUNTS.get((v.get("preprocess") or {}).get("kind"))
-    rows, note = 1, None
-    if rule is not None:
-        per_row_before = (v.get("pruning") or {}).get("unpruned_tokens_per_image") or tpi
-        tpi, rows, note = rule(v, *(image_size or (None, None)))
-        unpruned = int(per_row_before) * rows
-    elif not isinstance(tpi, int):
-        raise VlmcError(
-            "the package has no fixed vision.tokens_per_image (dynamic resolution); "
-            "plan needs it: export with a fixed image size"
-        )
-    else:
-        unpruned = int((v.get("pruning") or {}).get("tokens_before", tpi))
+    tpi, rows, note, unpruned = _package_tokens(v, image_size)
     hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
     decoder = next(iter(m["pipeline"].get("decoder", [])), None)
     inter = _widest_inner(pkg.graph(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
@@ -548,12 +580,15 @@ def _tokens_per_image(mod, config, image_size, directory, name) -> tuple[int, in
             "use a vlmc sizing spec"
         )
     fixed = fn(config)
-    if fixed is not None and image_size is None:
+    family = getattr(mod, "FAMILY", None)  # generic tier: the family's count rule for an image size
+    if fixed is not None and (image_size is None or family is None):
         return int(fixed), 1, None
-    family = getattr(mod, "FAMILY", None)
-    if image_size is None or family is None:
+    if family is None:
+        raise VlmcError(f"the {mod.__name__} exporter states no tokens per image for this config")
+    if image_size is None:
         raise VlmcError(
-            f"{name}: the image token count of this model depends on the image size; give --image-size HxW"
+            f"{name}: image tokens of this {family.name} model depend on the image size; "
+            "give --image-size HEIGHTxWIDTH"
         )
     h, w = image_size
     tokens = int(family.tokens_for_size(config, h, w, directory))

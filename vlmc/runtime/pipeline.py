@@ -211,6 +211,12 @@ class Pipeline:
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
         t = self.m["text"]
+        most = self.m["vision"]["preprocess"].get("max_images_per_prompt")
+        if most is not None and any(len(per) > most for per in images):
+            raise VlmcError(
+                f"{self.m['model']['family']}: at most {most} image(s) per prompt (the processor lays out "
+                "several images of one prompt differently, which this runtime does not reproduce)"
+            )
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
         tiles = vision.pop(preprocess.TILES_KEY, None)
