@@ -251,3 +251,45 @@ def test_verify_passes_from_raw_inputs(fam_name, request, pictures):
     assert res.passed, res
     assert res.inputs["checked"] and res.inputs["ids_equal"] and res.inputs["pixel_max_abs_diff"] <= 1e-5
     assert res.inputs.get("image_sizes_equal", True)
+
+
+# ---- backends and torch-free runtime -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fam_name", ["llava_next", "gemma3"])
+def test_ascend_compile_takes_the_new_inputs(fam_name, request, tmp_path):
+    import shlex
+
+    from vlmc.backends.ascend import atc
+
+    fam = request.getfixturevalue(fam_name)
+    out = tmp_path / "build"
+    res = CliRunner().invoke(main, ["compile", str(fam.pkg_dir), "--soc", "Ascend910B4", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    builds = {b["name"]: b for b in json.loads((out / "compile.json").read_text())["builds"]}
+    shapes = {}
+    for name, b in builds.items():
+        opts = atc.parse_argv(shlex.split((out / b["workdir"] / "atc.cmd").read_text().split("\n")[0]))
+        assert atc.problems(opts, quantized=b["quantized"], sequence=opts.get("input_format") == "ND") == []
+        shapes[name] = dict(atc.parse_input_shape(opts["input_shape"]))
+    if fam_name == "gemma3":
+        assert "token_type_ids" in shapes["decoder_prefill"] and "token_type_ids" in shapes["decoder_decode"]
+    else:
+        assert {"pixel_values", "image_feature_index", "image_feature_weight"} <= set(
+            shapes["vision_encoder"]
+        )
+
+
+def test_anyres_run_needs_neither_transformers_nor_torch(onevision, pictures):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['transformers'] = None; sys.modules['torch'] = None\n"
+        "from vlmc.package import Package; from vlmc.runtime import Pipeline\n"
+        f"r = Pipeline(Package.load({str(onevision.pkg_dir)!r})).generate(['What is it?'], [[{pictures[0]!r}]], 2)\n"
+        "print(r.tokens)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout.strip().splitlines()[-1])[0]) == 2

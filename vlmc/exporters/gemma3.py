@@ -139,8 +139,8 @@ def tiny_gemma3_config(**text_over):
     kw = zoo._text_kwargs(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
     kw.update(text_over)
     vision = SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=64,
+        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
         image_size=32,
