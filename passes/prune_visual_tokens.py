@@ -428,6 +428,12 @@ class PruneVisualTokens(Pass):
         if not chain:
             raise VlmcError("the package has no image chain (pipeline.image); nothing to prune")
         target = chain[-1]
+        refusal = v.get("prune") or {}
+        if refusal.get("supported") is False:
+            # A family states why its visual tokens cannot be pruned (e.g. anyres tiles with unpadding).
+            raise VlmcError(
+                f"cannot prune this package: {refusal.get('reason', 'the family does not support it')}"
+            )
         if v.get("pruning"):
             raise VlmcError(
                 f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "
@@ -475,9 +481,11 @@ class PruneVisualTokens(Pass):
         att = v.get("attention")
         if method not in BASELINES:
             if not att:
+                # vision.attention_note: the exporter's reason there are no attention facts, if it gave one
+                why = f" ({v['attention_note']})" if v.get("attention_note") else ""
                 raise VlmcError(
-                    f"method {method} needs the exporter's vision.attention facts, which this package lacks; "
-                    "use method uniform or random"
+                    f"method {method} needs the exporter's vision.attention facts, which this package lacks"
+                    f"{why}; use method uniform or random"
                 )
             if att.get("graph") != target:
                 raise VlmcError(

@@ -142,7 +142,8 @@ def test_runtime_walks_each_family_manifest(family_package):
     assert set(pipe.ran) == set(chain["image"]) | {chain["embed"]} | set(chain["decoder"])
     assert res.prefill_logits.shape == (2, m["text"]["vocab_size"])
     assert all(1 <= len(t) <= 3 for t in res.tokens)
-    expected_slots = sum(pipe.tokens_for_images(pipe.prepare(["x"], [["demo:1"]]).vision, 1)) * 2
+    one = pipe.prepare(["x"], [["demo:1"]])
+    expected_slots = sum(pipe.tokens_for_images(one.vision, 1, one.image_tiles)) * 2
     assert res.image_tokens == expected_slots
 
 

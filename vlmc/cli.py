@@ -138,9 +138,11 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
 
     if list_:
         fams = exporters.families()
-        rows = [[name, fam, ""] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
-        rows += [["", name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
-        ui.show(ui.table("built-ins and families", ["built-in", "family", "architectures"], rows))
+        # Two tables, so an architecture name keeps the full width (a 3-column table cut the longest ones).
+        builtins = [[name, fam] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
+        ui.show(ui.table("built-ins", ["built-in", "family"], builtins))
+        rows = [[name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
+        ui.show(ui.table("families", ["family", "architectures"], rows))
         return
     if not model or not output:
         raise click.UsageError("export needs MODEL and -o/--output (or --list)")
@@ -484,6 +486,10 @@ def inspect(package, as_json, pruning_image, output):
     multiple=True,
     help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).",
 )
+@click.option(
+    "--image-size",
+    help="HEIGHTxWIDTH of each image, for models whose image tokens depend on it (LLaVA-NeXT anyres, InternVL tiles).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(
     package,
@@ -497,6 +503,7 @@ def plan(
     max_context,
     reserve,
     precisions,
+    image_size,
     as_json,
 ):
     """Plan device memory: weights, KV per token/block, image tokens, headroom -> sequences and context that fit.
@@ -520,14 +527,15 @@ def plan(
                 f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}"
             )
         prec[role] = value
+    size = PL.parse_image_size(image_size)
     if config_path is not None:
-        spec = PL.load_spec(config_path, prec or None)
+        spec = PL.load_spec(config_path, prec or None, size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = PL.spec_from_package(Package.load(package))
+        spec = PL.spec_from_package(Package.load(package), size)
     result = PL.plan(
         spec,
         device_memory,

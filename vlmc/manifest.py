@@ -8,10 +8,12 @@ Layout (format version 1; ``?`` marks keys only some packages have)::
       "model":  {"family", "architecture", "source", "config_hash"},
       "vision": {"image_size": [h, w] | null, "tokens_per_image": int | null (the image grid decides),
                  "image_token_id": int,
-                 "preprocess": {"kind": "clip" | "resize" | "packed_patches", "mean", "std",
+                 "preprocess": {"kind": "clip" | "resize" | "packed_patches" | "tiles" | ..., "mean", "std",
                                 "rescale_factor", "resample", ...kind's settings},
                  "hidden_size", "patch_grid"?, "has_cls_token"?, "spatial_merge_size"?,
                  "packed_features"?, "dynamic_resolution"?, ...family facts passes read,
+                 "tiled"?: true,   # tokens_per_image counts per tile; an image is several vision rows
+                 "attention_note"?: str,  # why "attention" is null (prune names it when refusing)
                  "attention"?: {"graph", "layer", "layers", "probs", "query", "key_t", "scale",
                                 "masked", "query_index", "token_offset", "keys_per_image",
                                 "merge_group"?} | null,       # written by exporters, read by pruning

@@ -98,6 +98,8 @@ class Spec:
     act_dtype: str = "float16"
     block_size: int | None = None  # set for paged packages
     vision: dict = field(default_factory=dict)  # patches, width, intermediate, heads (activation estimate)
+    vision_rows_per_image: int = 1  # vision-graph rows one image becomes (tiles of a tiled family)
+    count_note: str | None = None  # how tokens_per_image was counted when it depends on the image size
 
     @property
     def weight_bytes(self) -> int:
@@ -232,6 +234,8 @@ def plan(
     if seq > ctx_max:
         ctx_max = seq
         notes.append("max context raised to the sequence length")
+    if spec.count_note:
+        notes.append(f"image tokens: {spec.count_note}")
     int4 = _int4_note(spec)
     if int4:
         notes.append(int4)
@@ -320,13 +324,68 @@ def activation_bytes(spec: Spec, seq: int, images: int) -> int:
     vis = 0
     if v and images:
         p = int(v["patches"])
-        vis = images * (p * (4 * int(v["width"]) + 2 * int(v["intermediate"])) + 2 * int(v["heads"]) * p * p)
+        vis = (
+            images
+            * spec.vision_rows_per_image
+            * (p * (4 * int(v["width"]) + 2 * int(v["intermediate"])) + 2 * int(v["heads"]) * p * p)
+        )
     return a * max(dec, vis)
 
 
 # ---- specs -----------------------------------------------------------------------------------
-def spec_from_package(pkg) -> Spec:
-    """Facts from vlmc.json and weight bytes from the package's graphs."""
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """'HxW' (e.g. 672x1008) -> (h, w)."""
+    if text is None:
+        return None
+    h, sep, w = str(text).lower().partition("x")
+    if not sep or not h.strip().isdigit() or not w.strip().isdigit() or not int(h) or not int(w):
+        raise VlmcError(f"--image-size {text!r}: write HEIGHTxWIDTH in pixels, e.g. 672x1008")
+    return int(h), int(w)
+
+
+def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> tuple[int, int, str | None, int]:
+    """Image tokens per image from the manifest: (tokens, vision-graph rows per image, how they were
+    counted, tokens before pruning).
+
+    The fixed count, or the preprocessing kind's count rule (the runtime's own) for ``image_size``: per
+    vision row for kinds in ``SIZE_COUNTS`` (tiles: the fixed count is per tile; without a size, the
+    worst case), per image for kinds in ``COUNTS`` (anyres: the size is needed).
+    """
+    import numpy as np
+
+    from vlmc.runtime import preprocess
+
+    tpi = v.get("tokens_per_image")
+    facts = v.get("preprocess") or {}
+    pruned = v.get("pruning") or {}
+    rule = preprocess.SIZE_COUNTS.get(facts.get("kind"))
+    if rule is not None:
+        before = pruned.get("unpruned_tokens_per_image") or tpi
+        tokens, rows, note = rule(v, *(image_size or (None, None)))
+        return tokens, rows, note, int(before) * rows
+    if isinstance(tpi, int):
+        return tpi, 1, None, int(pruned.get("tokens_before", tpi))
+    if facts.get("kind") in preprocess.COUNTS:
+        if image_size is None:
+            raise VlmcError(
+                "image tokens depend on the image size in this package "
+                f"({facts['kind']} preprocessing); give --image-size HEIGHTxWIDTH"
+            )
+        n = preprocess.token_counts({"image_sizes": np.array([image_size], np.int64)}, facts)[0]
+        return n, 1, None, n
+    raise VlmcError(
+        "the package has no fixed vision.tokens_per_image (dynamic resolution); "
+        "plan needs it: export with a fixed image size"
+    )
+
+
+def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
+    """Facts from vlmc.json and weight bytes from the package's graphs.
+
+    ``image_size`` (height, width) counts the image tokens of an image of that size where the count depends
+    on it (the preprocessing kind's rule: tiles, anyres); a tiled package without it is planned at its
+    worst case.
+    """
     from vlmc import graphs as G
 
     m = pkg.manifest
@@ -335,13 +394,7 @@ def spec_from_package(pkg) -> Spec:
         GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
         for n, g in m["graphs"].items()
     ]
-    tpi = v.get("tokens_per_image")
-    if not isinstance(tpi, int):
-        raise VlmcError(
-            "the package has no fixed vision.tokens_per_image (dynamic resolution); "
-            "plan needs it: export with a fixed image size"
-        )
-    unpruned = int((v.get("pruning") or {}).get("tokens_before", tpi))
+    tpi, rows, note, unpruned = _package_tokens(v, image_size)
     hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
     decoder = next(iter(m["pipeline"].get("decoder", [])), None)
     inter = _widest_inner(pkg.graph(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
@@ -362,6 +415,8 @@ def spec_from_package(pkg) -> Spec:
         vocab=int(t["vocab_size"]),
         act_dtype="float32" if precisions <= {"fp32"} else "float16",
         block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
+        vision_rows_per_image=rows,
+        count_note=note,
     )
 
 
@@ -433,7 +488,13 @@ def spec_from_dict(d: dict, name: str = "spec") -> Spec:
         ) from None
 
 
-def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "config") -> Spec:
+def spec_from_hf_config(
+    d: dict,
+    precision: dict | None = None,
+    name: str = "config",
+    image_size: tuple[int, int] | None = None,
+    directory: Path | None = None,
+) -> Spec:
     """Count parameters of a Hugging Face config of a family vlmc exports, on the meta device (no weights).
 
     The decoder's parameters are those of ``get_decoder()`` (minus its input embeddings) plus
@@ -476,11 +537,11 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     v = getattr(config, "vision_config", None)
     heads = int(t.num_attention_heads)
     head_dim = int(getattr(t, "head_dim", None) or t.hidden_size // heads)
-    tpi = _tokens_per_image(mod, config)
+    tpi, rows, note = _tokens_per_image(mod, config, image_size, directory, name)
     vision = {}
     if v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
         vision = {
-            "patches": (int(v.image_size) // int(v.patch_size)) ** 2 + 1,
+            "patches": (_side(v.image_size) // _side(v.patch_size)) ** 2 + 1,
             "width": int(v.hidden_size),
             "intermediate": int(v.intermediate_size),
             "heads": int(v.num_attention_heads),
@@ -500,21 +561,49 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
         intermediate=int(t.intermediate_size),
         vocab=int(t.vocab_size),
         vision=vision,
+        vision_rows_per_image=rows,
+        count_note=note,
     )
 
 
-def _tokens_per_image(mod, config) -> int:
+def _side(v) -> int:
+    # Configs give a square side as an int or as [height, width] (e.g. InternVL's vision config).
+    return int(v[0]) if isinstance(v, (list, tuple)) else int(v)
+
+
+def _tokens_per_image(mod, config, image_size, directory, name) -> tuple[int, int, str | None]:
+    """(image tokens per image, vision-graph rows per image, how counted) from a config."""
     fn = getattr(mod, "tokens_per_image", None)
     if fn is None:
         raise VlmcError(
             f"the {mod.__name__} exporter does not state tokens per image for a config; "
             "use a vlmc sizing spec"
         )
-    return int(fn(config))
+    fixed = fn(config)
+    family = getattr(mod, "FAMILY", None)  # generic tier: the family's count rule for an image size
+    if fixed is not None and (image_size is None or family is None):
+        return int(fixed), 1, None
+    if family is None:
+        raise VlmcError(f"the {mod.__name__} exporter states no tokens per image for this config")
+    if image_size is None:
+        raise VlmcError(
+            f"{name}: image tokens of this {family.name} model depend on the image size; "
+            "give --image-size HEIGHTxWIDTH"
+        )
+    h, w = image_size
+    tokens = int(family.tokens_for_size(config, h, w, directory))
+    rows_fn = getattr(family, "vision_rows_for_size", None)
+    rows = int(rows_fn(config, h, w, directory)) if rows_fn else 1
+    return tokens, rows, f"{h}x{w}: {tokens} tokens" + (f" in {rows} tiles" if rows > 1 else "")
 
 
-def load_spec(path: str | Path, precision: dict | None = None) -> Spec:
-    """A Spec from a file: a vlmc sizing spec (JSON or YAML) or a Hugging Face config.json."""
+def load_spec(
+    path: str | Path, precision: dict | None = None, image_size: tuple[int, int] | None = None
+) -> Spec:
+    """A Spec from a file: a vlmc sizing spec (JSON or YAML) or a Hugging Face config.json.
+
+    A config.json beside its processor files is counted with that processor's settings (``image_size``).
+    """
     p = Path(path)
     if not p.is_file():
         raise VlmcError(f"config {p} does not exist")
@@ -535,4 +624,8 @@ def load_spec(path: str | Path, precision: dict | None = None) -> Spec:
             d = dict(d, precision={**d.get("precision", {}), **precision})
         return spec_from_dict(d, name=str(p))
     name = p.parent.name if p.name == "config.json" else p.stem
-    return spec_from_hf_config(d, precision, name=name)
+    has_processor = any(
+        (p.parent / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")
+    )
+    directory = p.parent if p.name == "config.json" and has_processor else None
+    return spec_from_hf_config(d, precision, name=name, image_size=image_size, directory=directory)

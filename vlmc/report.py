@@ -195,7 +195,9 @@ def render_markdown(pkg, root: Path | None = None) -> str:
     lines = [f"# vlmc package: {m['model']['source']}", ""]
     lines += [
         f"- family: **{m['model']['family']}** ({m['model']['architecture']})",
-        f"- visual tokens per image: {s['vision']['tokens_per_image']}",
+        f"- visual tokens per image: {s['vision']['tokens_per_image']}"
+        # tiled packages (vision.tiled): an image is 1..n tiles of tokens_per_image each
+        + (" per tile" if m["vision"].get("tiled") else ""),
         f"- KV layout: {m['kv']['layout']}"
         + (f" (block size {m['kv'].get('block_size')})" if m["kv"].get("block_size") else ""),
         f"- KV bytes per token: {s['kv']['bytes_per_token']}",

@@ -27,6 +27,11 @@ FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
     "blip2": "vlmc.exporters.blip2",
+    # the generic tier (vlmc/exporters/generic.py)
+    "llava_next": "vlmc.exporters.llava_next",
+    "llava_onevision": "vlmc.exporters.llava_onevision",
+    "gemma3": "vlmc.exporters.gemma3",
+    "internvl": "vlmc.exporters.internvl",
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from vlmc import ortsession
 from vlmc.errors import VlmcError
 from vlmc.package import Package
-from vlmc.runtime import chat, positions, preprocess
+from vlmc.runtime import chat, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
 
@@ -39,6 +39,9 @@ class Inputs:
     # Every output of the image chain once prefill ran it (e.g. a pruned package's image_token_indices,
     # which M-RoPE positions need).
     image_outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    # Vision-graph rows per image when the preprocessing tiles images (vision.preprocess kind "tiles"):
+    # each row gets tokens_per_image placeholders. None: one row per image.
+    image_tiles: list[int] | None = None
 
 
 @dataclass
@@ -112,10 +115,17 @@ class Pipeline:
         return self._tokenizer
 
     # ---- inputs ----------------------------------------------------------------------------
-    def tokens_for_images(self, vision: dict[str, np.ndarray], n_images: int) -> list[int]:
-        """Placeholder count per image: fixed by the manifest, or derived from the image grid."""
+    def tokens_for_images(
+        self, vision: dict[str, np.ndarray], n_images: int, tiles: list[int] | None = None
+    ) -> list[int]:
+        """Placeholder count per image: fixed by the manifest (per tile when the preprocessing tiles images),
+        or derived from the image grid."""
         v = self.m["vision"]
         grid = vision.get("image_grid_thw")
+        if tiles is not None:
+            if not isinstance(v.get("tokens_per_image"), int):
+                raise VlmcError("a tiled package needs a fixed vision.tokens_per_image (tokens per tile)")
+            return [int(v["tokens_per_image"]) * int(n) for n in tiles]
         if isinstance(v.get("tokens_per_image"), int):
             k = int(v["tokens_per_image"])
             if grid is not None and v.get("pruning"):
@@ -128,6 +138,9 @@ class Pipeline:
                             f"the {k} this pruned package keeps per image; use a larger image"
                         )
             return [k] * n_images
+        counts = preprocess.token_counts(vision, v["preprocess"])
+        if counts is not None:
+            return counts
         if grid is None:
             raise VlmcError("manifest gives no tokens_per_image and the preprocessing gives no image grid")
         merge = int(v.get("spatial_merge_size", 1))
@@ -181,12 +194,18 @@ class Pipeline:
             lead = self.tokenizer.encode(marker * sum(counts), add_bos=False) if counts else []
             ids = lead + self.tokenizer.encode(text.replace(marker, ""), add_bos=add)
         else:
+            # Each marker becomes its run of image tokens, or, with text.image_expansion, the text the
+            # processor puts there ("{tokens}" is the run; e.g. Gemma3's begin/end-of-image around it).
+            image_token = t.get("image_token") or marker
+            expansion = t.get("image_expansion") or "{tokens}"
             pieces = text.split(marker)
-            expanded = pieces[0] + "".join(marker * n + piece for n, piece in zip(counts, pieces[1:]))
+            expanded = pieces[0] + "".join(
+                expansion.replace("{tokens}", image_token * n) + piece for n, piece in zip(counts, pieces[1:])
+            )
             ids = self.tokenizer.encode(expanded, add_bos=add)
         if sum(1 for x in ids if x == image_id) != sum(counts):
             raise VlmcError(
-                f"the tokenizer does not map {marker!r} to the image token id {image_id} "
+                f"the tokenizer does not map {t.get('image_token') or marker!r} to the image token id {image_id} "
                 f"({sum(1 for x in ids if x == image_id)} placeholders for {sum(counts)} image tokens)"
             )
         vocab = int(t["vocab_size"])
@@ -213,9 +232,17 @@ class Pipeline:
                     "pass UTF-8 text"
                 ) from None
         t = self.m["text"]
+        most = self.m["vision"]["preprocess"].get("max_images_per_prompt")
+        if most is not None and any(len(per) > most for per in images):
+            raise VlmcError(
+                f"{self.m['model']['family']}: at most {most} image(s) per prompt (the processor lays out "
+                "several images of one prompt differently, which this runtime does not reproduce)"
+            )
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
-        counts = self.tokens_for_images(vision, len(flat)) if flat else []
+        tiles = vision.pop(preprocess.TILES_KEY, None)
+        tiles = None if tiles is None else [int(n) for n in tiles]
+        counts = self.tokens_for_images(vision, len(flat), tiles) if flat else []
         image_id = int(self.m["vision"]["image_token_id"])
         seqs, k = [], 0
         for prompt, per in zip(prompts, images):
@@ -236,12 +263,17 @@ class Pipeline:
         extra = {}
         if t.get("token_type_ids"):
             extra[t["token_type_ids"]] = (ids == image_id).astype(np.int64)
-        return Inputs(ids, mask, vision, [len(p) for p in images], extra)
+        return Inputs(ids, mask, vision, [len(p) for p in images], extra, image_tiles=tiles)
 
     # ---- generation ------------------------------------------------------------------------
+    def vision_feeds(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The processor's vision inputs plus what the preprocessing kind derives from them for the
+        graphs (e.g. anyres' image_feature_index / image_feature_weight), which the processor does not give."""
+        return {**vision, **preprocess.graph_feeds(vision, self.m["vision"]["preprocess"])}
+
     def image_outputs(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the image chain; all its outputs (image_features, plus e.g. image_token_indices)."""
-        return self.run_chain(self.m["pipeline"]["image"], vision)
+        return self.run_chain(self.m["pipeline"]["image"], self.vision_feeds(vision))
 
     def image_features(self, vision: dict[str, np.ndarray]) -> np.ndarray:
         """Run the image chain; returns features flattened to [total_image_tokens, hidden]."""
@@ -272,7 +304,7 @@ class Pipeline:
     def _check_merged_slots(self, inp: Inputs) -> None:
         """The merged graph cannot report a placeholder/feature mismatch itself; check it before running."""
         n_slots = int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum())
-        expected = sum(self.tokens_for_images(inp.vision, sum(inp.image_counts)))
+        expected = sum(self.tokens_for_images(inp.vision, sum(inp.image_counts), inp.image_tiles))
         if n_slots != expected:
             raise VlmcError(f"{n_slots} image placeholders but the images give {expected} features")
 
@@ -299,6 +331,7 @@ class Pipeline:
             "image_outputs": inp.image_outputs,
         }
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
+        extra = extras.prefill(self.m, inp.input_ids)
         mask = inp.attention_mask
         dtype = self.m["kv"].get("dtype", "float32")
         state = kvmod.make(self.m["kv"], batch, dtype, attention_mask=mask, pipeline=self)
@@ -308,9 +341,9 @@ class Pipeline:
         prefill_logits = None
         try:
             for step in range(max_new_tokens):
-                available = {"attention_mask": mask, "position_ids": pos}
+                available = {"attention_mask": mask, "position_ids": pos, **extra}
                 if embeds is None:
-                    available.update(inp.vision, input_ids=inp.input_ids)
+                    available.update(self.vision_feeds(inp.vision), input_ids=inp.input_ids)
                     chain, new_tokens = [merged], inp.input_ids.shape[1]
                 else:
                     available["inputs_embeds"] = embeds
@@ -334,6 +367,7 @@ class Pipeline:
                 embeds = self.embed(nxt[:, None].astype(np.int64))
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
                 pos = positions.next_positions(pos)
+                extra = extras.decode(self.m, nxt[:, None].astype(np.int64))
         finally:
             state.release()
         texts = [self.tokenizer.decode([x for x in seq if x not in eos_ids]) for seq in tokens]

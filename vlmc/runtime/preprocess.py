@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc.errors import VlmcError
-from vlmc.runtime import patches
+from vlmc.runtime import anyres, patches, tiles
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,39 @@ KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
     "clip": clip,
     "resize": resize,
     "packed_patches": patches.packed_patches,
+    "tiles": tiles.tiles,
+    "anyres": anyres.preprocess,
 }
+# A preprocessing output that is not a graph input: per-image tile counts (kind "tiles").
+TILES_KEY = tiles.TILES_KEY
+
+
+# kind -> function(vision inputs, facts) -> image tokens per image, for kinds whose count depends on the
+# image (anyres); other kinds use vision.tokens_per_image or the image grid.
+COUNTS: dict[str, Callable[[dict[str, np.ndarray], dict], list[int]]] = {"anyres": anyres.token_counts}
+# kind -> function(vision inputs, facts) -> extra vision graph inputs derived from the processor's outputs
+# (fed to the graphs, never compared with the processor).
+FEEDS: dict[str, Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]] = {
+    "anyres": anyres.graph_feeds
+}
+
+
+# kind -> function(vision manifest facts, height, width) -> (image tokens, vision-graph rows, how counted):
+# the count for an image of a given size without the image (vlmc plan); for kinds whose count depends on it.
+SIZE_COUNTS: dict[str, Callable[[dict, int | None, int | None], tuple[int, int, str]]] = {
+    "tiles": tiles.tokens_for_size
+}
+
+
+def token_counts(vision: dict[str, np.ndarray], facts: dict) -> list[int] | None:
+    """Image tokens per image by the preprocessing kind's own rule, or None when the kind has none."""
+    fn = COUNTS.get(facts.get("kind"))
+    return None if fn is None else fn(vision, facts)
+
+
+def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    fn = FEEDS.get(facts.get("kind"))
+    return {} if fn is None or not vision else fn(vision, facts)
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:
