@@ -161,7 +161,7 @@ def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
         bound = _CONFIG_SIZES.get(key)
         if bound is None or value is None:
             continue
-        values = value if isinstance(value, list) and key == "image_size" else [value]
+        values = value if isinstance(value, (list, tuple)) else [value]  # [h, w] sizes (InternVL)
         for v in values:
             top = getattr(limits, bound)
             if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= top:
