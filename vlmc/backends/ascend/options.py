@@ -52,7 +52,8 @@ TARGET_OPTIONS = (
         str,
         "int8",
         "INT4 weight storage in the lowered graph: int8 (one value per int8; builds on any CANN) or int4 "
-        "(ONNX INT4, two per byte; needs an ATC that parses ONNX INT4, hicann/ge 14b93e226; unverified)",
+        "(ONNX INT4, two per byte; needs an ATC that maps ONNX INT4, hicann/ge 14b93e226, in no release tag yet; "
+        "unverified)",
         choices=("int8", "int4"),
     ),
     pass_api.Option("run", bool, False, "run atc when it is on PATH and collect the .om files"),
