@@ -214,7 +214,14 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 @click.option(
     "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
 )
-def run(package, images, prompts, max_new_tokens, as_json, executor, device_id):
+@click.option(
+    "--against",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="For a compile output: also run this package on onnxruntime and report how far the build's tokens "
+    "and logits are from it.",
+)
+def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against):
     """Generate text for prompts (and images) with a package on onnxruntime CPU, or with a compile output.
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
@@ -226,6 +233,8 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id):
         vlmc run out/demo/package --image demo --prompt "Describe the image."
 
         vlmc run out/demo-910b --executor reference --image demo --prompt "Describe the image."
+
+        vlmc run out/demo-910b --against out/demo/package --prompt "Describe the image."
     """
     from vlmc.backends.ascend import runner
     from vlmc.package import Package
@@ -250,11 +259,27 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id):
         result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
     finally:
         pipe.close()
+    report = None
+    if against is not None:
+        ref_pipe = Pipeline(Package.load(against))
+        try:
+            report = runner.agreement(ref_pipe.generate(list(prompts), per_prompt, max_new_tokens), result)
+        finally:
+            ref_pipe.close()
     if as_json:
-        click.echo(json.dumps({"tokens": result.tokens, "texts": result.texts}))
+        out = {"tokens": result.tokens, "texts": result.texts}
+        if report is not None:
+            out["agreement"] = report
+        click.echo(json.dumps(out))
         return
     for p, text, toks in zip(prompts, result.texts, result.tokens):
         ui.stdout.print(f"[bold]{p}[/bold] -> {text!r}  ({len(toks)} tokens: {toks})")
+    if report is not None:
+        where = "none" if report["first_divergence"] is None else f"token {report['first_divergence']}"
+        ui.stdout.print(
+            f"against {against}: {report['tokens_agree']}/{report['tokens']} tokens agree (first divergence: "
+            f"{where}); max |logit diff| {report['max_logit_diff']:.3g} (prefill {report['prefill_logit_diff']:.3g})"
+        )
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:

@@ -307,6 +307,35 @@ def _inside(root: Path, rel: str) -> Path:
     return path
 
 
+def agreement(reference, got) -> dict:
+    """How far a build's generation is from the package's on onnxruntime (two GenerationResults).
+
+    Tokens are compared position by position up to the first divergence (after it the two runs decode
+    different contexts); logits are compared where both decoded the same context.
+    """
+    agree, total, first = 0, 0, None
+    for r, g in zip(reference.tokens, got.tokens):
+        n = 0
+        while n < min(len(r), len(g)) and r[n] == g[n]:
+            n += 1
+        agree, total = agree + n, total + max(len(r), len(g))
+        if n < max(len(r), len(g)) and first is None:
+            first = n
+    steps = min(
+        len(reference.step_logits), len(got.step_logits), (first if first is not None else 1 << 30) + 1
+    )
+    diff = max(
+        float(np.abs(a - b).max()) for a, b in zip(reference.step_logits[:steps], got.step_logits[:steps])
+    )
+    return {
+        "tokens_agree": agree,
+        "tokens": total,
+        "first_divergence": first,
+        "max_logit_diff": diff,
+        "prefill_logit_diff": float(np.abs(reference.prefill_logits - got.prefill_logits).max()),
+    }
+
+
 def is_build_dir(path: Path) -> bool:
     """True for a `vlmc compile` output of the ascend backend."""
     marker = Path(path) / BUILD_MARKER
