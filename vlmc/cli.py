@@ -228,7 +228,7 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
     through --executor, in the same generation loop. With several prompts, images are shared out in
     order, one per placeholder.
 
-    Examples:
+    Example:
 
         vlmc run out/demo/package --image demo --prompt "Describe the image."
 
