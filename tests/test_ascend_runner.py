@@ -83,6 +83,21 @@ def test_reference_executor_gives_the_package_tokens(exported, tmp_path, name, l
     assert report["max_logit_diff"] < (2e-2 if layout == "paged" else 1e-4), report
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_batch_and_images_are_padded_to_their_gears(exported, tmp_path, layout):
+    # 3 prompts on batch gears [1, 4] (one copied row), 2 images on image gears [1, 2], a text-only prompt.
+    pkg = _package(exported, "tiny-llava", layout, tmp_path)
+    prompts = ["Describe the image.", "What is it? Answer in a few words please.", "Hi"]
+    images = [["demo"], ["demo:1"], []]
+    ref = Pipeline(pkg).generate(prompts, images, 4)
+    target = {"soc": SOC, "sequence_buckets": [64, 256], "batch_sizes": [1, 4], "images": [1, 2]}
+    ascend.compile(pkg, tmp_path / "build", target)
+    run_pkg, executor = runner.open_build(tmp_path / "build", "reference")
+    got = Pipeline(run_pkg, executor=executor).generate(prompts, images, 4)
+    assert got.tokens == ref.tokens
+    assert runner.agreement(ref, got)["max_logit_diff"] < (5e-2 if layout == "paged" else 1e-4)
+
+
 def test_vlmc_run_build_matches_vlmc_run_package_for_paged_llava(exported, tmp_path):
     pkg = _package(exported, "tiny-llava", "paged", tmp_path)
     ascend.compile(pkg, tmp_path / "build", _target(pkg))
@@ -171,6 +186,19 @@ def test_a_prompt_longer_than_every_gear_is_one_line(paged_build):
     out = _cli("run", str(root), "--executor", "reference", "--prompt", "x" * 300, "--max-new-tokens", "2")
     assert out.exit_code != 0 and "Traceback" not in out.output
     assert "no gear holds sequence=" in out.output and "embed_tokens" in out.output
+
+
+def test_acl_executor_is_import_guarded(paged_build):
+    root, _ = paged_build
+    from vlmc.backends.ascend import acl_device
+
+    if acl_device.available():
+        pytest.skip("pyACL imports here")
+    with pytest.raises(VlmcError, match="pyACL \\(acl\\) does not import here"):
+        runner.open_build(root, "acl")
+    assert runner.default_executor() == "reference"
+    out = _cli("run", str(root), "--prompt", "Hi", "--max-new-tokens", "2", "--json")
+    assert out.exit_code == 0 and len(json.loads(out.output.splitlines()[-1])["tokens"][0]) == 2
 
 
 def test_executor_option_needs_a_compile_output(exported):
