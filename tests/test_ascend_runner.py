@@ -98,6 +98,29 @@ def test_batch_and_images_are_padded_to_their_gears(exported, tmp_path, layout):
     assert runner.agreement(ref, got)["max_logit_diff"] < (5e-2 if layout == "paged" else 1e-4)
 
 
+class _CountingPool(runner.HostPool):
+    writes = 0
+
+    def write(self, rows, slot_mapping):
+        type(self).writes += 1
+        super().write(rows, slot_mapping)
+
+
+def test_pools_held_by_the_device_take_the_same_path(paged_build, exported, tmp_path):
+    # The NPU keeps the pools (PagedKV asks the executor's new_pool and stores rows with pool.write);
+    # the reference device can hold them the same way, so that path is checked on CPU too.
+    root, summary = paged_build
+    run_pkg, _ = runner.open_build(root, "reference")
+    device = runner.ReferenceDevice(device_pools=True)
+    device.new_pool = _CountingPool
+    executor = runner.BuildExecutor(root, summary, device)
+    got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    ref = Pipeline(_package(exported, "tiny-llava", "paged", tmp_path)).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    assert got.tokens == ref.tokens
+    layers = run_pkg.manifest["kv"]["layers"]
+    assert _CountingPool.writes == 2 * layers * NEW_TOKENS  # K and V of every layer, every step
+
+
 def test_vlmc_run_build_matches_vlmc_run_package_for_paged_llava(exported, tmp_path):
     pkg = _package(exported, "tiny-llava", "paged", tmp_path)
     ascend.compile(pkg, tmp_path / "build", _target(pkg))

@@ -115,6 +115,28 @@ class Device(Protocol):
     def close(self) -> None: ...
 
 
+class HostPool:
+    """A paged pool held by the device rather than by the loop: on CPU, a numpy array behind the
+    same ``shape`` / ``dtype`` / ``write(rows, slot_mapping)`` surface the NPU's pools have."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype) -> None:
+        self.name = name
+        self.array = np.zeros(shape, np.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        from vlmc.runtime.paged import write_rows
+
+        write_rows(self.array, rows, slot_mapping)
+
+
 class ReferenceDevice:
     """The lowered graphs on CPU (vlmc/backends/ascend/reference.py), as strict as the .om is.
 
@@ -123,9 +145,17 @@ class ReferenceDevice:
     that checks the host logic where there is no NPU.
     """
 
-    def __init__(self, fp16: bool = True) -> None:
+    def __init__(self, fp16: bool = True, device_pools: bool = False) -> None:
+        """
+        Args:
+            fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
+            device_pools: hold the paged pools here (:class:`HostPool`) the way the NPU device holds
+                them, so the loop's device-pool path (``new_pool``, ``pool.write``) runs on CPU too.
+        """
         self.fp16 = fp16
         self._sessions: dict[str, object] = {}  # graph file -> reference session (builds may share a file)
+        if device_pools:
+            self.new_pool = HostPool
 
     def load(self, build: BuildSpec, root: Path) -> None:
         from vlmc.backends.ascend import reference
@@ -139,13 +169,14 @@ class ReferenceDevice:
         names = [i["name"] for i in build.inputs]
         if list(feeds) != names:
             raise VlmcError(f"{build.name}: feeds {list(feeds)} are not the build's inputs in order {names}")
+        feeds = {n: v.array if isinstance(v, HostPool) else v for n, v in feeds.items()}
         for spec in build.inputs:
             got = np.asarray(feeds[spec["name"]]).dtype
             if got != np.dtype(spec["dtype"]):
                 raise VlmcError(
                     f"{build.name}: input {spec['name']} is {got}, the build declares {spec['dtype']}"
                 )
-        actual = [int(d) for n in names for d in np.shape(feeds[n])]
+        actual = [int(d) for n in names for d in _shape(feeds[n])]
         if actual not in build.allowed_dims():
             raise VlmcError(f"{build.name}: input shapes {_shapes(feeds)} are not one of the build's gears")
         if dims is not None and dims != actual:
@@ -227,13 +258,13 @@ class BuildExecutor:
         for name in graph_inputs - declared:
             # A build without an input the graph has (a contiguous prefill build has no past) fits only
             # while that feed is empty.
-            if name in feeds and np.size(feeds[name]) and 0 not in np.shape(feeds[name]):
+            if name in feeds and 0 not in _shape(feeds[name]):
                 return f"takes no {name}"
         actual: dict[str, int] = {}
         for spec in build.inputs:
             if spec["name"] not in feeds:
                 return f"needs {spec['name']}"
-            shape = np.shape(feeds[spec["name"]])
+            shape = _shape(feeds[spec["name"]])
             if len(shape) != len(spec["dims"]):
                 return f"{spec['name']} has rank {len(shape)}, the build {len(spec['dims'])}"
             for axis, (d, n) in enumerate(zip(spec["dims"], shape)):
@@ -295,8 +326,13 @@ def _strip(arr: np.ndarray, dims: list, values: dict[str, int], actual: dict[str
     return np.ascontiguousarray(arr)
 
 
+def _shape(value) -> tuple[int, ...]:
+    """The shape of a feed: a numpy array, or a device pool (which has ``shape`` but is no array)."""
+    return tuple(int(d) for d in value.shape) if hasattr(value, "shape") else np.shape(value)
+
+
 def _shapes(feeds: dict[str, object]) -> str:
-    return ", ".join(f"{n}{list(np.shape(v))}" for n, v in feeds.items())
+    return ", ".join(f"{n}{list(_shape(v))}" for n, v in feeds.items())
 
 
 def _inside(root: Path, rel: str) -> Path:
