@@ -229,7 +229,10 @@ class BuildExecutor:
             elif best is None or fit[0] < best[0]:
                 best = (*fit, build)
         if best is None:
-            raise VlmcError(f"graph {graph}: no build takes these inputs ({'; '.join(reasons)})")
+            raise VlmcError(
+                f"graph {graph}: no build takes these inputs ({'; '.join(reasons)}); compile again with gears "
+                "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
+            )
         _, gear, values, actual, build = best
         padded = {i["name"]: self._pad(i, feeds[i["name"]], values, actual) for i in build.inputs}
         if build.name not in self._loaded:
