@@ -248,10 +248,9 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         pkg, build_exec = runner.open_build(path, chosen, device_id)
         pipe = Pipeline(pkg, executor=build_exec)
     else:
-        if executor is not None:
-            raise VlmcError(
-                f"--executor applies to a compile output; {path} is a package (run it without it)"
-            )
+        if executor is not None or against is not None:
+            flag = "--executor" if executor is not None else "--against"
+            raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
         pkg = Package.load(path)
         pipe = Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
