@@ -348,3 +348,30 @@ def test_int4_notes_name_the_file_constant_parser_and_the_release_state():
         assert "14b93e226" in note and "no CANN release tag" in note and "v9.1.0" in note
     assert "onnx_file_constant_parser.cc" in _weight_only_matmul.INT4_PACKED_NOTE
     assert "onnx_constant_parser.cc" not in _weight_only_matmul.INT4_PACKED_NOTE.replace("file_constant", "")
+
+
+def test_prefill_graph_keeps_a_concat_of_the_past_alone():
+    # The exporters leave `Concat(past_key_values.0.key)` (one input) in front of the attention; the
+    # prefill form used to drop its only input, leaving a Concat with none (invalid ONNX, which the
+    # reference executor refused). It now keeps the past, fed empty.
+    from vlmc.backends.ascend import lower
+
+    past = helper.make_tensor_value_info(
+        "past_key_values.0.key", TensorProto.FLOAT, ["batch", 2, "past_sequence", 4]
+    )
+    x = helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch", 2, "sequence", 4])
+    nodes = [
+        helper.make_node("Concat", ["past_key_values.0.key"], ["alone"], axis=-2),
+        helper.make_node("Concat", ["alone", "inputs_embeds"], ["present.0.key"], axis=-2),
+    ]
+    out = helper.make_tensor_value_info("present.0.key", TensorProto.FLOAT, ["batch", 2, "total_sequence", 4])
+    model = helper.make_model(
+        helper.make_graph(nodes, "g", [x, past], [out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    prefill, empties = lower.strip_past(model, "decoder")
+    assert [i.name for i in prefill.graph.input] == ["inputs_embeds"] and empties == 1
+    assert all(len(n.input) for n in prefill.graph.node if n.op_type == "Concat")
+    onnx.checker.check_model(prefill, full_check=True)
+    feed = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
+    (got,) = ort.InferenceSession(prefill.SerializeToString()).run(None, {"inputs_embeds": feed})
+    np.testing.assert_array_equal(got, feed)
