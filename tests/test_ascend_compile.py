@@ -322,8 +322,9 @@ def test_prefill_graph_shares_weights_and_runs(tmp_path):
 def test_paged_decoder_has_static_pool_and_batch_gears(tmp_path):
     summary = _compile(_package("paged"), tmp_path / "b", sequence_buckets=[128, 256], batch_sizes=[1, 2, 4])
     decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
-    # max context 257 with 16-token blocks -> 17 blocks per sequence, 4 sequences -> a pool of 68 blocks.
-    assert "key_cache.0:68,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
+    # max context 257 with 16-token blocks -> 17 blocks per sequence, 4 sequences and the reserved
+    # block 0 -> a pool of 69 blocks.
+    assert "key_cache.0:69,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
     assert decode["profiles"] == 3 and decode["bindings"]["sequence"] == [1]
 
 
@@ -651,7 +652,10 @@ def test_buckets_above_max_positions_are_reported_once_per_compile(tmp_path, cap
     pkg.manifest["text"]["max_positions"] = 256
     with caplog.at_level("WARNING"):
         summary = _compile(pkg, tmp_path / "b", sequence_buckets=[128, 256, 512, 1024])
-    said = [r.getMessage() for r in caplog.records if "are dropped" in r.getMessage()]
-    assert said == ["sequence_buckets above the model's max_positions 256 are dropped: [512, 1024]"]
-    assert [w for w in summary["warnings"] if "are dropped" in w] == said
+    said = [r.getMessage() for r in caplog.records if "are capped" in r.getMessage()]
+    assert said == [
+        "sequence_buckets above the model's max_positions 256 are capped to 256: [512, 1024]",
+        "past_buckets above max_positions 256 less the decoded token are capped to 255: [256, 512, 1024]",
+    ]
+    assert [w for w in summary["warnings"] if "are capped" in w] == said
     assert len(summary["builds"]) > 1  # several builds, and still one message

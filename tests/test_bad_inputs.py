@@ -297,6 +297,35 @@ def fewer_images_than_placeholders(work, pkg):
     return ["run", str(pkg), "--image", "demo", "--prompt", "<image> and <image>"]
 
 
+# ---- compile outputs (`vlmc run BUILD_DIR`) ------------------------------------------------------------
+def _build(work: Path, pkg: Path) -> Path:
+    from vlmc.backends import ascend
+    from vlmc.package import Package
+
+    ascend.compile(Package.load(pkg), work / "b", {"soc": "Ascend910B2", "sequence_buckets": [64]})
+    return work / "b"
+
+
+def build_prompt_beyond_gears(work, pkg):
+    return ["run", str(_build(work, pkg)), "--executor", "reference", "--prompt", "x" * 300]
+
+
+def build_from_older_vlmc(work, pkg):
+    build = _build(work, pkg)
+    summary = json.loads((build / "compile.json").read_text())
+    del summary["runner"]
+    (build / "compile.json").write_text(json.dumps(summary))
+    return ["run", str(build), "--executor", "reference", "--prompt", "Hi"]
+
+
+def build_acl_missing(work, pkg):
+    return ["run", str(_build(work, pkg)), "--executor", "acl", "--prompt", "Hi"]
+
+
+def executor_on_a_package(work, pkg):
+    return ["run", str(pkg), "--executor", "reference", "--prompt", "Hi"]
+
+
 CASES = [
     Case(
         "nonexistent-model-path", nonexistent_model, ("does not exist", "local Hugging Face model directory")
@@ -340,6 +369,16 @@ CASES = [
         ("unknown position kind 'from_the_future'", "known kinds: 1d, mrope", "upgrade vlmc"),
     ),
     Case("not-a-package", not_a_package, ("is not a vlmc package", "vlmc export")),
+    Case(
+        "build-prompt-beyond-gears",
+        build_prompt_beyond_gears,
+        ("no build takes these inputs", "no gear holds sequence=", "sequence_buckets"),
+    ),
+    Case("build-from-older-vlmc", build_from_older_vlmc, ("older vlmc", "re-run `vlmc compile`")),
+    Case(
+        "build-acl-missing", build_acl_missing, ("pyACL (acl) does not import here", "--executor reference")
+    ),
+    Case("executor-on-a-package", executor_on_a_package, ("applies to a compile output",)),
     Case("recipe-bad-yaml", recipe_bad_yaml, ("YAML error at line 3",)),
     Case("recipe-unknown-pass", recipe_unknown_pass, ("unknown pass 'simplfy'", "valid passes:", "simplify")),
     Case(

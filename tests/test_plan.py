@@ -67,10 +67,11 @@ def test_plan_arithmetic_on_a_hand_sized_model():
     # Activations (fp16): decoder 33*(4*32+3*64) + 2*4*33*33 + 33*50 = 10560 + 8712 + 1650 = 20922 elements.
     assert p.activation_bytes == 2 * 20922
     assert p.free_for_kv == 1_000_000 - 41844 - 2500
-    assert p.paged_reservation == 3 * 3 * 4096  # ceil(33/16) = 3 blocks per sequence
+    # ceil(33/16) = 3 blocks per sequence, plus block 0, which the runtime never hands out
+    assert p.paged_reservation == (3 * 3 + 1) * 4096
     assert p.contiguous_reservation == 3 * 100 * 256  # worst case: max positions per sequence
-    assert p.paged_saving == 76800 - 36864
-    assert p.max_sequences_paged == p.free_for_kv // (3 * 4096)
+    assert p.paged_saving == 76800 - 40960
+    assert p.max_sequences_paged == (p.free_for_kv - 4096) // (3 * 4096)
     assert p.max_sequences_contiguous == p.free_for_kv // 25600
     assert p.max_context_one_sequence == 100 and p.fits_paged and p.fits_contiguous
     # A paged decode step (interface v2: the pool is read in place) holds, for one layer, the gathered

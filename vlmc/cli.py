@@ -229,27 +229,81 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     help="Tokens to generate per prompt (fewer if every prompt reaches end-of-sequence).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print tokens and text as JSON.")
-def run(package, images, prompts, max_new_tokens, as_json):
-    """Generate text for prompts (and images) with the package on onnxruntime CPU.
+@click.option(
+    "--executor",
+    type=click.Choice(["acl", "reference"]),
+    default=None,
+    help="For a compile output: acl (the .om files on an NPU; the default where pyACL imports) or "
+    "reference (the lowered graphs on CPU, strict gear shapes and dtypes).",
+)
+@click.option(
+    "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
+)
+@click.option(
+    "--against",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="For a compile output: also run this package on onnxruntime and report how far the build's tokens "
+    "and logits are from it.",
+)
+def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against):
+    """Generate text for prompts (and images) with a package on onnxruntime CPU, or with a compile output.
 
-    With several prompts, images are shared out in order, one per placeholder.
+    PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
+    through --executor, in the same generation loop. With several prompts, images are shared out in
+    order, one per placeholder.
 
     Example:
 
         vlmc run out/demo/package --image demo --prompt "Describe the image."
+
+        vlmc run out/demo-910b --executor reference --image demo --prompt "Describe the image."
+
+        vlmc run out/demo-910b --against out/demo/package --prompt "Describe the image."
     """
+    from vlmc.backends.ascend import runner
     from vlmc.package import Package
     from vlmc.runtime import Pipeline
 
-    pkg = Package.load(package)
-    pipe = Pipeline(pkg)
+    path = Path(package)
+    if runner.is_build_dir(path):
+        chosen = executor or runner.default_executor()
+        if executor is None and chosen == "reference":
+            ui.info("pyACL does not import here: running the reference executor (the lowered graphs on CPU)")
+        pkg, build_exec = runner.open_build(path, chosen, device_id)
+        pipe = Pipeline(pkg, executor=build_exec)
+    else:
+        if executor is not None or against is not None:
+            flag = "--executor" if executor is not None else "--against"
+            raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
+        pkg = Package.load(path)
+        pipe = Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
-    result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
+    try:
+        result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
+    finally:
+        pipe.close()
+    report = None
+    if against is not None:
+        ref_pipe = Pipeline(Package.load(against))
+        try:
+            report = runner.agreement(ref_pipe.generate(list(prompts), per_prompt, max_new_tokens), result)
+        finally:
+            ref_pipe.close()
     if as_json:
-        click.echo(json.dumps({"tokens": result.tokens, "texts": result.texts}))
+        out = {"tokens": result.tokens, "texts": result.texts}
+        if report is not None:
+            out["agreement"] = report
+        click.echo(json.dumps(out))
         return
     for p, text, toks in zip(prompts, result.texts, result.tokens):
         ui.stdout.print(f"[bold]{p}[/bold] -> {text!r}  ({len(toks)} tokens: {toks})")
+    if report is not None:
+        where = "none" if report["first_divergence"] is None else f"token {report['first_divergence']}"
+        ui.stdout.print(
+            f"against {against}: {report['tokens_agree']}/{report['tokens']} tokens agree (first divergence: "
+            f"{where}); max |logit diff| {report['max_logit_diff']:.3g} (prefill {report['prefill_logit_diff']:.3g})"
+        )
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:

@@ -30,6 +30,8 @@ WEIGHT_BYTES = {
     "int4_weight_only": 0.5,
 }
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+# Blocks every paged pool holds beyond its sequences' (block 0, never handed out).
+RESERVED_BLOCKS = 1
 _UNITS = {
     "": 1,
     "b": 1,
@@ -247,7 +249,9 @@ def plan(
             "the prefill headroom; keep that much free beside the pool"
         )
     free = cards * (mem - act - res) - spec.weight_bytes
-    paged = batch * math.ceil(seq / bs) * per_block
+    # The pool also holds block 0, which the runtime never gives to a sequence (unused block-table
+    # entries point at it): see vlmc/runtime/paged.py NULL_BLOCK and the compiled pool size.
+    paged = (batch * math.ceil(seq / bs) + RESERVED_BLOCKS) * per_block
     contiguous = batch * ctx_max * per_tok
     seq_paged = math.ceil(seq / bs) * per_block
     return Plan(
@@ -275,7 +279,7 @@ def plan(
         paged_saving=contiguous - paged,
         fits_paged=free >= paged,
         fits_contiguous=free >= contiguous,
-        max_sequences_paged=max(0, free // seq_paged) if seq_paged else 0,
+        max_sequences_paged=max(0, (free - RESERVED_BLOCKS * per_block) // seq_paged) if seq_paged else 0,
         max_sequences_contiguous=max(0, free // (ctx_max * per_tok)),
         max_context_one_sequence=max(0, min(free // per_tok, spec.max_positions)),
         paged_step_bytes=step,

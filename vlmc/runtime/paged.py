@@ -199,7 +199,14 @@ class PagedKV:
         # The pools take the decoder's own cache dtype (float16 for a graph whose IO was converted):
         # a pool of another dtype would be cast, i.e. copied whole, by every step's feed.
         self.dtype = np.dtype(_cache_dtype(pipeline) or dtype)
-        self.pools = {name: self._zeros(allocator.num_blocks) for name in self._pool_names()}
+        # An executor that keeps the pools itself (device memory on an NPU) hands them out; its pools
+        # are written by their own write(rows, slots). Otherwise they are numpy arrays written here.
+        self._new_pool = getattr(getattr(pipeline, "executor", None), "new_pool", None)
+        if self._new_pool is not None and not isinstance(fixed, int):
+            raise VlmcError(
+                "paged KV: an executor that holds the pools needs a fixed pool size (kv.num_blocks)"
+            )
+        self.pools = {name: self._pool(name, allocator.num_blocks) for name in self._pool_names()}
         self._slots: np.ndarray | None = None  # the last step's slot_mapping, for update()
 
     def _pool_names(self) -> list[str]:
@@ -207,6 +214,11 @@ class PagedKV:
 
     def _zeros(self, n: int) -> np.ndarray:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
+
+    def _pool(self, name: str, n: int):
+        if self._new_pool is not None:
+            return self._new_pool(name, (n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
+        return self._zeros(n)
 
     def feeds(self, step: dict) -> dict[str, np.ndarray]:
         """Allocate slots for this step's real tokens and return the paged inputs (padding slots are -1)."""
@@ -251,7 +263,11 @@ class PagedKV:
         for name, rows in outputs.items():
             m = _ROWS_RE.match(name)
             if m:
-                write_rows(self.pools[f"{m[1]}_cache.{m[2]}"], rows, self._slots)
+                pool = self.pools[f"{m[1]}_cache.{m[2]}"]
+                if isinstance(pool, np.ndarray):
+                    write_rows(pool, rows, self._slots)
+                else:
+                    pool.write(rows, self._slots)
                 written += 1
         if written != 2 * self.layers:
             old = any(_OLD_RE.match(name) for name in outputs)
@@ -271,12 +287,18 @@ class PagedKV:
 
 
 def _cache_dtype(pipeline: object | None) -> str | None:
-    """The dtype the package's decoder declares for key_cache.* (None without a pipeline or such input)."""
+    """The dtype the decoder's executor declares for key_cache.* (None without a pipeline or such input).
+
+    Asked of the executor, not the manifest: a compile output's builds take float16 pools whatever
+    the package's graphs declare (vlmc/backends/ascend/pools.py).
+    """
+    executor = getattr(pipeline, "executor", None)
     pkg = getattr(pipeline, "pkg", None)
     if pkg is None:
         return None
     for name in pkg.manifest["pipeline"].get("decoder", []):
-        for spec in pkg.info(name)["inputs"]:
+        specs = executor.inputs(name) if executor is not None else pkg.info(name)["inputs"]
+        for spec in specs:
             if spec["name"].startswith("key_cache."):
                 return spec["dtype"]
     return None

@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vlmc import ortsession
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import chat, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
+from vlmc.runtime.executor import Executor, OrtExecutor
 
 logger = logging.getLogger(__name__)
 
-_FLOAT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16)}
+_FLOAT_TYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16)}
 
 
 @dataclass
@@ -54,46 +54,50 @@ class GenerationResult:
 
 
 class Pipeline:
-    """Run a package on onnxruntime CPU."""
+    """Run a package: on onnxruntime CPU by default, or through another :class:`Executor`."""
 
-    def __init__(self, pkg: Package, threads: int | None = None, on_graph=None) -> None:
+    def __init__(
+        self, pkg: Package, threads: int | None = None, on_graph=None, executor: Executor | None = None
+    ) -> None:
         """
         Args:
-            pkg: the package to run.
+            pkg: the package to run (for a compile output, its runtime package: manifest and tokenizer).
             threads: onnxruntime intra-op threads (default: onnxruntime's).
             on_graph: ``on_graph(name, feeds, outputs)``, called after every graph run (calibration
                 and fidelity code record activations through it).
+            executor: what runs each graph (default: onnxruntime on the package's graphs). The loop
+                is the same whatever runs the graphs (vlmc/runtime/executor.py).
         """
         self.pkg = pkg
         self.m = pkg.manifest
         self.threads = threads
         self.on_graph = on_graph
-        self._sessions: dict[str, object] = {}
+        self.executor = executor if executor is not None else OrtExecutor(pkg, threads)
+        self._sessions: dict[str, object] = getattr(self.executor, "sessions", {})
         self._tokenizer = None
 
     def close(self) -> None:
-        """Drop the onnxruntime sessions (each holds a copy of its graph's weights)."""
-        self._sessions.clear()
+        """Free what the executor holds (onnxruntime sessions hold a copy of their graph's weights)."""
+        self.executor.close()
 
     # ---- sessions -------------------------------------------------------------------------
     def session(self, name: str):
-        if name not in self._sessions:
-            self._sessions[name] = ortsession.for_graph(self.pkg, name, self.threads)
-        return self._sessions[name]
+        """The onnxruntime session of a graph (onnxruntime executor only)."""
+        return self.executor.session(name)
 
     def run_graph(self, name: str, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one graph, feeding each declared input by name from ``available``."""
-        sess = self.session(name)
         feeds = {}
-        for i in sess.get_inputs():
-            if i.name not in available:
-                raise VlmcError(f"graph {name} needs input {i.name!r}, which the pipeline does not provide")
-            feeds[i.name] = available[i.name]
+        for spec in self.executor.inputs(name):
+            iname = spec["name"]
+            if iname not in available:
+                raise VlmcError(f"graph {name} needs input {iname!r}, which the pipeline does not provide")
+            feeds[iname] = available[iname]
             # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs.
-            want = _FLOAT_TYPES.get(i.type)
-            if want is not None and feeds[i.name].dtype != want and feeds[i.name].dtype.kind == "f":
-                feeds[i.name] = feeds[i.name].astype(want)
-        outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+            want = _FLOAT_TYPES.get(spec["dtype"])
+            if want is not None and feeds[iname].dtype != want and feeds[iname].dtype.kind == "f":
+                feeds[iname] = feeds[iname].astype(want)
+        outs = self.executor.run(name, feeds)
         if self.on_graph is not None:
             self.on_graph(name, feeds, outs)
         return outs

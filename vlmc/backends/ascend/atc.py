@@ -228,6 +228,10 @@ def _shape_problems(options: dict[str, str], quantized: bool) -> list[str]:
         out.append(f"{' and '.join('--' + g for g in gears)} are mutually exclusive")
     if gears and "input_shape_range" in options:
         out.append(f"--{gears[0]} cannot be combined with --input_shape_range")
+    if "dynamic_dims" in options and options.get("input_format", "NCHW") != "ND":
+        # The --dynamic_dims page describes gears "in ND format" and every example passes
+        # --input_format=ND (hicann/ge docs/zh/user_guides/atc_tools/CLI_options/--dynamic_dims.md).
+        out.append("--dynamic_dims gears are for ND inputs: give --input_format=ND")
     if "dynamic_dims" in options and "insert_op_conf" in options:
         out.append("--dynamic_dims cannot be combined with --insert_op_conf (AIPP)")
     shape_text = options.get("input_shape")

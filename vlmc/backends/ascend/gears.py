@@ -39,8 +39,14 @@ class Build:
 
     @property
     def input_format(self) -> str:
-        """ND for sequence graphs and any non-image input; NCHW only when every input is 4-D."""
-        if self.sequence or any(len(dims) != 4 for _, dims in self.input_shape):
+        """ND for sequence graphs, any non-image input and every build with --dynamic_dims gears;
+        NCHW only for a static all-4-D image build.
+
+        The ATC --dynamic_dims page describes the option as gears "in ND format" and uses
+        --input_format=ND in every example (hicann/ge docs/zh/user_guides/atc_tools/CLI_options/--dynamic_dims.md),
+        and aclmdlSetInputDynamicDims is documented for ND inputs.
+        """
+        if self.sequence or self.profiles or any(len(dims) != 4 for _, dims in self.input_shape):
             return "ND"
         return "NCHW"
 
@@ -64,8 +70,9 @@ class DimContext:
 
 def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[str, list[int]]:
     """Values of the symbols that vary independently in a build (before derived ones)."""
-    seq = _buckets(opts["sequence_buckets"], ctx.max_positions)
-    past = _buckets(opts.get("past_buckets") or opts["sequence_buckets"], ctx.max_positions)
+    seq_cap, past_cap = caps(ctx.max_positions)
+    seq = _buckets(opts["sequence_buckets"], seq_cap)
+    past = _buckets(opts.get("past_buckets") or opts["sequence_buckets"], past_cap)
     vals: dict[str, list[int]] = {
         "batch": sorted(set(opts["batch_sizes"])),
         "images": sorted(set(opts.get("images") or [1])),
@@ -83,32 +90,57 @@ def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[st
     if ctx.block_size:
         max_blocks = math.ceil(max_context / ctx.block_size)
         vals["max_blocks"] = [max_blocks]
-        vals["num_blocks"] = [max_blocks * max(vals["batch"])]
+        vals["num_blocks"] = [pool_blocks(max_blocks, max(vals["batch"]))]
     for name, v in ctx.fixed.items():
         vals[name] = sorted(set(v)) if isinstance(v, list) else [int(v)]
     return vals
 
 
-def _buckets(values: list[int], max_positions: int | None) -> list[int]:
-    vals = sorted(set(values))
-    if max_positions:
-        vals = [v for v in vals if v <= max_positions] or [max_positions]
-    return vals
+def pool_blocks(max_blocks: int, batch: int) -> int:
+    """Blocks in a paged build's static pool: every sequence's ``max_blocks`` plus the reserved block 0.
+
+    The runtime never hands out block 0 (vlmc/runtime/paged.py NULL_BLOCK: unused block-table entries
+    point at it), so a pool of exactly ``max_blocks * batch`` would run out one block early.
+    """
+    return max_blocks * batch + 1
+
+
+def caps(max_positions: int | None) -> tuple[int | None, int | None]:
+    """The largest prefill sequence gear and the largest decode past gear the model's positions allow.
+
+    A decode step at past ``p`` runs position ``p`` and attends ``p + 1`` positions, so past gears stop
+    at ``max_positions - 1``; prefill runs positions ``0 .. s-1``, so sequence gears stop at ``max_positions``.
+    (OPT's learned position table in BLIP-2 has exactly ``max_positions`` rows.)
+    """
+    if not max_positions:
+        return None, None
+    return max_positions, max(1, max_positions - 1)
+
+
+def _buckets(values: list[int], cap: int | None) -> list[int]:
+    """The bucket values with those above ``cap`` replaced by ``cap`` (so the model's longest input still has a gear)."""
+    return sorted({min(v, cap) if cap else v for v in values})
 
 
 def dropped_buckets(opts: dict, max_positions: int | None) -> list[str]:
-    """One message per bucket option whose values exceed the model's max_positions.
+    """One message per bucket option whose values exceed what the model's max_positions allows.
 
     Said once per compile by the caller: every build and every graph would otherwise repeat it.
     """
-    if not max_positions:
+    seq_cap, past_cap = caps(max_positions)
+    if not seq_cap:
         return []
     out = []
-    for what in ("sequence_buckets", "past_buckets"):
-        values = opts.get(what)
-        over = sorted({v for v in values or [] if v > max_positions})
+    for what, cap, why in (
+        ("sequence_buckets", seq_cap, f"the model's max_positions {max_positions}"),
+        ("past_buckets", past_cap, f"max_positions {max_positions} less the decoded token"),
+    ):
+        values = (
+            opts.get(what) if what == "sequence_buckets" else opts.get(what) or opts.get("sequence_buckets")
+        )
+        over = sorted({v for v in values or [] if v > cap})
         if over:
-            out.append(f"{what} above the model's max_positions {max_positions} are dropped: {over}")
+            out.append(f"{what} above {why} are capped to {cap}: {over}")
     return out
 
 

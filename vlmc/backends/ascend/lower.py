@@ -156,6 +156,10 @@ def strip_past(
         for cons in list(gr.consumers.get(inp.name, [])):
             if cons.op_type == "Concat":
                 rest = [i for i in cons.input if i != inp.name]
+                if not rest:
+                    # A Concat of the past alone (an identity the exporter left) keeps it and so is fed
+                    # the empty past below; a Concat with no inputs is not valid ONNX.
+                    continue
                 if len(rest) == 1:
                     ident = helper.make_node("Identity", rest, list(cons.output), name=cons.name)
                     gr.replace(cons, [ident], [])

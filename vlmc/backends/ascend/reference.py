@@ -19,6 +19,7 @@ the way GE does, so a graph that also folded it into its bias shows the double c
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -246,6 +247,28 @@ def ge_offset_correction(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
     return out, touched
 
 
+class Session:
+    """A lowered graph ready to run repeatedly as the NPU would (its weights read and corrected once).
+
+    Args:
+        model: a lowered graph, or the path of one (its external data is read beside it).
+        fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
+    """
+
+    def __init__(self, model: onnx.ModelProto | str | Path, fp16: bool = True) -> None:
+        if not isinstance(model, onnx.ModelProto):
+            from vlmc import graphs
+
+            model = graphs.load(Path(model))
+        model, self.offset_corrections = ge_offset_correction(model)
+        self.outputs = [o.name for o in model.graph.output]
+        self._eval = ReferenceEvaluator(model, new_ops=_ops(fp16))
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every graph output by name."""
+        return dict(zip(self.outputs, self._eval.run(None, feeds)))
+
+
 def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True) -> dict[str, np.ndarray]:
     """Execute a lowered graph as the NPU would; returns every graph output by name.
 
@@ -254,7 +277,4 @@ def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True)
         feeds: input arrays.
         fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
     """
-    model, _ = ge_offset_correction(model)
-    sess = ReferenceEvaluator(model, new_ops=_ops(fp16))
-    outs = sess.run(None, feeds)
-    return {o.name: v for o, v in zip(model.graph.output, outs)}
+    return Session(model, fp16).run(feeds)

@@ -46,15 +46,19 @@ GROUP_MULTIPLE = 32
 # tried so that a foreign graph quantized with them is refused by name rather than "does not fit".
 FIT_GROUP_SIZES = (1024, 512, 256, 128, 64, 48, 32, 16)
 _DEQUANT_OPS = frozenset({"DequantizeLinear", "Mul", "Sub", "Cast"})
+# hicann/ge 14b93e226 ("atc support onnx int4") maps ONNX INT4 to DT_INT4; it is on develop, master and
+# the 9.2.0-beta.2 branch but in no release tag (the latest are v9.1.0 and v9.2.0-beta.1).
+INT4_RELEASE = "hicann/ge 14b93e226, which is in no CANN release tag yet (latest v9.1.0, v9.2.0-beta.1)"
 INT4_NOTE = (
     "INT4 runs with INT8 storage on Ascend: the int4 values are held one per int8 (0.25x of FP32 "
     "weight bytes, the same as INT8; packed INT4 would be 0.125x). Target option int4_weights: int4 "
-    "writes ONNX INT4 instead, for an ATC whose parser reads it (hicann/ge 14b93e226, Aug 2026)"
+    f"writes ONNX INT4 instead, for an ATC whose parser maps it to DT_INT4 ({INT4_RELEASE})"
 )
 INT4_PACKED_NOTE = (
-    "INT4 weights are written as ONNX INT4 (two per byte, 0.125x of FP32 weight bytes), which ATC "
-    "parses to DT_INT4 only from hicann/ge 14b93e226 (parser/parser/onnx/onnx_constant_parser.cc, "
-    "Aug 2026); NPUWeightQuantBatchMatmulV2 takes DT_INT4 weights on 910B (ops-nn "
+    "INT4 weights are written as ONNX INT4 (two per byte, 0.125x of FP32 weight bytes) in external data, "
+    "which ATC parses as FileConstant (hicann/ge parser/parser/onnx/onnx_file_constant_parser.cc reads "
+    "only the dtype, shape and file location; the bytes are used as written). ONNX INT4 maps to DT_INT4 "
+    f"only from {INT4_RELEASE}; NPUWeightQuantBatchMatmulV2 takes DT_INT4 weights on 910B (ops-nn "
     "weight_quant_batch_matmul_v2_def.cpp). Unverified on hardware; int4_weights: int8 builds on any CANN"
 )
 
@@ -275,7 +279,8 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
     packed = low.bits == 4 and ctx.int4_weights == "int4"
     if packed:
         # ONNX INT4: two values per byte, the lower index in the low nibble, which is GE's DT_INT4
-        # layout (hicann/ge onnx_constant_parser.cc copies the bytes as they are). INT4 needs IR 10.
+        # layout. The weight is external data, which GE parses as a FileConstant (hicann/ge
+        # onnx_file_constant_parser.cc): the bytes are used as written. INT4 needs IR 10.
         wq = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
         gr.model.ir_version = max(gr.model.ir_version, 10)
     else:

@@ -1,0 +1,119 @@
+"""Ascend target options: the typed schema a recipe's ``target`` is validated against, and cross-option checks."""
+
+from __future__ import annotations
+
+import logging
+
+from vlmc import limits as L
+from vlmc import pass_api
+from vlmc.backends.ascend import atc
+from vlmc.backends.ascend import soc as S
+from vlmc.errors import VlmcError
+
+logger = logging.getLogger(__name__)
+
+NAME = "ascend"
+DEFAULT_SEQUENCE_BUCKETS = [128, 256, 512, 1024, 2048]
+PRECISIONS = ("auto", "fp16", "mixed_float16", "mixed_bfloat16", "origin")
+QUANTIZED_PRECISIONS = ("int8", "int8_weight_only", "int4_weight_only")
+
+TARGET_OPTIONS = (
+    pass_api.Option("soc", str, S.FAMILY_910B, "Ascend SoC: an exact --soc_version or the family Ascend910B"),
+    pass_api.Option(
+        "soc_variant",
+        str,
+        None,
+        "910B variant when soc is the family and npu-smi is absent (e.g. Ascend910B4)",
+    ),
+    pass_api.Option(
+        "sequence_buckets",
+        list,
+        list(DEFAULT_SEQUENCE_BUCKETS),
+        "prefill sequence-length gears",
+        items=int,
+        min=1,
+        max=L.MAX_POSITIONS,
+        max_items=L.MAX_GEARS,
+    ),
+    pass_api.Option(
+        "past_buckets",
+        list,
+        None,
+        "decode past-length gears (default: sequence_buckets)",
+        items=int,
+        min=0,
+        max=L.MAX_POSITIONS,
+        max_items=L.MAX_GEARS,
+    ),
+    pass_api.Option(
+        "batch_sizes", list, [1], "batch-size gears", items=int, min=1, max=L.MAX_BATCH, max_items=L.MAX_GEARS
+    ),
+    pass_api.Option(
+        "images",
+        list,
+        [1],
+        "images-per-request gears for vision graphs",
+        items=int,
+        min=1,
+        max=L.MAX_BATCH,
+        max_items=L.MAX_GEARS,
+    ),
+    pass_api.Option("dims", dict, None, "sizes for other symbolic dims: name -> int or list of ints"),
+    pass_api.Option(
+        "precision",
+        str,
+        "auto",
+        "ATC --precision_mode_v2; auto derives it from the package precision",
+        choices=PRECISIONS,
+    ),
+    pass_api.Option(
+        "keep_fp32_ops",
+        list,
+        None,
+        "Ascend IR op types kept in fp32 via --modify_mixlist (mixed_* precisions only)",
+        items=str,
+    ),
+    pass_api.Option(
+        "int4_weights",
+        str,
+        "int8",
+        "INT4 weight storage in the lowered graph: int8 (one value per int8; builds on any CANN) or int4 "
+        "(ONNX INT4, two per byte; needs an ATC that maps ONNX INT4, hicann/ge 14b93e226, in no release tag yet; "
+        "unverified)",
+        choices=("int8", "int4"),
+    ),
+    pass_api.Option("run", bool, False, "run atc when it is on PATH and collect the .om files"),
+    pass_api.Option("log", str, None, "ATC --log level", choices=atc.ENUMS["log"]),
+    pass_api.Option("host_env_os", str, None, "ATC --host_env_os", choices=atc.ENUMS["host_env_os"]),
+    pass_api.Option("host_env_cpu", str, None, "ATC --host_env_cpu", choices=atc.ENUMS["host_env_cpu"]),
+)
+
+
+def check_target(opts: dict, where: str) -> None:
+    """Cross-option checks for an ascend target (raises VlmcError)."""
+    S.check(opts["soc"], opts.get("soc_variant"), where)
+    for key in ("sequence_buckets", "past_buckets", "batch_sizes", "images"):
+        values = opts.get(key)
+        if values is None:
+            continue
+        if not values:
+            raise VlmcError(f"{where}: {key} must list at least one value")
+        if any(v <= 0 for v in values):
+            raise VlmcError(f"{where}: {key} values must be positive, got {values}")
+    for dim, v in (opts.get("dims") or {}).items():
+        vals = v if isinstance(v, list) else [v]
+        if not vals or not all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in vals):
+            raise VlmcError(f"{where}: dims.{dim} must be a positive int or a list of them, got {v!r}")
+    if opts.get("keep_fp32_ops") and opts.get("precision") not in ("mixed_float16", "mixed_bfloat16"):
+        raise VlmcError(
+            f"{where}: keep_fp32_ops needs precision mixed_float16 or mixed_bfloat16 (ATC allows "
+            "--modify_mixlist only with mixed precisions)"
+        )
+
+
+def options(target: dict | None, where: str = "target") -> dict:
+    """Validate a target mapping (its 'backend' key is ignored) and fill defaults."""
+    rest = {k: v for k, v in (target or {}).items() if k != "backend"}
+    out = pass_api.validate(TARGET_OPTIONS, rest, f"{where} ({NAME})")
+    check_target(out, where)
+    return out

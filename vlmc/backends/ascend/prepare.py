@@ -1,0 +1,224 @@
+"""Plan a package's Ascend builds in memory: precheck, lowering, gear plans and ATC commands."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import onnx
+
+from vlmc import graphs as G
+from vlmc import samples
+from vlmc.backends.ascend import atc, gears, lower, pools, precheck
+from vlmc.backends.ascend.options import QUANTIZED_PRECISIONS
+from vlmc.errors import CheckFailed, VlmcError
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+
+def prepare(package: Package, opts: dict, soc_version: str) -> dict:
+    """Everything compile writes, in memory: lowered graphs, builds and ATC commands.
+
+    Args:
+        package: the package.
+        opts: validated target options (see :func:`options`).
+        soc_version: the exact --soc_version (see ``soc.resolve``).
+
+    Returns:
+        ``{"graphs": {name: ModelProto}, "shared": {file: base file}, "reports": {...}, "builds": [...],
+        "commands": {build: AtcCommand}, "warnings": [...]}``
+    """
+    findings: list[precheck.Finding] = []
+    bases: dict[str, Path] = {}  # build file -> directory its external weights are read from
+    models: dict[str, onnx.ModelProto] = {}
+    private: set[str] = set()  # graphs read from disk here: lowered in place, no copy needed
+    known = set((opts.get("dims") or {}).keys())
+    for name in package.graph_names:
+        path = package.path_of(name)
+        if path is not None:
+            missing = precheck.check_external_data(path, name)
+            if missing:
+                findings += missing
+                continue
+        # A graph on disk is read privately (not cached in the package), so lowering may rewrite it
+        # in place: the package's copy and a CopyFrom of it would be two more copies of the weights.
+        # The lowering rules read weight values only in quantized graphs; a float graph is read
+        # without its weights, which are streamed from the package's file when the build is written.
+        info = package.info(name)
+        needs_weights = bool(info.get("quantization")) or info.get("precision") not in ("fp32", "fp16")
+        model = G.load(path, load_weights=needs_weights) if path is not None else package.graph(name)
+        if path is not None:
+            private.add(name)
+            if not needs_weights:
+                bases[f"{name}.onnx"] = path.parent
+        findings += precheck.check_ops(model, name, lowered=False)
+        sample = samples.load(package, name) or {}
+        findings += precheck.check_inputs(model, name, known, set(sample))
+        models[name] = model
+    _raise_errors(findings)
+    warnings = [str(f) for f in findings if f.severity == "warning"]
+
+    lowered: dict[str, onnx.ModelProto] = {}
+    reports: dict[str, lower.LowerReport] = {}
+    for name in list(models):
+        model = models.pop(name)
+        if name not in private:
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            model = copy
+        lowered[name], reports[name] = lower.lower(
+            model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8"
+        )
+        # Paged pools live on the device in float16 (see pools.py); a no-op for graphs without pools.
+        pools.fp16_pool_io(lowered[name])
+    # Lowering notes (INT4 held as INT8 on the NPU, asymmetric activations unverified) go to the
+    # warnings once, so compile.json and report.md both say them.
+    for note in dict.fromkeys(n for r in reports.values() for n in r.notes):
+        warnings.append(note)
+
+    kv = package.manifest.get("kv", {})
+    max_positions = package.manifest.get("text", {}).get("max_positions")
+    for msg in gears.dropped_buckets(opts, max_positions):
+        logger.warning("%s", msg)  # once per compile, not once per build
+        warnings.append(msg)
+    ctx_base = gears.DimContext(
+        fixed=dict(opts.get("dims") or {}),
+        block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
+        max_positions=max_positions,
+        patches=_patches_per_image(package.manifest),
+    )
+    files: dict[str, onnx.ModelProto] = {}
+    shared: dict[str, str] = {}
+    builds: list[gears.Build] = []
+    for name, model in lowered.items():
+        info = package.info(name)
+        role = info["role"]
+        sample = samples.load(package, name) or {}
+        ctx = gears.DimContext(
+            **{**ctx_base.__dict__, "sample_shapes": {k: list(v.shape) for k, v in sample.items()}}
+        )
+        input_names = [i.name for i in model.graph.input]
+        file = f"{name}.onnx"
+        files[file] = model
+        if role == "decoder" and any(n.startswith("past_key_values.") for n in input_names):
+            # The prefill graph shares every weight with the decode graph (_save_sharing points them
+            # at its data file), so it is built from a weightless copy: no second copy of the weights.
+            prefill, moved = G.weightless_copy(model)
+            for t, src in moved:
+                if not isinstance(src, onnx.TensorProto):  # a node-attribute tensor: not in the base's data
+                    t.ClearField("data_location")
+                    t.raw_data = src
+            prefill, empties = lower.strip_past(prefill, name)
+            if empties:
+                warnings.append(
+                    f"{name}: the prefill graph feeds an empty past to {empties} non-Concat consumer(s)"
+                )
+            pfile = f"{name}_prefill.onnx"
+            files[pfile] = prefill
+            shared[pfile] = file
+            builds.append(_plan(f"{name}_prefill", name, pfile, "prefill", role, prefill, opts, ctx))
+            builds.append(_plan(f"{name}_decode", name, file, "decode", role, model, opts, ctx))
+        elif role == "decoder" and any(n.startswith("key_cache.") for n in input_names):
+            builds.append(_plan(f"{name}_prefill", name, file, "prefill", role, model, opts, ctx))
+            builds.append(_plan(f"{name}_decode", name, file, "decode", role, model, opts, ctx))
+        else:
+            builds.append(_plan(name, name, file, "full", role, model, opts, ctx))
+
+    for file, model in files.items():
+        findings += precheck.check_ops(model, file, lowered=True)
+        findings += precheck.check_size(model, file)
+    _raise_errors(findings)
+
+    commands = {}
+    for b in builds:
+        commands[b.name] = _command(b, package.info(b.graph), reports[b.graph], opts, soc_version)
+    return {
+        "files": files,
+        "bases": bases,
+        "shared": shared,
+        "reports": reports,
+        "builds": builds,
+        "commands": commands,
+        "warnings": warnings,
+    }
+
+
+def _patches_per_image(manifest: dict) -> int | None:
+    vision = manifest.get("vision", {})
+    pre = vision.get("preprocess") or {}
+    size, patch = vision.get("image_size"), pre.get("patch_size")
+    if isinstance(size, list) and len(size) == 2 and isinstance(patch, int) and patch > 0:
+        return (size[0] // patch) * (size[1] // patch)
+    return None
+
+
+def _raise_errors(findings: list[precheck.Finding]) -> None:
+    errors = [f for f in findings if f.severity == "error"]
+    if errors:
+        raise CheckFailed(
+            f"Ascend precheck failed ({len(errors)} problem(s)): " + "; ".join(str(e) for e in errors)
+        )
+
+
+def _plan(
+    build: str,
+    graph: str,
+    file: str,
+    variant: str,
+    role: str,
+    model: onnx.ModelProto,
+    opts: dict,
+    ctx: gears.DimContext,
+) -> gears.Build:
+    b = gears.plan(build, graph, variant, role, G.signature(model)["inputs"], opts, ctx)
+    b.file = file
+    return b
+
+
+def _precision(info: dict, report: lower.LowerReport, opts: dict) -> str:
+    """--precision_mode_v2 for a graph: the target's choice, or one derived from the package precision."""
+    quantized = report.quantized or info.get("precision") in QUANTIZED_PRECISIONS
+    chosen = opts["precision"]
+    if chosen == "auto":
+        chosen = "mixed_float16" if info.get("precision") == "mixed" else "fp16"
+    if quantized and chosen == "origin":
+        raise VlmcError(
+            f"graph precision {info.get('precision')} is quantized; ATC refuses precision origin for "
+            "quantized models; use fp16 or mixed_float16"
+        )
+    return chosen
+
+
+def _command(
+    b: gears.Build, info: dict, report: lower.LowerReport, opts: dict, soc_version: str
+) -> atc.AtcCommand:
+    quantized = report.quantized or info.get("precision") in QUANTIZED_PRECISIONS
+    precision = _precision(info, report, opts)
+    args: dict[str, str] = {
+        "model": f"../../graphs/{b.file}",
+        "framework": atc.FRAMEWORK_ONNX,
+        "output": f"../../om/{b.name}",
+        "soc_version": soc_version,
+        "input_format": b.input_format,
+        "input_shape": b.input_shape_text(),
+    }
+    if b.profiles:
+        args["dynamic_dims"] = b.dynamic_dims_text()
+    args["precision_mode_v2"] = precision
+    files: dict[str, str] = {}
+    if report.kept_fp32:
+        if precision == "origin":
+            logger.warning("%s: keep_dtype is dropped: it has no effect with precision origin", b.name)
+        else:
+            files["keep_dtype.cfg"] = "".join(f"{n}\n" for n in report.kept_fp32)
+            args["keep_dtype"] = "keep_dtype.cfg"
+    if opts.get("keep_fp32_ops") and precision.startswith("mixed_"):
+        mixlist = {"black-list": {"to-add": list(opts["keep_fp32_ops"])}}
+        files["modify_mixlist.json"] = json.dumps(mixlist, indent=2) + "\n"
+        args["modify_mixlist"] = "modify_mixlist.json"
+    for key in ("log", "host_env_os", "host_env_cpu"):
+        if opts.get(key):
+            args[key] = opts[key]
+    return atc.build(args, quantized=quantized, sequence=b.input_format == "ND" and b.sequence, files=files)

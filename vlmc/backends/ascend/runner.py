@@ -1,0 +1,436 @@
+"""Run a compile output: map each graph run of the generation loop onto a build and a gear, on a device.
+
+The loop is the runtime's (vlmc/runtime/pipeline.py). :class:`BuildExecutor` is its executor for a
+``vlmc compile`` output: for every graph run it picks the build of that graph and the smallest gear
+that holds the real shapes, pads the feeds up to the gear, runs the build on a *device* and strips the
+padding off the outputs. The device is :class:`ReferenceDevice` (the lowered graphs on CPU, strict about
+shapes and dtypes) or ``acl_device.AclDevice`` (the .om files through pyACL on a 910B).
+
+Everything here reads compile.json (``builds[*].inputs/outputs/gears/gear_symbols/bindings``), never the
+package's graphs: what the host does is decided by the build's declared IO.
+
+Padding keeps the outputs' real part exact, the way the runtime already pads a batch:
+- sequence axes (``sequence``, ``past_sequence``, ``total_sequence``) are padded on the left, with
+  attention_mask 0, slot_mapping -1 (a padding slot: masked and never stored, docs/paged_kv.md),
+  input_ids the pad token and zeros elsewhere; outputs lose the same leading positions;
+- ``batch`` and ``images`` are padded at the end with copies of the first row (independent rows that
+  are dropped from the outputs);
+- ``max_blocks`` (block_tables) is padded with the null block 0, which the mask never reads.
+Any other dim (``num_blocks``, ``patches``, static dims) must match exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from vlmc.backends import BUILD_MARKER
+from vlmc.backends.ascend import atc
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+LEFT_PADDED = ("sequence", "past_sequence", "total_sequence")
+ROW_PADDED = ("batch", "images")
+NULL_PADDED = ("max_blocks",)
+_FILL = {"attention_mask": 0, "slot_mapping": -1}
+EXECUTORS = ("acl", "reference")
+
+
+def dims_vector(input_shape: list[tuple[str, list[int]]] | str, gear: list[int]) -> list[int]:
+    """The dims aclmdlSetInputDynamicDims takes for one gear: every input's full shape, concatenated.
+
+    The gear's values replace the -1 entries in order. For ``data:1,1,40,-1;label:1,-1;mask:-1,-1``
+    and the gear ``20,20,1,1`` that is ``[1,1,40,20, 1,20, 1,1]``, 8 dims (the aclmdlSetInputDynamicDims
+    page, https://www.hiascend.com/document/detail/en/canncommercial/800/apiref/appdevgapi/aclcppdevg_03_0312.html,
+    and pyACL's ``acl.mdl.set_input_dynamic_dims``, aclpythondevg_01_0168).
+
+    Raises:
+        VlmcError: the gear has more or fewer values than the shape has -1 entries.
+    """
+    if isinstance(input_shape, str):
+        input_shape = [(n, [int(d) for d in dims]) for n, dims in atc.parse_input_shape(input_shape)]
+    values = list(gear)
+    n_dynamic = sum(1 for _, dims in input_shape for d in dims if d == -1)
+    if len(values) != n_dynamic:
+        raise VlmcError(
+            f"gear {values} has {len(values)} values but the input shape has {n_dynamic} -1 entries"
+        )
+    it = iter(values)
+    return [next(it) if d == -1 else int(d) for _, dims in input_shape for d in dims]
+
+
+class BuildSpec:
+    """One build as compile.json describes it (its runner facts)."""
+
+    def __init__(self, entry: dict) -> None:
+        self.name: str = entry["name"]
+        self.graph: str = entry["graph"]
+        self.variant: str = entry["variant"]
+        self.file: str = entry["file"]
+        self.om: str = entry["om"]
+        self.inputs: list[dict] = entry["inputs"]
+        self.outputs: list[dict] = entry["outputs"]
+        self.gears: list[list[int]] = entry["gears"]
+        self.gear_symbols: list[str] = entry["gear_symbols"]
+        self.bindings: dict[str, list[int]] = entry["bindings"]
+
+    @property
+    def input_shape(self) -> list[tuple[str, list[int]]]:
+        return [(i["name"], list(i["shape"])) for i in self.inputs]
+
+    def points(self) -> list[tuple[list[int] | None, dict[str, int]]]:
+        """Every shape the build takes: (gear or None for a static build, symbol -> value)."""
+        static = {s: v[0] for s, v in self.bindings.items() if len(v) == 1}
+        if not self.gears:
+            return [(None, static)]
+        out = []
+        for gear in self.gears:
+            values = dict(static)
+            values.update(zip(self.gear_symbols, gear))
+            out.append((gear, values))
+        return out
+
+    def allowed_dims(self) -> list[list[int]]:
+        """The full dims vector of every gear (one entry, the static shape, for a static build)."""
+        if not self.gears:
+            return [[d for _, dims in self.input_shape for d in dims]]
+        return [dims_vector(self.input_shape, g) for g in self.gears]
+
+
+class Device(Protocol):
+    """Runs builds: ``load`` once per build, then ``execute`` with the feeds of exactly one gear."""
+
+    def load(self, build: BuildSpec, root: Path) -> None: ...
+
+    def execute(
+        self, build: BuildSpec, feeds: dict[str, object], dims: list[int] | None
+    ) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+class HostPool:
+    """A paged pool held by the device rather than by the loop: on CPU, a numpy array behind the
+    same ``shape`` / ``dtype`` / ``write(rows, slot_mapping)`` surface the NPU's pools have."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype) -> None:
+        self.name = name
+        self.array = np.zeros(shape, np.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        from vlmc.runtime.paged import write_rows
+
+        write_rows(self.array, rows, slot_mapping)
+
+
+class ReferenceDevice:
+    """The lowered graphs on CPU (vlmc/backends/ascend/reference.py), as strict as the .om is.
+
+    A feed whose full shape is not exactly one declared gear, or whose dtype is not the build's declared
+    dtype, is an error, as is an output whose dtype differs from the declared one: this is the stand-in
+    that checks the host logic where there is no NPU.
+    """
+
+    def __init__(self, fp16: bool = True, device_pools: bool = False) -> None:
+        """
+        Args:
+            fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
+            device_pools: hold the paged pools here (:class:`HostPool`) the way the NPU device holds
+                them, so the loop's device-pool path (``new_pool``, ``pool.write``) runs on CPU too.
+        """
+        self.fp16 = fp16
+        self._sessions: dict[str, object] = {}  # graph file -> reference session (builds may share a file)
+        if device_pools:
+            self.new_pool = HostPool
+
+    def load(self, build: BuildSpec, root: Path) -> None:
+        from vlmc.backends.ascend import reference
+
+        if build.file not in self._sessions:
+            self._sessions[build.file] = reference.Session(_inside(root, build.file), fp16=self.fp16)
+
+    def execute(
+        self, build: BuildSpec, feeds: dict[str, object], dims: list[int] | None
+    ) -> dict[str, np.ndarray]:
+        names = [i["name"] for i in build.inputs]
+        if list(feeds) != names:
+            raise VlmcError(f"{build.name}: feeds {list(feeds)} are not the build's inputs in order {names}")
+        feeds = {n: v.array if isinstance(v, HostPool) else v for n, v in feeds.items()}
+        for spec in build.inputs:
+            got = np.asarray(feeds[spec["name"]]).dtype
+            if got != np.dtype(spec["dtype"]):
+                raise VlmcError(
+                    f"{build.name}: input {spec['name']} is {got}, the build declares {spec['dtype']}"
+                )
+        actual = [int(d) for n in names for d in _shape(feeds[n])]
+        if actual not in build.allowed_dims():
+            raise VlmcError(f"{build.name}: input shapes {_shapes(feeds)} are not one of the build's gears")
+        if dims is not None and dims != actual:
+            raise VlmcError(f"{build.name}: the dims vector {dims} does not describe the feeds {actual}")
+        outs = self._sessions[build.file].run(feeds)
+        for spec in build.outputs:
+            if outs[spec["name"]].dtype != np.dtype(spec["dtype"]):
+                raise VlmcError(
+                    f"{build.name}: output {spec['name']} is {outs[spec['name']].dtype}, declared {spec['dtype']}"
+                )
+        return {o["name"]: outs[o["name"]] for o in build.outputs}
+
+    def close(self) -> None:
+        self._sessions.clear()
+
+
+class BuildExecutor:
+    """The executor of a compile output (:class:`vlmc.runtime.executor.Executor`): graph runs -> builds and gears."""
+
+    def __init__(self, root: Path, summary: dict, device: Device, pad_token_id: int = 0) -> None:
+        self.root = Path(root)
+        self.device = device
+        self.pad_token_id = int(pad_token_id)
+        self.builds: dict[str, list[BuildSpec]] = {}
+        for entry in summary["builds"]:
+            if "inputs" not in entry:
+                raise VlmcError(
+                    f"{root}: compile.json has no runner facts (builds[].inputs); re-run `vlmc compile` with this vlmc"
+                )
+            spec = BuildSpec(entry)
+            self.builds.setdefault(spec.graph, []).append(spec)
+        self._loaded: set[str] = set()
+        self.runs: dict[str, int] = {}  # build -> executions (the CLI reports it)
+        # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
+        self.new_pool = getattr(device, "new_pool", None)
+
+    # ---- Executor protocol ------------------------------------------------------------------
+    def inputs(self, graph: str) -> list[dict]:
+        """The inputs of the graph's widest build (a contiguous prefill build takes no past)."""
+        builds = self._builds(graph)
+        widest = max(builds, key=lambda b: len(b.inputs))
+        return [{"name": i["name"], "dtype": i["dtype"]} for i in widest.inputs]
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        reasons, best = [], None
+        for build in self._builds(graph):
+            fit = self._fit(build, feeds)
+            if isinstance(fit, str):
+                reasons.append(f"{build.name}: {fit}")
+            elif best is None or fit[0] < best[0]:
+                best = (*fit, build)
+        if best is None:
+            raise VlmcError(
+                f"graph {graph}: no build takes these inputs ({'; '.join(reasons)}); compile again with gears "
+                "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
+            )
+        _, gear, values, actual, build = best
+        padded = {i["name"]: self._pad(i, feeds[i["name"]], values, actual) for i in build.inputs}
+        if build.name not in self._loaded:
+            self.device.load(build, self.root)
+            self._loaded.add(build.name)
+        dims = dims_vector(build.input_shape, gear) if gear is not None else None
+        outs = self.device.execute(build, padded, dims)
+        self.runs[build.name] = self.runs.get(build.name, 0) + 1
+        return {o["name"]: _strip(outs[o["name"]], o["dims"], values, actual) for o in build.outputs}
+
+    def close(self) -> None:
+        self.device.close()
+
+    # ---- gear choice and padding --------------------------------------------------------------
+    def _builds(self, graph: str) -> list[BuildSpec]:
+        if graph not in self.builds:
+            raise VlmcError(
+                f"the compile output has no build of graph {graph!r} (builds: {', '.join(self.builds)})"
+            )
+        return self.builds[graph]
+
+    def _fit(self, build: BuildSpec, feeds: dict[str, np.ndarray]):
+        """(padding cost, gear, symbol values, real symbol values) for the cheapest gear; else why not."""
+        declared = {i["name"] for i in build.inputs}
+        graph_inputs = {i["name"] for b in self.builds[build.graph] for i in b.inputs}
+        for name in graph_inputs - declared:
+            # A build without an input the graph has (a contiguous prefill build has no past) fits only
+            # while that feed is empty.
+            if name in feeds and 0 not in _shape(feeds[name]):
+                return f"takes no {name}"
+        actual: dict[str, int] = {}
+        for spec in build.inputs:
+            if spec["name"] not in feeds:
+                return f"needs {spec['name']}"
+            shape = _shape(feeds[spec["name"]])
+            if len(shape) != len(spec["dims"]):
+                return f"{spec['name']} has rank {len(shape)}, the build {len(spec['dims'])}"
+            for axis, (d, n) in enumerate(zip(spec["dims"], shape)):
+                if isinstance(d, int):
+                    if d != n:
+                        return f"{spec['name']}[{axis}] is {n}, the build's is {d}"
+                elif actual.setdefault(d, int(n)) != n:
+                    return f"{d} is {actual[d]} in one input and {n} in {spec['name']}"
+        best = None
+        for gear, values in build.points():
+            cost = 0
+            for sym, n in actual.items():
+                target = values.get(sym)
+                if target is None or target == n:
+                    continue
+                if n > target or sym not in LEFT_PADDED + ROW_PADDED + NULL_PADDED:
+                    cost = None
+                    break
+                cost += target - n
+            if cost is not None and (best is None or cost < best[0]):
+                best = (cost, gear, values, actual)
+        if best is None:
+            have = ", ".join(
+                f"{s}={n}"
+                for s, n in actual.items()
+                if len(build.bindings.get(s, [])) != 1 or build.bindings[s][0] != n
+            )
+            return f"no gear holds {have or 'these shapes'} (gears: {build.bindings})"
+        return best
+
+    def _pad(self, spec: dict, arr, values: dict[str, int], actual: dict[str, int]):
+        if not isinstance(arr, np.ndarray):
+            return arr  # a device pool: static, never padded
+        for axis, d in enumerate(spec["dims"]):
+            if isinstance(d, int) or values.get(d, actual[d]) == actual[d]:
+                continue
+            extra = values[d] - actual[d]
+            if d in ROW_PADDED:
+                arr = np.concatenate(
+                    [arr, np.repeat(np.take(arr, [0], axis=axis), extra, axis=axis)], axis=axis
+                )
+                continue
+            fill = self.pad_token_id if spec["name"] == "input_ids" else _FILL.get(spec["name"], 0)
+            widths = [(0, 0)] * arr.ndim
+            widths[axis] = (extra, 0) if d in LEFT_PADDED else (0, extra)
+            arr = np.pad(arr, widths, constant_values=np.array(fill).astype(arr.dtype))
+        return arr
+
+
+def _strip(arr: np.ndarray, dims: list, values: dict[str, int], actual: dict[str, int]) -> np.ndarray:
+    """Drop the padding from an output along every axis whose symbol was padded."""
+    for axis, d in enumerate(dims):
+        if isinstance(d, int) or d not in actual or values.get(d, actual[d]) == actual[d]:
+            continue
+        index = [slice(None)] * arr.ndim
+        extra = values[d] - actual[d]
+        index[axis] = slice(extra, None) if d in LEFT_PADDED else slice(0, actual[d])
+        arr = arr[tuple(index)]
+    return np.ascontiguousarray(arr)
+
+
+def _shape(value) -> tuple[int, ...]:
+    """The shape of a feed: a numpy array, or a device pool (which has ``shape`` but is no array)."""
+    return tuple(int(d) for d in value.shape) if hasattr(value, "shape") else np.shape(value)
+
+
+def _shapes(feeds: dict[str, object]) -> str:
+    return ", ".join(f"{n}{list(_shape(v))}" for n, v in feeds.items())
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """``root / rel``, refusing a path that leaves the build directory (compile.json may come from elsewhere)."""
+    path = (root / rel).resolve()
+    if root.resolve() not in path.parents:
+        raise VlmcError(f"compile.json names {rel!r}, which is outside the build directory {root}")
+    return path
+
+
+def agreement(reference, got) -> dict:
+    """How far a build's generation is from the package's on onnxruntime (two GenerationResults).
+
+    Tokens are compared position by position up to the first divergence (after it the two runs decode
+    different contexts); logits are compared where both decoded the same context.
+    """
+    agree, total, first = 0, 0, None
+    for r, g in zip(reference.tokens, got.tokens):
+        n = 0
+        while n < min(len(r), len(g)) and r[n] == g[n]:
+            n += 1
+        agree, total = agree + n, total + max(len(r), len(g))
+        if n < max(len(r), len(g)) and first is None:
+            first = n
+    steps = min(
+        len(reference.step_logits), len(got.step_logits), (first if first is not None else 1 << 30) + 1
+    )
+    diff = max(
+        float(np.abs(a - b).max()) for a, b in zip(reference.step_logits[:steps], got.step_logits[:steps])
+    )
+    return {
+        "tokens_agree": agree,
+        "tokens": total,
+        "first_divergence": first,
+        "max_logit_diff": diff,
+        "prefill_logit_diff": float(np.abs(reference.prefill_logits - got.prefill_logits).max()),
+    }
+
+
+def is_build_dir(path: Path) -> bool:
+    """True for a `vlmc compile` output of the ascend backend."""
+    marker = Path(path) / BUILD_MARKER
+    if not marker.is_file():
+        return False
+    try:
+        return json.loads(marker.read_text()).get("backend") == "ascend"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def default_executor() -> str:
+    """``acl`` where pyACL imports, else ``reference``."""
+    from vlmc.backends.ascend import acl_device
+
+    return "acl" if acl_device.available() else "reference"
+
+
+def open_build(
+    build_dir: str | Path, executor: str = "reference", device_id: int = 0
+) -> tuple[Package, BuildExecutor]:
+    """The runtime package and the executor of a compile output.
+
+    Args:
+        build_dir: what `vlmc compile --target ascend` wrote.
+        executor: ``reference`` (the lowered graphs on CPU) or ``acl`` (the .om files on an NPU).
+        device_id: the NPU (acl only).
+
+    Raises:
+        VlmcError: not an ascend compile output, from an older vlmc, or acl is not importable.
+    """
+    root = Path(build_dir)
+    if not is_build_dir(root):
+        raise VlmcError(f"{root} is not a `vlmc compile` output for ascend (no {BUILD_MARKER} naming it)")
+    try:
+        summary = json.loads((root / "compile.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise VlmcError(f"{root}/compile.json cannot be read: {exc}") from exc
+    runtime = (summary.get("runner") or {}).get("runtime_package")
+    if not runtime:
+        raise VlmcError(f"{root} was compiled by an older vlmc (no runner facts); re-run `vlmc compile`")
+    pkg_root = _inside(root, runtime)
+    from vlmc import manifest as M
+
+    try:
+        manifest = M.loads((pkg_root / M.MANIFEST_NAME).read_text(), where=str(pkg_root / M.MANIFEST_NAME))
+    except OSError as exc:
+        raise VlmcError(f"{pkg_root} has no readable {M.MANIFEST_NAME}: {exc}") from exc
+    pkg = Package(manifest, pkg_root)
+    if executor == "reference":
+        device: Device = ReferenceDevice()
+    elif executor == "acl":
+        from vlmc.backends.ascend import acl_device
+
+        device = acl_device.AclDevice(device_id)
+    else:
+        raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    pad = int(manifest["text"].get("pad_token_id") or 0)
+    return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)

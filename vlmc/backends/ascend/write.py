@@ -1,0 +1,357 @@
+"""Write a planned Ascend build directory: graphs, per-build ATC commands, build.sh, atc.mk and compile.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+from pathlib import Path
+
+import onnx
+
+from vlmc import graphs as G
+from vlmc import outdir
+from vlmc.backends import BUILD_MARKER
+from vlmc.backends.ascend import atc, gears, pools
+from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend.options import NAME
+from vlmc.errors import VlmcError
+from vlmc.package import Package
+
+logger = logging.getLogger(__name__)
+
+
+def summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict) -> dict:
+    """compile.json: the SoC, each graph's lowering report, every build with what a host runner needs."""
+    builds = []
+    for b in plan["builds"]:
+        cmd = plan["commands"][b.name]
+        builds.append(
+            {
+                "name": b.name,
+                "graph": b.graph,
+                "variant": b.variant,
+                "file": f"graphs/{b.file}",
+                "input_shape": b.input_shape_text(),
+                "dynamic_dims": b.dynamic_dims_text() or None,
+                "profiles": len(b.profiles),
+                "bindings": b.bindings,
+                "command": cmd.shell(),
+                "argv": cmd.argv(),
+                "workdir": f"builds/{b.name}",
+                "quantized": cmd.quantized,
+                "precision_mode_v2": cmd.options.get("precision_mode_v2"),
+                "config_files": sorted(cmd.files),
+                "om": f"om/{b.name}.om",
+                "log": f"logs/{b.name}.log",
+                **runner_facts(b, G.signature(plan["files"][b.file])),
+            }
+        )
+    return {
+        "backend": NAME,
+        "soc_version": resolution.soc_version,
+        "soc_source": resolution.source,
+        "model": package.manifest.get("model", {}),
+        "target": dict(opts),
+        "graphs": {
+            name: {"lowering": r.to_dict(), "precision": package.info(name).get("precision")}
+            for name, r in plan["reports"].items()
+        },
+        "builds": builds,
+        "runner": dict(RUNNER),
+        "paged_kv": paged_kv_host_write(package.manifest.get("kv", {}), plan["builds"]),
+        "warnings": plan["warnings"] + ([resolution.warning] if resolution.warning else []),
+        "run": None,
+    }
+
+
+# Where the host runner reads the facts below (docs/ascend.md, "Running on a 910B").
+RUNTIME_DIR = (
+    "runtime"  # the package's manifest and tokenizer files, without graphs: `vlmc run BUILD_DIR` reads it
+)
+DYNAMIC_INPUT = "ascend_mbatch_shape_data"
+RUNNER = {
+    "runtime_package": RUNTIME_DIR,
+    "dynamic_input": DYNAMIC_INPUT,
+    "dims_vector": (
+        "for a build with gears, aclmdlSetInputDynamicDims takes every input's full shape (gear values in "
+        "place of the -1s) concatenated in input order: builds[*].dims_vector.order; the index of the "
+        f"{DYNAMIC_INPUT} input comes from aclmdlGetInputIndexByName"
+    ),
+    "inputs": "builds[*].inputs: the build's inputs in order with dtype, shape (-1 = gear) and symbolic dims",
+    "gears": "builds[*].gears: one value per -1 of input_shape, in order (gear_symbols names each)",
+    "sources": [
+        "https://www.hiascend.com/document/detail/en/canncommercial/800/apiref/appdevgapi/aclcppdevg_03_0312.html",
+        "https://www.hiascend.com/document/detail/en/canncommercial/800/apiref/appdevgapi/aclpythondevg_01_0168.html",
+        "hicann/ge docs/zh/user_guides/atc_tools/CLI_options/--dynamic_dims.md",
+    ],
+}
+
+
+def runner_facts(b: gears.Build, signature: dict) -> dict:
+    """What a host program needs to feed one build: its IO in order, its gears and the dims-vector order."""
+    dims = {i["name"]: i["shape"] for i in signature["inputs"]}
+    shapes = dict(b.input_shape)
+    inputs = [
+        {"name": i["name"], "dtype": i["dtype"], "shape": list(shapes[i["name"]]), "dims": dims[i["name"]]}
+        for i in signature["inputs"]
+    ]
+    outputs = [{"name": o["name"], "dtype": o["dtype"], "dims": o["shape"]} for o in signature["outputs"]]
+    return {
+        "inputs": inputs,
+        "outputs": outputs,
+        "gears": [list(p) for p in b.profiles],
+        "gear_symbols": list(b.symbols),
+        "dims_vector": dims_vector_order(b.input_shape) if b.profiles else None,
+    }
+
+
+def dims_vector_order(input_shape: list[tuple[str, list[int]]]) -> list[str]:
+    """``name[axis]`` for every dim of every input, in the order aclmdlSetInputDynamicDims takes them."""
+    return [f"{name}[{axis}]" for name, shape in input_shape for axis in range(len(shape))]
+
+
+def _pool_shapes(b: gears.Build) -> list[list[int]]:
+    return [dims for name, dims in b.input_shape if name.startswith("key_cache.")]
+
+
+# Public CANN documentation the host-side write below follows (docs/ascend.md, "Paged decoder builds").
+_PAGED_SOURCES = [
+    "https://www.hiascend.com/document/detail/zh/canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0073.html",
+    "https://www.hiascend.com/document/detail/zh/canncommercial/82RC1/API/ascendtbapi/ascendtb_01_0242.html",
+    "https://www.hiascend.com/document/detail/zh/CANNCommunityEdition/83RC1alpha002/API/aolapi/context/aclnnScatterPaKvCache.md",
+]
+
+
+def paged_kv_host_write(kv: dict, builds: list[gears.Build]) -> dict | None:
+    """What the host runtime must do around a paged decoder build (interface v2), for compile.json.
+
+    The builds only read the pools and return this step's rows; storing the rows is a runtime op
+    on the device, as ATB/MindIE do it, not part of the .om. None when the package is not paged.
+    """
+    if kv.get("layout") != "paged":
+        return None
+    layers = int(kv["layers"])
+    return {
+        "interface": "v2",
+        # Each paged build's static pool shape: the device pools must have exactly this shape.
+        "builds": {b.name: shapes[0] for b in builds if (shapes := _pool_shapes(b))},
+        "block_size": kv.get("block_size"),
+        "dtype": pools.POOL_DTYPE,
+        "reserved_blocks": (
+            "block 0 is never given to a sequence (unused block_tables entries point at it), so a pool holds "
+            "max_blocks x max batch + 1 blocks"
+        ),
+        "pools": (
+            f"allocate key_cache.{{i}} and value_cache.{{i}} for i < {layers} once on the device, "
+            "[num_blocks, block_size, kv_heads, head_dim] ND, and bind the same buffers as the build's "
+            "inputs every step; the .om never writes them"
+        ),
+        "write": {
+            "when": "after every decoder_prefill / decoder_decode execution, before the next step",
+            "op": "ATB ReshapeAndCacheOperation (one per layer; keyCache/valueCache are updated in place)",
+            "key": "new_key.{i} [batch, seq, kv_heads, head_dim] viewed as [batch*seq, kv_heads, head_dim]",
+            "value": "new_value.{i}, viewed the same way",
+            "slotMapping": "the step's slot_mapping flattened to [batch*seq] int32",
+            "padding": (
+                "slot_mapping < 0 marks padding; CANN 8.2.RC1 documents negative slots as not copied "
+                "(ascendtb_01_0242); on older CANN drop those rows on the host first"
+            ),
+            "dtype": (
+                "float16: the builds take float16 key_cache/value_cache and return float16 new_key/new_value "
+                "(the lowered graph's own IO, so no --input_fp16_nodes/--output_type is needed); allocate "
+                "the pools in float16, which is what ReshapeAndCache and aclnnScatterPaKvCache take"
+            ),
+            "alternative": "aclnnScatterPaKvCache(key, keyCacheRef, slotMapping, value, valueCacheRef)",
+        },
+        "sources": list(_PAGED_SOURCES),
+    }
+
+
+def write(out_dir: Path, plan: dict, summary: dict, force: bool, package: Package | None = None) -> None:
+    with outdir.atomic(out_dir, force) as tmp:
+        (tmp / "graphs").mkdir(parents=True)
+        for file, model in plan["files"].items():
+            if file not in plan["shared"]:
+                G.save(model, tmp / "graphs" / file, base_dir=plan["bases"].get(file))
+        for file, base in plan["shared"].items():
+            _save_sharing(plan["files"][file], tmp / "graphs" / file, tmp / "graphs" / base)
+        for b in plan["builds"]:
+            cmd = plan["commands"][b.name]
+            bdir = tmp / "builds" / b.name
+            bdir.mkdir(parents=True)
+            for fname, text in cmd.files.items():
+                (bdir / fname).write_text(text)
+            (bdir / "atc.cmd").write_text(cmd.shell() + "\n")
+        if package is not None:
+            write_runtime_package(package, plan, tmp / RUNTIME_DIR)
+        (tmp / "build.sh").write_text(_build_sh(plan))
+        os.chmod(tmp / "build.sh", 0o755)
+        (tmp / "atc.mk").write_text(_makefile(plan))
+        (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (tmp / BUILD_MARKER).write_text(
+            json.dumps({"backend": NAME, "compile": "compile.json"}, indent=2) + "\n"
+        )
+
+
+def write_runtime_package(package: Package, plan: dict, dest: Path) -> None:
+    """The package's manifest and tokenizer files, without graphs: what `vlmc run BUILD_DIR` needs beside the builds.
+
+    A paged package whose pool size was left symbolic gets the builds' static pool size as
+    ``kv.num_blocks``: the runner's block allocator must hand out exactly the blocks the .om's pools have.
+    """
+    dest.mkdir(parents=True)
+    manifest = json.loads(json.dumps(package.manifest))
+    pool = next((dims for b in plan["builds"] if (dims := _pool_shapes(b))), None)
+    if pool and not isinstance(manifest["kv"].get("num_blocks"), int):
+        manifest["kv"]["num_blocks"] = int(pool[0][0])
+    (dest / "vlmc.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    for rel, blob in sorted(package.files.items()):
+        _copy_inside(dest, rel, blob)
+    root = package.root
+    if root is None:
+        return
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_dir() or p.is_symlink() or rel in package.files or not _runtime_file(rel):
+            continue
+        _copy_inside(dest, rel, p.read_bytes())
+
+
+def _runtime_file(rel: str) -> bool:
+    """A package file the runtime reads (tokenizer, chat template, source config), not graphs, samples or reports."""
+    if rel.endswith((".onnx", ".onnx.data", ".data")) or rel.startswith("samples/"):
+        return False
+    return rel not in ("vlmc.json", "report.md", "report.json", "verify.json")
+
+
+def _copy_inside(dest: Path, rel: str, blob: bytes) -> None:
+    target = (dest / rel).resolve()
+    if dest.resolve() not in target.parents:
+        raise VlmcError(f"package file {rel!r} would be written outside {dest}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(blob)
+
+
+def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
+    """Write ``model`` so that tensors identical to ones in ``base`` point at base's external data."""
+    saved = onnx.load(str(base), load_external_data=False)
+    entries = {
+        t.name: list(t.external_data)
+        for t in saved.graph.initializer
+        if t.data_location == onnx.TensorProto.EXTERNAL
+    }
+    moved = []
+    for t in model.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            # a weightless stub (see prepare), or a weight still in the package's file: its bytes are
+            # the base graph's tensor of the same name, already written there
+            del t.external_data[:]
+            if t.name not in entries:
+                raise VlmcError(f"{path.name}: weight {t.name!r} is not in {base.name}")
+            t.external_data.extend(entries[t.name])
+            continue
+        if t.name in entries and t.raw_data:
+            info = {e.key: e.value for e in entries[t.name]}
+            if int(info.get("length", -1)) != len(t.raw_data):
+                continue
+            moved.append((t, t.raw_data))
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            t.external_data.extend(entries[t.name])
+    try:
+        rest = [
+            t for t in model.graph.initializer if t.raw_data and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD
+        ]
+        if rest:
+            # Tensors the prefill graph does not share go to its own data file.
+            _externalize(rest, path)
+        path.write_bytes(model.SerializeToString(deterministic=True))
+    finally:
+        for t, raw in moved:
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
+            t.raw_data = raw
+
+
+def _externalize(tensors: list[onnx.TensorProto], path: Path) -> None:
+    """Move in-memory tensors' bytes to ``<path>.data`` (64-byte aligned), leaving other tensors as they are."""
+    data = path.name + ".data"
+    offset = 0
+    with open(path.parent / data, "wb") as f:
+        for t in tensors:
+            pad = (-offset) % 64
+            f.write(b"\0" * pad)
+            offset += pad
+            raw = t.raw_data
+            f.write(raw)
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            G._point_at(t, data, offset, len(raw))
+            offset += len(raw)
+
+
+def _build_sh(plan: dict) -> str:
+    lines = [
+        "#!/usr/bin/env bash",
+        "# Generated by vlmc compile: builds every graph with ATC; one log per build in logs/.",
+        "set -euo pipefail",
+        'cd "$(dirname "$0")"',
+        'ATC="${ATC:-atc}"',
+        "mkdir -p om logs",
+        "build() {",
+        '  local name="$1"; shift',
+        '  echo "[vlmc] building $name"',
+        '  if ! (cd "builds/$name" && "$ATC" "$@") > "logs/$name.log" 2>&1; then',
+        '    echo "[vlmc] ATC failed for $name; see logs/$name.log" >&2',
+        "    grep -E 'E[0-9A-Z][0-9]{4}|ERROR' \"logs/$name.log\" | head -20 >&2 || true",
+        "    exit 1",
+        "  fi",
+        "}",
+    ]
+    for b in plan["builds"]:
+        args = plan["commands"][b.name].argv()[1:]
+        lines.append(f"build {shlex.quote(b.name)} " + " ".join(shlex.quote(a) for a in args))
+    lines.append('echo "[vlmc] all builds done; models are in om/"')
+    return "\n".join(lines) + "\n"
+
+
+def _makefile(plan: dict) -> str:
+    lines = [
+        "# Generated by vlmc compile. Include it from a Makefile, or run: make -f atc.mk vlmc-om",
+        "VLMC_ATC ?= atc",
+        "VLMC_BUILD_DIR := $(dir $(lastword $(MAKEFILE_LIST)))",
+        "",
+        ".PHONY: vlmc-om",
+        "vlmc-om: " + " ".join(f"$(VLMC_BUILD_DIR)om/{b.name}.om" for b in plan["builds"]),
+        "",
+    ]
+    for b in plan["builds"]:
+        args = " ".join(shlex.quote(a) for a in plan["commands"][b.name].argv()[1:]).replace("$", "$$")
+        lines += [
+            f"$(VLMC_BUILD_DIR)om/{b.name}.om: $(VLMC_BUILD_DIR)graphs/{b.file}",
+            "\tmkdir -p $(VLMC_BUILD_DIR)om $(VLMC_BUILD_DIR)logs",
+            f"\tcd $(VLMC_BUILD_DIR)builds/{b.name} && $(VLMC_ATC) {args} > ../../logs/{b.name}.log 2>&1",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def run_builds(out_dir: Path, commands: dict[str, atc.AtcCommand]) -> dict:
+    """Run ATC for every build when it is on PATH; otherwise say so (the build files are already written)."""
+    exe = shutil.which("atc")
+    if exe is None:
+        msg = f"atc is not on PATH; wrote everything to {out_dir}; run {out_dir / 'build.sh'} on a CANN host"
+        logger.warning(msg)
+        return {"status": "skipped", "message": msg, "builds": {}}
+    results = {}
+    for name, cmd in commands.items():
+        logger.info("running ATC for %s", name)
+        results[name] = atc.run(cmd, out_dir / "builds" / name, out_dir / "logs" / f"{name}.log", exe)
+        if results[name]["status"] != "ok":
+            break  # later builds would only repeat the failure's cause; the log names it
+    status = "ok" if all(r["status"] == "ok" for r in results.values()) else "failed"
+    return {"status": status, "builds": results}
