@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
+    "qwen3_vl": "vlmc.exporters.qwen3_vl",
     "blip2": "vlmc.exporters.blip2",
 }
 
