@@ -139,7 +139,9 @@ class VisionWrapper(qwen2_vl.VisionWrapper):
         ends = torch.cumsum(grid.prod(-1), 0)
         image = (idx.unsqueeze(1) >= ends.unsqueeze(0)).to(torch.int64).sum(1)
         heights, widths = grid[:, 1].gather(0, image), grid[:, 2].gather(0, image)
-        h_taps, h_w = _interpolation_axis_taps_weights(hpos, heights, self.side, self.mode, self.align_corners)
+        h_taps, h_w = _interpolation_axis_taps_weights(
+            hpos, heights, self.side, self.mode, self.align_corners
+        )
         w_taps, w_w = _interpolation_axis_taps_weights(wpos, widths, self.side, self.mode, self.align_corners)
         taps = h_taps.shape[1]
         indices = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).reshape(-1, taps * taps)
@@ -242,7 +244,14 @@ def export_decoder(pkg: Package, model, kv: dict, hidden: int, deepstack_layers:
         torch.randn(batch, kv["kv_heads"], past_len, kv["head_dim"], generator=g) for _ in range(2 * layers)
     ]
     past_names, present_names = base.kv_names(layers)
-    names = ["inputs_embeds", "attention_mask", "position_ids", VISUAL_POS_MASKS, DEEPSTACK_EMBEDS, *past_names]
+    names = [
+        "inputs_embeds",
+        "attention_mask",
+        "position_ids",
+        VISUAL_POS_MASKS,
+        DEEPSTACK_EMBEDS,
+        *past_names,
+    ]
     args = [embeds, mask, pos, visual, stack, *past]
     axes = base.decoder_axes(layers, mrope=True)
     axes[VISUAL_POS_MASKS] = {0: base.BATCH, 1: base.SEQ}
