@@ -43,6 +43,7 @@ def test_graphs_declare_the_deepstack_interface(builtin):
         "vision_output": "deepstack_features",
         "mask_input": "visual_pos_masks",
         "embeds_input": "deepstack_visual_embeds",
+        "rows_dim": "visual_tokens",
     }
     assert m["vision"]["token_aligned_outputs"] == {"deepstack_features": 1}
     assert m["text"]["mrope_interleaved"] is True and m["text"]["position"] == "mrope"
@@ -221,3 +222,96 @@ def test_verify_checks_inputs_against_the_processor(qwen3, pictures):
     )
     assert res.passed, res
     assert res.inputs["checked"] and res.inputs["ids_equal"] and res.inputs["pixel_max_abs_diff"] <= 1e-5
+
+
+# ---- passes, backend, plan on a deepstack package ------------------------------------------------
+
+PROMPTS = ["Describe the image.", "Hi"]
+IMAGES = [[_image(64, 96, 1)], []]
+
+
+def _passes(path: Path, tmp: Path, steps) -> Package:
+    from vlmc import manager
+    from vlmc.recipe import Step
+
+    pkg = manager.run(Package.load(path), [Step(name, opts, i + 1) for i, (name, opts) in enumerate(steps)])
+    pkg.save(tmp)
+    return Package.load(tmp)
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [("paged_kv", {"block_size": 16})],
+        [("merge", {})],
+        [("split", {"boundaries": [1]})],
+        [("split", {"boundaries": [2]}), ("merge", {})],
+    ],
+    ids=["paged_kv", "merge", "split", "split_merge"],
+)
+def test_numerics_keeping_passes_carry_the_deepstack_inputs(exported, tmp_path, steps):
+    """Tokens equal the unrewritten package's; the deepstack inputs stay where the manifest says."""
+    path = exported("tiny-qwen3-vl")
+    want = Pipeline(Package.load(path)).generate(PROMPTS, IMAGES, 8)
+    pkg = _passes(path, tmp_path / "out", steps)
+    ds = pkg.manifest["text"]["deepstack"]
+    for name in pkg.manifest["pipeline"]["decoder"]:
+        names = {i["name"] for i in pkg.info(name)["inputs"]}
+        first = pkg.info(name).get("kv_layers", [0, 3])[0]
+        # a split decoder range takes the deepstack inputs only if it holds one of the first layers
+        assert ({ds["mask_input"], ds["embeds_input"]} <= names) == (first < ds["layers"])
+    if "vlm" in pkg.manifest["pipeline"]:
+        vlm = {i["name"] for i in pkg.info("vlm")["inputs"]}
+        assert not vlm & {ds["mask_input"], ds["embeds_input"]}  # computed inside the merged graph
+    got = Pipeline(pkg).generate(PROMPTS, IMAGES, 8)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.prefill_logits, want.prefill_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_prune_keeps_the_deepstack_rows_of_the_kept_tokens(exported, tmp_path):
+    path = exported("tiny-qwen3-vl")
+    opts = {"keep": 3, "method": "attention_received", "calibration_images": 1, "picture": False}
+    pruned = _passes(path, tmp_path / "pruned", [("prune_visual_tokens", opts)])
+    sig = {o["name"]: o["shape"] for o in pruned.info("vision_encoder")["outputs"]}
+    assert sig["deepstack_features"] == [2, "image_tokens", 64]
+    grid = np.array([[1, 4, 6], [1, 8, 4]])
+    feeds = patches.packed_patches(
+        [_image(64, 96, 1), _image(128, 64, 2)], Package.load(path).manifest["vision"]["preprocess"]
+    )
+    np.testing.assert_array_equal(feeds["image_grid_thw"], grid)
+    full_feats, full_stack = ortsession.for_graph(Package.load(path), "vision_encoder").run(None, feeds)
+    out = dict(
+        zip(
+            [o.name for o in ortsession.for_graph(pruned, "vision_encoder").get_outputs()],
+            ortsession.for_graph(pruned, "vision_encoder").run(None, feeds),
+        )
+    )
+    starts = np.array([0, 6])  # image 0 has 6 tokens, image 1 has 8
+    flat = (out["image_token_indices"] + starts[:, None]).reshape(-1)
+    assert out["image_features"].shape == (6, 64) and out["deepstack_features"].shape == (2, 6, 64)
+    np.testing.assert_array_equal(out["image_features"], full_feats[flat])
+    np.testing.assert_array_equal(out["deepstack_features"], full_stack[:, flat])
+    res = Pipeline(pruned).generate(PROMPTS, IMAGES, 4)
+    assert res.image_tokens == 3 and all(res.tokens)
+
+
+def test_ascend_compile_sizes_the_deepstack_rows_per_variant(exported, tmp_path):
+    from vlmc.backends import ascend
+
+    pkg = Package.load(exported("tiny-qwen3-vl"))
+    out = ascend.compile(pkg, tmp_path / "build", {"backend": "ascend", "soc": "Ascend910B3"})
+    shapes = {b["name"]: b["input_shape"] for b in out["builds"]}
+    # prefill carries the vision build's tokens (48 patches / 2x2 = 12); a decode step one zero row
+    assert "deepstack_visual_embeds:2,12,64" in shapes["decoder_prefill"]
+    assert "pixel_values:48," in shapes["vision_encoder"]
+    assert "deepstack_visual_embeds:2,1,64" in shapes["decoder_decode"]
+    assert "visual_pos_masks:1,1" in shapes["decoder_decode"]
+
+
+def test_plan_bounds_tokens_per_image_by_the_processor_pixels(qwen3):
+    from vlmc import plan as P
+
+    spec = P.spec_from_package(qwen3.pkg)
+    assert spec.tokens_per_image == 64  # max_pixels 64 * 32 * 32 of the saved processor
+    cfg = P.load_spec(qwen3.src / "config.json")
+    assert cfg.tokens_per_image == 16384 and {g.role for g in cfg.graphs} == {"vision", "embed", "decoder"}

@@ -337,6 +337,8 @@ def spec_from_package(pkg) -> Spec:
     ]
     tpi = v.get("tokens_per_image")
     if not isinstance(tpi, int):
+        tpi = _packed_tokens_bound(v)
+    if not isinstance(tpi, int):
         raise VlmcError(
             "the package has no fixed vision.tokens_per_image (dynamic resolution); "
             "plan needs it: export with a fixed image size"
@@ -363,6 +365,16 @@ def spec_from_package(pkg) -> Spec:
         act_dtype="float32" if precisions <= {"fp32"} else "float16",
         block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
     )
+
+
+def _packed_tokens_bound(vision: dict) -> int | None:
+    """Dynamic resolution (preprocess kind packed_patches): the most tokens one image can give, from the
+    processor's max_pixels bound (smart resize keeps every image at or below it)."""
+    pre = vision.get("preprocess") or {}
+    if pre.get("kind") != "packed_patches" or not pre.get("max_pixels"):
+        return None
+    factor = int(pre["patch_size"]) * int(pre["merge_size"])
+    return int(pre["max_pixels"]) // (factor * factor)
 
 
 def _widest_inner(model, hidden: int, vocab: int) -> int:
@@ -455,7 +467,9 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     family = exporters._family_for_config(config, name)
     mod = exporters.families()[family]
     with torch.device("meta"):
-        model = mod.model_class()._from_config(config)
+        cls = mod.model_class()
+        # an auto class (families that serve several architectures) picks the class from the config
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
     prec = {"vision": "fp16", "embed": "fp16", "decoder": "fp16", **(precision or {})}
     emb = model.get_input_embeddings()
     dec = model.get_decoder()
@@ -466,7 +480,9 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     for p in model.parameters():
         role = "embed" if id(p) in emb_ids else ("decoder" if id(p) in dec_ids | head_ids else "vision")
         count[role] += p.numel()
-    if getattr(config, "tie_word_embeddings", False) or config.get_text_config().tie_word_embeddings:
+    if getattr(config, "tie_word_embeddings", False) or getattr(
+        config.get_text_config(), "tie_word_embeddings", False
+    ):
         count["decoder"] += emb.weight.numel()  # the decoder graph holds its own copy of a tied head
     graphs = [
         GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))

@@ -42,6 +42,7 @@ VISUAL_TOKENS = "visual_tokens"  # symbolic dim: image tokens in the whole batch
 # The Qwen3-VL image processor's statistics (Qwen/Qwen3-VL-*-Instruct preprocessor_config.json).
 QWEN3_MEAN = [0.5, 0.5, 0.5]
 QWEN3_STD = [0.5, 0.5, 0.5]
+QWEN3_MAX_PIXELS = 16777216  # its size.longest_edge
 
 
 def model_class(config=None):
@@ -335,6 +336,7 @@ def export(source, pkg: Package) -> None:
             "vision_output": DEEPSTACK_OUTPUT,
             "mask_input": VISUAL_POS_MASKS,
             "embeds_input": DEEPSTACK_EMBEDS,
+            "rows_dim": VISUAL_TOKENS,
         },
     )
     m["kv"] = kv = kv_facts(tcfg)
@@ -364,3 +366,14 @@ def export(source, pkg: Package) -> None:
     del vision
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     export_decoder(pkg, model, kv, int(tcfg.hidden_size), deepstack_layers)
+
+
+def tokens_per_image(config) -> int:
+    """The most tokens one image gives under the Qwen3-VL processor's default pixel bound (`vlmc plan --config`).
+
+    Qwen/Qwen3-VL-*-Instruct's preprocessor_config.json bounds images at ``longest_edge`` = 16777216 pixels
+    (16384 tokens at patch 16, merge 2); a package's plan reads the bound its own processor saved.
+    """
+    v = config.vision_config
+    factor = int(v.patch_size) * int(v.spatial_merge_size)
+    return QWEN3_MAX_PIXELS // (factor * factor)
