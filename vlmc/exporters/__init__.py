@@ -27,6 +27,7 @@ FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
     "qwen3_vl": "vlmc.exporters.qwen3_vl",
+    "glm4v": "vlmc.exporters.glm4v",
     "blip2": "vlmc.exporters.blip2",
 }
 
