@@ -449,6 +449,12 @@ class PruneVisualTokens(Pass):
         if not chain:
             raise VlmcError("the package has no image chain (pipeline.image); nothing to prune")
         target = chain[-1]
+        refusal = v.get("prune") or {}
+        if refusal.get("supported") is False:
+            # A family states why its visual tokens cannot be pruned (e.g. anyres tiles with unpadding).
+            raise VlmcError(
+                f"cannot prune this package: {refusal.get('reason', 'the family does not support it')}"
+            )
         if v.get("pruning"):
             raise VlmcError(
                 f"the package is already pruned to {v['pruning'].get('keep')} tokens per image; "

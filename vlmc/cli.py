@@ -448,6 +448,10 @@ def inspect(package, as_json, pruning_image, output):
     multiple=True,
     help="With --config: ROLE=PRECISION, e.g. vision=int8 (default fp16).",
 )
+@click.option(
+    "--image-size",
+    help="HEIGHTxWIDTH of each image, for models whose image tokens depend on it (LLaVA-NeXT anyres).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan(
     package,
@@ -461,6 +465,7 @@ def plan(
     max_context,
     reserve,
     precisions,
+    image_size,
     as_json,
 ):
     """Plan device memory: weights, KV per token/block, image tokens, headroom -> sequences and context that fit.
@@ -484,14 +489,15 @@ def plan(
                 f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}"
             )
         prec[role] = value
+    size = PL.parse_image_size(image_size)
     if config_path is not None:
-        spec = PL.load_spec(config_path, prec or None)
+        spec = PL.load_spec(config_path, prec or None, size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = PL.spec_from_package(Package.load(package))
+        spec = PL.spec_from_package(Package.load(package), size)
     result = PL.plan(
         spec,
         device_memory,

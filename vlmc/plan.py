@@ -325,8 +325,46 @@ def activation_bytes(spec: Spec, seq: int, images: int) -> int:
 
 
 # ---- specs -----------------------------------------------------------------------------------
-def spec_from_package(pkg) -> Spec:
-    """Facts from vlmc.json and weight bytes from the package's graphs."""
+def parse_image_size(text: str | None) -> tuple[int, int] | None:
+    """'HxW' (e.g. 672x1008) -> (h, w)."""
+    if text is None:
+        return None
+    h, sep, w = str(text).lower().partition("x")
+    if not sep or not h.strip().isdigit() or not w.strip().isdigit() or not int(h) or not int(w):
+        raise VlmcError(f"--image-size {text!r}: write HEIGHTxWIDTH in pixels, e.g. 672x1008")
+    return int(h), int(w)
+
+
+def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> int:
+    """Image tokens per image from the manifest: the fixed count, or the preprocessing kind's count rule
+    (the runtime's own, e.g. anyres tiles) for ``image_size``."""
+    import numpy as np
+
+    from vlmc.runtime import preprocess
+
+    tpi = v.get("tokens_per_image")
+    if isinstance(tpi, int):
+        return tpi
+    facts = v.get("preprocess") or {}
+    packed = _packed_tokens(facts, image_size)
+    if packed is not None:
+        return packed
+    if facts.get("kind") in preprocess.COUNTS:
+        if image_size is None:
+            raise VlmcError(
+                "image tokens depend on the image size in this package "
+                f"({facts['kind']} preprocessing); give --image-size HEIGHTxWIDTH"
+            )
+        return preprocess.token_counts({"image_sizes": np.array([image_size], np.int64)}, facts)[0]
+    raise VlmcError(
+        "the package has no fixed vision.tokens_per_image (dynamic resolution); "
+        "plan needs it: export with a fixed image size"
+    )
+
+
+def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
+    """Facts from vlmc.json and weight bytes from the package's graphs (``image_size`` (h, w) for
+    packages whose image token count depends on it)."""
     from vlmc import graphs as G
 
     m = pkg.manifest
@@ -335,14 +373,7 @@ def spec_from_package(pkg) -> Spec:
         GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
         for n, g in m["graphs"].items()
     ]
-    tpi = v.get("tokens_per_image")
-    if not isinstance(tpi, int):
-        tpi = _packed_tokens_bound(v)
-    if not isinstance(tpi, int):
-        raise VlmcError(
-            "the package has no fixed vision.tokens_per_image (dynamic resolution); "
-            "plan needs it: export with a fixed image size"
-        )
+    tpi = _package_tokens(v, image_size)
     unpruned = int((v.get("pruning") or {}).get("tokens_before", tpi))
     hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
     decoder = next(iter(m["pipeline"].get("decoder", [])), None)
@@ -367,14 +398,26 @@ def spec_from_package(pkg) -> Spec:
     )
 
 
-def _packed_tokens_bound(vision: dict) -> int | None:
-    """Dynamic resolution (preprocess kind packed_patches): the most tokens one image can give, from the
-    processor's max_pixels bound (smart resize keeps every image at or below it)."""
-    pre = vision.get("preprocess") or {}
+def _packed_tokens(pre: dict, image_size: tuple[int, int] | None) -> int | None:
+    """Dynamic resolution (preprocess kind packed_patches, Qwen-VL / GLM-4.1V): the tokens of an
+    ``image_size`` image by the runtime's own smart-resize rule, else the most one image can give under the
+    processor's max_pixels bound (smart resize keeps every image at or below it); None for other kinds."""
     if pre.get("kind") != "packed_patches" or not pre.get("max_pixels"):
         return None
-    factor = int(pre["patch_size"]) * int(pre["merge_size"])
-    return int(pre["max_pixels"]) // (factor * factor)
+    from vlmc.runtime import patches
+
+    patch, merge = int(pre["patch_size"]), int(pre["merge_size"])
+    factor = patch * merge
+    if image_size is not None:
+        rule = patches.RESIZE_RULES.get(pre.get("resize", "qwen2_vl"), patches.smart_resize)
+        h, w = rule(
+            int(image_size[0]), int(image_size[1]), factor, int(pre["min_pixels"]), int(pre["max_pixels"])
+        )
+        return (h // patch) * (w // patch) // (merge * merge)
+    bound = int(pre["max_pixels"])
+    if pre.get("resize") == "glm4v":  # GLM's bound counts the temporal frames a still image is repeated into
+        bound //= int(pre.get("temporal_patch_size", 2))
+    return bound // (factor * factor)
 
 
 def _widest_inner(model, hidden: int, vocab: int) -> int:
@@ -445,7 +488,9 @@ def spec_from_dict(d: dict, name: str = "spec") -> Spec:
         ) from None
 
 
-def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "config") -> Spec:
+def spec_from_hf_config(
+    d: dict, precision: dict | None = None, name: str = "config", image_size: tuple[int, int] | None = None
+) -> Spec:
     """Count parameters of a Hugging Face config of a family vlmc exports, on the meta device (no weights).
 
     The decoder's parameters are those of ``get_decoder()`` (minus its input embeddings) plus
@@ -492,7 +537,7 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     v = getattr(config, "vision_config", None)
     heads = int(t.num_attention_heads)
     head_dim = int(getattr(t, "head_dim", None) or t.hidden_size // heads)
-    tpi = _tokens_per_image(mod, config)
+    tpi = _tokens_per_image(mod, config, image_size)
     vision = {}
     if v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
         vision = {
@@ -519,17 +564,29 @@ def spec_from_hf_config(d: dict, precision: dict | None = None, name: str = "con
     )
 
 
-def _tokens_per_image(mod, config) -> int:
+def _tokens_per_image(mod, config, image_size: tuple[int, int] | None = None) -> int:
     fn = getattr(mod, "tokens_per_image", None)
     if fn is None:
         raise VlmcError(
             f"the {mod.__name__} exporter does not state tokens per image for a config; "
             "use a vlmc sizing spec"
         )
-    return int(fn(config))
+    n = fn(config)
+    family = getattr(mod, "FAMILY", None)  # generic tier: the family's count rule for an image size
+    if n is None and family is not None:
+        if image_size is None:
+            raise VlmcError(
+                f"{family.name}: image tokens depend on the image size; give --image-size HEIGHTxWIDTH"
+            )
+        n = family.tokens_for_size(config, *image_size)
+    if n is None:
+        raise VlmcError(f"the {mod.__name__} exporter states no tokens per image for this config")
+    return int(n)
 
 
-def load_spec(path: str | Path, precision: dict | None = None) -> Spec:
+def load_spec(
+    path: str | Path, precision: dict | None = None, image_size: tuple[int, int] | None = None
+) -> Spec:
     """A Spec from a file: a vlmc sizing spec (JSON or YAML) or a Hugging Face config.json."""
     p = Path(path)
     if not p.is_file():
@@ -551,4 +608,4 @@ def load_spec(path: str | Path, precision: dict | None = None) -> Spec:
             d = dict(d, precision={**d.get("precision", {}), **precision})
         return spec_from_dict(d, name=str(p))
     name = p.parent.name if p.name == "config.json" else p.stem
-    return spec_from_hf_config(d, precision, name=name)
+    return spec_from_hf_config(d, precision, name=name, image_size=image_size)

@@ -136,6 +136,9 @@ def processor_inputs(pkg: Package, proc, prompts: list[str], images: list[list])
             text = text.replace(marker, "")
         texts.append(text)
     flat = [_pil(i) for per in images for i in per]
+    if flat and pkg.manifest["vision"].get("processor_images") == "per_prompt":
+        # processors that take a batch's images as one list per prompt (Gemma3Processor)
+        flat = [[_pil(i) for i in per] for per in images]
     tok.padding_side = "left"  # batched generation with a decoder-only model
     return proc(
         images=flat or None, text=texts, padding=True, add_special_tokens=add_special, return_tensors="pt"

@@ -29,6 +29,10 @@ FAMILY_MODULES = {
     "qwen3_vl": "vlmc.exporters.qwen3_vl",
     "glm4v": "vlmc.exporters.glm4v",
     "blip2": "vlmc.exporters.blip2",
+    # the generic tier (vlmc/exporters/generic.py)
+    "llava_next": "vlmc.exporters.llava_next",
+    "llava_onevision": "vlmc.exporters.llava_onevision",
+    "gemma3": "vlmc.exporters.gemma3",
 }
 
 

@@ -15,6 +15,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -45,36 +46,82 @@ def kv_names(layers: int) -> tuple[list[str], list[str]]:
 
 
 class DecoderWrapper(torch.nn.Module):
-    """inputs_embeds, attention_mask, position_ids, past K/V... -> logits, present K/V...
+    """inputs_embeds, attention_mask, position_ids, [extra inputs...], past K/V... -> logits, present K/V...
 
     The cache is rebuilt from flat tensors inside forward, so the traced graph has plain tensor
-    inputs and outputs with the standard names.
+    inputs and outputs with the standard names. The cache is handed to the text model as ``cache=``
+    (transformers 5 deprecates ``past_key_values=`` and removes it in 5.40).
+
+    - ``extra_inputs`` names graph inputs that come after position_ids (e.g. Gemma3's
+      ``token_type_ids``); ``text_kwargs(text_model, inputs_embeds, attention_mask, position_ids, cache,
+      **extras)`` turns them (and the 2-D mask) into the text model's keyword arguments, e.g. a mask
+      mapping per attention type. Without it the text model gets ``attention_mask`` as given.
+    - The cache is a ``DynamicCache`` without the model config, so every layer keeps its whole past,
+      sliding-window layers too: the window is applied by the layer's mask (transformers builds it from
+      ``config.sliding_window`` for ``sliding_attention`` layers), which gives the same attention as a
+      truncated window cache; the graph's KV interface stays one shape per layer.
+    - ``softcap`` is the text config's ``final_logit_softcapping`` (Gemma), applied to the logits as the
+      conditional-generation head does.
     """
 
-    def __init__(self, text_model: torch.nn.Module, lm_head: torch.nn.Module, layers: int) -> None:
+    def __init__(
+        self,
+        text_model: torch.nn.Module,
+        lm_head: torch.nn.Module,
+        layers: int,
+        extra_inputs: Sequence[str] = (),
+        text_kwargs=None,
+        softcap: float | None = None,
+    ) -> None:
         super().__init__()
         self.text_model = text_model
         self.lm_head = lm_head
         self.layers = layers
+        self.extra_inputs = tuple(extra_inputs)
+        self.text_kwargs = text_kwargs
+        self.softcap = softcap
 
-    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+    def forward(self, inputs_embeds, attention_mask, position_ids, *rest):
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.text_model.config)
+        n = len(self.extra_inputs)
+        extras, past = dict(zip(self.extra_inputs, rest[:n])), rest[n:]
+        cache = DynamicCache()
         for i in range(self.layers):
             cache.update(past[2 * i], past[2 * i + 1], i)
+        if self.text_kwargs is not None:
+            kwargs = self.text_kwargs(
+                self.text_model, inputs_embeds, attention_mask, position_ids, cache, **extras
+            )
+        else:
+            kwargs = {"attention_mask": attention_mask}
         out = self.text_model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
+            inputs_embeds=inputs_embeds, position_ids=position_ids, cache=cache, use_cache=True, **kwargs
         )
         logits = self.lm_head(out.last_hidden_state)
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         present = []
-        for layer in out.past_key_values.layers[: self.layers]:
+        # The cache was updated in place by the layers (this step's K/V appended to each past).
+        for layer in cache.layers[: self.layers]:
             present += [layer.keys, layer.values]
         return (logits, *present)
+
+
+@dataclass(frozen=True)
+class DecoderInput:
+    """An extra decoder graph input beyond embeds/mask/positions/KV (see DecoderWrapper.extra_inputs).
+
+    ``rule`` names how the runtime fills it (vlmc/runtime/extras.py: e.g. ``image_tokens``, 1 on image
+    placeholders at prefill and 0 for decoded tokens); it is written to the manifest's
+    ``text.decoder_inputs`` so runtime and passes need no family knowledge. ``sample(batch, seq)`` makes
+    the tracing sample; ``axes`` are its symbolic dims.
+    """
+
+    name: str
+    rule: str
+    sample: object  # Callable[[int, int], torch.Tensor]
+    axes: dict = field(default_factory=lambda: {0: BATCH, 1: SEQ})
 
 
 class EmbedWrapper(torch.nn.Module):
@@ -383,14 +430,20 @@ def export_stage(
     return model
 
 
-def decoder_axes(layers: int, mrope: bool = False) -> dict[str, dict[int, str]]:
+def decoder_axes(
+    layers: int, mrope: bool = False, position_axes: int | None = None, extra_inputs: Sequence = ()
+) -> dict[str, dict[int, str]]:
+    """Dynamic axes of the decoder graph. Positions are [batch, seq] (1-D RoPE) or, with
+    ``position_axes`` (``mrope``: 3), [axes, batch, seq] (M-RoPE, interleaved M-RoPE)."""
     past, present = kv_names(layers)
+    axes_n = position_axes if position_axes is not None else (3 if mrope else None)
     axes = {
         "inputs_embeds": {0: BATCH, 1: SEQ},
         "attention_mask": {0: BATCH, 1: TOTAL},
-        "position_ids": {1: BATCH, 2: SEQ} if mrope else {0: BATCH, 1: SEQ},
+        "position_ids": {1: BATCH, 2: SEQ} if axes_n else {0: BATCH, 1: SEQ},
         "logits": {0: BATCH, 1: SEQ},
     }
+    axes.update({x.name: dict(x.axes) for x in extra_inputs})
     axes.update({n: {0: BATCH, 2: PAST} for n in past})
     axes.update({n: {0: BATCH, 2: TOTAL} for n in present})
     return axes
@@ -407,33 +460,43 @@ def export_decoder(
     position_ids_fn=None,
     mrope: bool = False,
     dtype=torch.float32,
+    position_axes: int | None = None,
+    extra_inputs: Sequence[DecoderInput] = (),
+    text_kwargs=None,
+    softcap: float | None = None,
 ) -> None:
-    """Export the shared decoder graph and store its sample inputs."""
+    """Export the shared decoder graph and store its sample inputs.
+
+    Graph inputs: ``inputs_embeds``, ``attention_mask``, ``position_ids`` ([batch, seq], or
+    [position_axes, batch, seq]; ``mrope=True`` is ``position_axes=3``), each of ``extra_inputs`` in
+    order, then ``past_key_values.{i}.key/value``. See DecoderWrapper for ``text_kwargs``/``softcap``.
+    """
     g = torch.Generator().manual_seed(0)
     batch, seq, past_len = 2, 5, 3
     embeds = torch.randn(batch, seq, hidden, generator=g, dtype=dtype)
     mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
     pos = torch.arange(past_len, past_len + seq).unsqueeze(0).expand(batch, seq)
-    if mrope:
-        pos = pos.unsqueeze(0).expand(3, batch, seq)
+    axes_n = position_axes if position_axes is not None else (3 if mrope else None)
+    if axes_n:
+        pos = pos.unsqueeze(0).expand(axes_n, batch, seq)
+    extras = [x.sample(batch, seq) for x in extra_inputs]
     past = [
         torch.randn(batch, kv_heads, past_len, head_dim, generator=g, dtype=dtype) for _ in range(2 * layers)
     ]
     past_names, present_names = kv_names(layers)
-    names = ["inputs_embeds", "attention_mask", "position_ids", *past_names]
+    names = ["inputs_embeds", "attention_mask", "position_ids", *(x.name for x in extra_inputs), *past_names]
+    args = [embeds, mask, pos.contiguous(), *extras, *past]
     export_stage(
         pkg,
         "decoder",
-        DecoderWrapper(text_model, lm_head, layers),
-        [embeds, mask, pos.contiguous(), *past],
+        DecoderWrapper(text_model, lm_head, layers, [x.name for x in extra_inputs], text_kwargs, softcap),
+        args,
         names,
         ["logits", *present_names],
-        decoder_axes(layers, mrope),
+        decoder_axes(layers, position_axes=axes_n, extra_inputs=extra_inputs),
         role="decoder",
     )
-    samples.store(
-        pkg, "decoder", {n: t.numpy() for n, t in zip(names, [embeds, mask, pos.contiguous(), *past])}
-    )
+    samples.store(pkg, "decoder", {n: t.numpy() for n, t in zip(names, args)})
 
 
 def export_embed(pkg: Package, embedding, vocab: int) -> None:

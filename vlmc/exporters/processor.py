@@ -111,14 +111,23 @@ def attach(directory, pkg) -> None:
     if template is not None:
         pkg.files[CHAT_TEMPLATE_FILE] = template.encode("utf-8")
         text["chat_template"] = CHAT_TEMPLATE_FILE
-    marker = image_token(proc)
-    if marker is not None:
-        text["image_marker"] = marker
     image_id = int(pkg.manifest["vision"]["image_token_id"])
-    found = backend.token_to_id(text.get("image_marker", "<image>"))
+    if text.get("image_expansion"):
+        # The prompt's marker expands into more than the image token run (e.g. Gemma3: <start_of_image>,
+        # whose processor calls the marker its image_token): the placeholder is whichever of the tokenizer's
+        # and processor's image tokens the tokenizer maps to the config's image token id.
+        names = [getattr(tok, "image_token", None), image_token(proc), text.get("image_token")]
+        names = [str(getattr(n, "content", n)) for n in names if n is not None]
+        hit = next((n for n in names if backend.token_to_id(n) == image_id), None)
+        key, value = "image_token", hit if hit is not None else (names[0] if names else None)
+    else:
+        key, value = "image_marker", image_token(proc)
+    if value is not None:
+        text[key] = value
+    found = backend.token_to_id(text.get(key) or text.get("image_marker", "<image>"))
     if found != image_id:
         raise VlmcError(
-            f"{directory}: the tokenizer maps the image token {text.get('image_marker')!r} to {found}, "
+            f"{directory}: the tokenizer maps the image token {text.get(key)!r} to {found}, "
             "but the "
             f"config's image token id is {image_id}; the tokenizer and config.json do not belong together"
         )

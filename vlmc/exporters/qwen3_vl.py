@@ -197,78 +197,54 @@ def _traceable_deepstack(text_model):
         del text_model._deepstack_process
 
 
-class DeepstackDecoderWrapper(torch.nn.Module):
-    """inputs_embeds, attention_mask, position_ids, visual_pos_masks, deepstack_visual_embeds, past K/V...
-    -> logits, present K/V... (the standard decoder interface plus the two deepstack inputs)."""
+def _visual_sample(batch: int, seq: int) -> torch.Tensor:
+    mask = torch.zeros(batch, seq, dtype=torch.int64)
+    mask[0, 1:4] = 1
+    mask[-1, seq - 1] = 1
+    return mask
 
-    def __init__(self, text_model, lm_head, layers: int, deepstack_layers: int) -> None:
-        super().__init__()
-        self.text_model = text_model
-        self.lm_head = lm_head
-        self.layers = layers
-        self.deepstack_layers = deepstack_layers
 
-    def forward(self, inputs_embeds, attention_mask, position_ids, visual_pos_masks, deepstack, *past):
-        from transformers import DynamicCache
+def _deepstack_inputs(hidden: int, layers: int) -> list[base.DecoderInput]:
+    """The two deepstack decoder inputs (the shared decoder wrapper's extra inputs); their samples agree:
+    as many rows as marked positions."""
+    g = torch.Generator().manual_seed(1)
 
-        cache = DynamicCache(config=self.text_model.config)
-        for i in range(self.layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.text_model(
-            inputs_embeds=inputs_embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            visual_pos_masks=visual_pos_masks,
-            deepstack_visual_embeds=[deepstack[i] for i in range(self.deepstack_layers)],
-        )
-        logits = self.lm_head(out.last_hidden_state)
-        present = []
-        for layer in out.cache.layers[: self.layers]:
-            present += [layer.keys, layer.values]
-        return (logits, *present)
+    def rows(batch: int, seq: int) -> torch.Tensor:
+        return torch.randn(layers, int(_visual_sample(batch, seq).sum()), hidden, generator=g)
+
+    return [
+        base.DecoderInput(VISUAL_POS_MASKS, "deepstack", _visual_sample),
+        base.DecoderInput(DEEPSTACK_EMBEDS, "deepstack", rows, axes={1: VISUAL_TOKENS}),
+    ]
+
+
+def _deepstack_kwargs(layers: int):
+    def text_kwargs(text_model, inputs_embeds, attention_mask, position_ids, cache, **extras):
+        stack = extras[DEEPSTACK_EMBEDS]
+        return {
+            "attention_mask": attention_mask,
+            "visual_pos_masks": extras[VISUAL_POS_MASKS],
+            "deepstack_visual_embeds": [stack[i] for i in range(layers)],
+        }
+
+    return text_kwargs
 
 
 def export_decoder(pkg: Package, model, kv: dict, hidden: int, deepstack_layers: int) -> None:
     text_model = model.model.language_model
-    g = torch.Generator().manual_seed(0)
-    batch, seq, past_len, layers = 2, 5, 3, kv["layers"]
-    embeds = torch.randn(batch, seq, hidden, generator=g)
-    mask = torch.ones(batch, past_len + seq, dtype=torch.int64)
-    pos = torch.arange(past_len, past_len + seq).reshape(1, 1, seq).expand(3, batch, seq).contiguous()
-    visual = torch.zeros(batch, seq, dtype=torch.int64)
-    visual[0, 1:4] = 1
-    visual[1, 2] = 1
-    stack = torch.randn(deepstack_layers, int(visual.sum()), hidden, generator=g)
-    past = [
-        torch.randn(batch, kv["kv_heads"], past_len, kv["head_dim"], generator=g) for _ in range(2 * layers)
-    ]
-    past_names, present_names = base.kv_names(layers)
-    names = [
-        "inputs_embeds",
-        "attention_mask",
-        "position_ids",
-        VISUAL_POS_MASKS,
-        DEEPSTACK_EMBEDS,
-        *past_names,
-    ]
-    args = [embeds, mask, pos, visual, stack, *past]
-    axes = base.decoder_axes(layers, mrope=True)
-    axes[VISUAL_POS_MASKS] = {0: base.BATCH, 1: base.SEQ}
-    axes[DEEPSTACK_EMBEDS] = {1: VISUAL_TOKENS}
     with _traceable_deepstack(text_model):
-        base.export_stage(
+        base.export_decoder(
             pkg,
-            "decoder",
-            DeepstackDecoderWrapper(text_model, model.lm_head, layers, deepstack_layers),
-            args,
-            names,
-            ["logits", *present_names],
-            axes,
-            role="decoder",
+            text_model,
+            model.lm_head,
+            kv["layers"],
+            kv["kv_heads"],
+            kv["head_dim"],
+            hidden,
+            position_axes=3,
+            extra_inputs=_deepstack_inputs(hidden, deepstack_layers),
+            text_kwargs=_deepstack_kwargs(deepstack_layers),
         )
-    samples.store(pkg, "decoder", {n: t.numpy() for n, t in zip(names, args)})
 
 
 # ---- manifest facts and export -----------------------------------------------------------------

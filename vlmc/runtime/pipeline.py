@@ -16,7 +16,7 @@ import numpy as np
 from vlmc import ortsession
 from vlmc.errors import VlmcError
 from vlmc.package import Package
-from vlmc.runtime import chat, deepstack, positions, preprocess
+from vlmc.runtime import chat, deepstack, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
 
@@ -128,6 +128,9 @@ class Pipeline:
                             f"the {k} this pruned package keeps per image; use a larger image"
                         )
             return [k] * n_images
+        counts = preprocess.token_counts(vision, v["preprocess"])
+        if counts is not None:
+            return counts
         if grid is None:
             raise VlmcError("manifest gives no tokens_per_image and the preprocessing gives no image grid")
         merge = int(v.get("spatial_merge_size", 1))
@@ -177,12 +180,18 @@ class Pipeline:
             lead = self.tokenizer.encode(marker * sum(counts), add_bos=False) if counts else []
             ids = lead + self.tokenizer.encode(text.replace(marker, ""), add_bos=add)
         else:
+            # Each marker becomes its run of image tokens, or, with text.image_expansion, the text the
+            # processor puts there ("{tokens}" is the run; e.g. Gemma3's begin/end-of-image around it).
+            image_token = t.get("image_token") or marker
+            expansion = t.get("image_expansion") or "{tokens}"
             pieces = text.split(marker)
-            expanded = pieces[0] + "".join(marker * n + piece for n, piece in zip(counts, pieces[1:]))
+            expanded = pieces[0] + "".join(
+                expansion.replace("{tokens}", image_token * n) + piece for n, piece in zip(counts, pieces[1:])
+            )
             ids = self.tokenizer.encode(expanded, add_bos=add)
         if sum(1 for x in ids if x == image_id) != sum(counts):
             raise VlmcError(
-                f"the tokenizer does not map {marker!r} to the image token id {image_id} "
+                f"the tokenizer does not map {t.get('image_token') or marker!r} to the image token id {image_id} "
                 f"({sum(1 for x in ids if x == image_id)} placeholders for {sum(counts)} image tokens)"
             )
         return ids
@@ -192,6 +201,12 @@ class Pipeline:
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
         t = self.m["text"]
+        most = self.m["vision"]["preprocess"].get("max_images_per_prompt")
+        if most is not None and any(len(per) > most for per in images):
+            raise VlmcError(
+                f"{self.m['model']['family']}: at most {most} image(s) per prompt (the processor lays out "
+                "several images of one prompt differently, which this runtime does not reproduce)"
+            )
         flat = [img for per in images for img in per]
         vision = preprocess.preprocess(flat, self.m["vision"]["preprocess"]) if flat else {}
         counts = self.tokens_for_images(vision, len(flat)) if flat else []
@@ -218,9 +233,14 @@ class Pipeline:
         return Inputs(ids, mask, vision, [len(p) for p in images], extra)
 
     # ---- generation ------------------------------------------------------------------------
+    def vision_feeds(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The processor's vision inputs plus what the preprocessing kind derives from them for the
+        graphs (e.g. anyres' image_feature_index / image_feature_weight), which the processor does not give."""
+        return {**vision, **preprocess.graph_feeds(vision, self.m["vision"]["preprocess"])}
+
     def image_outputs(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the image chain; all its outputs (image_features, plus e.g. image_token_indices)."""
-        return self.run_chain(self.m["pipeline"]["image"], vision)
+        return self.run_chain(self.m["pipeline"]["image"], self.vision_feeds(vision))
 
     def image_features(self, vision: dict[str, np.ndarray]) -> np.ndarray:
         """Run the image chain; returns features flattened to [total_image_tokens, hidden]."""
@@ -278,6 +298,7 @@ class Pipeline:
             "image_outputs": inp.image_outputs,
         }
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
+        extra = extras.prefill(self.m, inp.input_ids)
         mask = inp.attention_mask
         dtype = self.m["kv"].get("dtype", "float32")
         state = kvmod.make(self.m["kv"], batch, dtype, attention_mask=mask, pipeline=self)
@@ -287,9 +308,9 @@ class Pipeline:
         prefill_logits = None
         try:
             for step in range(max_new_tokens):
-                available = {"attention_mask": mask, "position_ids": pos}
+                available = {"attention_mask": mask, "position_ids": pos, **extra}
                 if embeds is None:
-                    available.update(inp.vision, input_ids=inp.input_ids)
+                    available.update(self.vision_feeds(inp.vision), input_ids=inp.input_ids)
                     chain, new_tokens = [merged], inp.input_ids.shape[1]
                 else:
                     available["inputs_embeds"] = embeds
@@ -319,6 +340,7 @@ class Pipeline:
                 embeds = self.embed(nxt[:, None].astype(np.int64))
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
                 pos = positions.next_positions(pos)
+                extra = extras.decode(self.m, nxt[:, None].astype(np.int64))
         finally:
             state.release()
         texts = [self.tokenizer.decode([x for x in seq if x not in eos_ids]) for seq in tokens]

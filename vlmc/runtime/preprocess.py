@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc.errors import VlmcError
-from vlmc.runtime import patches
+from vlmc.runtime import anyres, patches
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,29 @@ KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
     "clip": clip,
     "resize": resize,
     "packed_patches": patches.packed_patches,
+    "anyres": anyres.preprocess,
 }
+
+
+# kind -> function(vision inputs, facts) -> image tokens per image, for kinds whose count depends on the
+# image (anyres); other kinds use vision.tokens_per_image or the image grid.
+COUNTS: dict[str, Callable[[dict[str, np.ndarray], dict], list[int]]] = {"anyres": anyres.token_counts}
+# kind -> function(vision inputs, facts) -> extra vision graph inputs derived from the processor's outputs
+# (fed to the graphs, never compared with the processor).
+FEEDS: dict[str, Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]] = {
+    "anyres": anyres.graph_feeds
+}
+
+
+def token_counts(vision: dict[str, np.ndarray], facts: dict) -> list[int] | None:
+    """Image tokens per image by the preprocessing kind's own rule, or None when the kind has none."""
+    fn = COUNTS.get(facts.get("kind"))
+    return None if fn is None else fn(vision, facts)
+
+
+def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    fn = FEEDS.get(facts.get("kind"))
+    return {} if fn is None or not vision else fn(vision, facts)
 
 
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:

@@ -117,7 +117,9 @@ def package_text(pkg, name: str) -> str | None:
 
 def load(pkg):
     text, vision = pkg.manifest["text"], pkg.manifest["vision"]
-    marker = text.get("image_marker", "<image>")
+    # The token that stands for one image feature: text.image_token when the prompt's marker expands
+    # into more than a run of it (text.image_expansion), else the marker itself.
+    marker = text.get("image_token") or text.get("image_marker", "<image>")
     image_id = int(vision["image_token_id"])
     if text.get("tokenizer") == "source":
         if text.get("tokenizer_file"):

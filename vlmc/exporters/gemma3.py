@@ -1,0 +1,175 @@
+"""Gemma3 (Gemma3ForConditionalGeneration) on the generic tier: the cost of a family that follows the interface.
+
+Vision is the tier's default (``get_image_features``: SigLIP + average-pooling projector, a fixed
+``mm_tokens_per_image`` per image). What is Gemma3's own:
+- preprocessing: a plain resize to the tower size (kind ``resize``), Gemma's mean/std 0.5;
+- prompt expansion: the prompt's ``<start_of_image>`` becomes
+  ``"\\n\\n<start_of_image>" + "<image_soft_token>" x N + "<end_of_image>\\n\\n"`` (Gemma3Processor);
+- one extra decoder input, ``token_type_ids`` (1 on image tokens): image tokens attend to each other
+  bidirectionally. The mask mapping per attention type is built by transformers' own
+  ``create_masks_for_vision_model`` inside the graph;
+- sliding-window layers (``layer_types``): recorded in the manifest's kv section; masked in the graph.
+Pan-and-scan crops (off by default in the processor) are refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from vlmc.errors import VlmcError
+from vlmc.exporters import base, generic, zoo
+from vlmc.exporters._facts import image_processor_config
+
+logger = logging.getLogger(__name__)
+
+_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+
+
+def _token_types(batch: int, seq: int) -> torch.Tensor:
+    t = torch.zeros(batch, seq, dtype=torch.int64)
+    t[:, 1:3] = 1  # an image block inside the traced sample
+    return t
+
+
+class Gemma3(generic.Family):
+    name = "gemma3"
+    model_types = ("gemma3",)
+    architectures = ("Gemma3ForConditionalGeneration",)
+
+    def model_class(self, config=None):
+        from transformers import Gemma3ForConditionalGeneration
+
+        return Gemma3ForConditionalGeneration
+
+    def tokens_per_image(self, config) -> int:
+        return int(config.mm_tokens_per_image)
+
+    def vision_facts(self, source) -> dict:
+        cfg = source.config
+        size = int(cfg.vision_config.image_size)
+        pc = image_processor_config(source.directory) or {}
+        if pc.get("do_pan_and_scan"):
+            raise VlmcError(f"{source.name}: gemma3 pan-and-scan crops (do_pan_and_scan) are not supported")
+        s = pc.get("size") or {"height": size, "width": size}
+        return {
+            "image_size": [int(s["height"]), int(s["width"])],
+            "tokens_per_image": self.tokens_per_image(cfg),
+            "image_token_id": int(cfg.image_token_id),
+            "boi_token_id": int(cfg.boi_token_id),
+            "eoi_token_id": int(cfg.eoi_token_id),
+            "has_cls_token": False,
+            "processor_images": "per_prompt",  # Gemma3Processor takes a batch's images per prompt
+            "preprocess": {
+                "kind": "resize",
+                "size": [int(s["height"]), int(s["width"])],
+                "mean": pc.get("image_mean", [0.5, 0.5, 0.5]),
+                "std": pc.get("image_std", [0.5, 0.5, 0.5]),
+                "rescale_factor": pc.get("rescale_factor", 1 / 255),
+                "resample": _PIL_RESAMPLE.get(pc.get("resample", 2), "bilinear"),
+            },
+            "prune": {
+                "supported": False,
+                "reason": "gemma3: image tokens attend bidirectionally within their image block "
+                "(token_type_ids), and the decoder graph takes that input; pruning is not wired for it",
+            },
+        }
+
+    def text_facts(self, source) -> dict:
+        return {
+            "prompt_template": "<start_of_turn>user\n<start_of_image>{prompt}<end_of_turn>\n<start_of_turn>model\n",
+            "image_marker": "<start_of_image>",
+            "image_token": "<image_soft_token>",
+            "image_expansion": "\n\n<start_of_image>{tokens}<end_of_image>\n\n",
+            "token_type_ids": "token_type_ids",
+        }
+
+    def decoder_inputs(self, config) -> list[base.DecoderInput]:
+        return [base.DecoderInput("token_type_ids", "image_tokens", _token_types)]
+
+    @staticmethod
+    def text_kwargs(text_model, inputs_embeds, attention_mask, position_ids, cache, token_type_ids):
+        """The mask mapping Gemma3Model builds with ``create_masks_for_vision_model``, written out.
+
+        transformers composes full layers as OR(causal, same image block) and sliding layers as
+        AND(window, OR(causal, same image block)), both AND padding. Its sliding mask goes through
+        ``torch.vmap`` (custom and/or mask functions), which the ONNX tracer cannot export, so the same
+        boolean algebra is written here on broadcast index tensors. The image blocks are those of
+        ``get_block_sequence_ids_for_mask`` (transformers' own function) over this step's tokens; past
+        positions belong to no block, which is exact for a prefill from an empty cache and for decode steps
+        (their token is text, so no query is in a block).
+        """
+        from transformers.models.gemma3 import modeling_gemma3 as G
+
+        q_len, kv_len = inputs_embeds.shape[1], attention_mask.shape[1]
+        past = kv_len - q_len
+        q = torch.arange(q_len).unsqueeze(1) + past  # [Q, 1]
+        k = torch.arange(kv_len).unsqueeze(0)  # [1, K]
+        causal = (k <= q).unsqueeze(0)  # [1, Q, K]
+        blocks = G.get_block_sequence_ids_for_mask(token_type_ids)  # [B, Q]
+        kv_blocks = torch.cat([torch.full_like(attention_mask[:, :past], -1), blocks], dim=1)  # [B, K]
+        same = (blocks.unsqueeze(2) == kv_blocks.unsqueeze(1)) & (blocks.unsqueeze(2) >= 0)  # [B, Q, K]
+        padding = attention_mask.bool().unsqueeze(1)  # [B, 1, K]
+        full = (causal | same) & padding
+        window = (k > q - int(text_model.config.sliding_window)).unsqueeze(0)
+        sliding = (causal | same) & window & padding
+        zero = torch.zeros((), dtype=inputs_embeds.dtype)
+        low = torch.tensor(torch.finfo(inputs_embeds.dtype).min, dtype=inputs_embeds.dtype)
+        return {
+            "attention_mask": {
+                "full_attention": torch.where(full, zero, low).unsqueeze(1),
+                "sliding_attention": torch.where(sliding, zero, low).unsqueeze(1),
+            }
+        }
+
+
+globals().update(generic.module_api(Gemma3()))
+
+
+def tiny_gemma3_config(**text_over):
+    """A small Gemma3 (SigLIP 32 px, patch 8, pooled to 4 tokens; layers sliding, full; window 8)."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    kw = zoo._text_kwargs(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"])
+    kw.update(text_over)
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+        initializer_range=0.2,
+        vision_use_head=False,
+    )
+    return Gemma3Config(
+        text_config=Gemma3TextConfig(**kw),
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=zoo.TINY_IMAGE_TOKEN,
+        boi_token_index=zoo.TINY_IMAGE_TOKEN - 1,
+        eoi_token_index=zoo.TINY_IMAGE_TOKEN - 2,
+        initializer_range=0.2,
+    )
+
+
+def build_tiny(config):
+    """A random Gemma3 whose image features are not all zero.
+
+    transformers initializes ``mm_input_projection_weight`` to zeros (trained checkpoints load theirs),
+    which would make every image feature 0 and the image (and its bidirectional mask) invisible.
+    """
+    from transformers import Gemma3ForConditionalGeneration
+
+    model = Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.2)
+    return model
+
+
+def _build():
+    return build_tiny(tiny_gemma3_config())
+
+
+zoo.register_builtin("tiny-gemma3", "gemma3", _build)
