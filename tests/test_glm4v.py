@@ -126,3 +126,37 @@ def test_verify_checks_inputs_against_the_processor(glm, pictures):
     res = verify.verify(glm.pkg, max_new_tokens=3, prompts=["What is in the image?"], images=[[pictures[2]]])
     assert res.passed, res
     assert res.inputs["checked"] and res.inputs["ids_equal"] and res.inputs["pixel_max_abs_diff"] <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [[("paged_kv", {"block_size": 16})], [("merge", {})], [("split", {"boundaries": [1]})]],
+    ids=["paged_kv", "merge", "split"],
+)
+def test_numerics_keeping_passes_are_token_exact(exported, tmp_path, steps):
+    from vlmc import manager
+    from vlmc.recipe import Step
+    from vlmc.runtime import Pipeline
+
+    path = exported("tiny-glm4v")
+    prompts, images = ["Describe the image.", "Hi"], [[_picture(60, 90)], []]
+    want = Pipeline(Package.load(path)).generate(prompts, images, 8)
+    pkg = manager.run(Package.load(path), [Step(n, o, i + 1) for i, (n, o) in enumerate(steps)])
+    got = Pipeline(pkg).generate(prompts, images, 8)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.prefill_logits, want.prefill_logits, rtol=1e-4, atol=1e-4)
+
+
+def test_ascend_compile(exported, tmp_path):
+    from vlmc.backends import ascend
+
+    pkg = Package.load(exported("tiny-glm4v"))
+    out = ascend.compile(pkg, tmp_path / "build", {"backend": "ascend", "soc": "Ascend910B3"})
+    names = {b["name"] for b in out["builds"]}
+    assert names == {"vision_encoder", "embed_tokens", "decoder_prefill", "decoder_decode"}
+
+
+def _picture(h: int, w: int) -> np.ndarray:
+    from _real_tokenizers import image
+
+    return image(h, w, 5)
