@@ -29,7 +29,7 @@ def builtin_model():
 def test_graphs_and_facts(builtin):
     m = builtin.manifest
     v = m["vision"]
-    assert v["preprocess"]["resize"] == "glm4v" and v["preprocess"]["kind"] == "packed_patches"
+    assert v["preprocess"]["resize"] == "temporal_pixels" and v["preprocess"]["kind"] == "packed_patches"
     assert (v["preprocess"]["min_pixels"], v["preprocess"]["max_pixels"]) == (112 * 112, 28 * 28 * 15000)
     assert v["position_embedding"] == {"table": 16, "interpolation": "bicubic", "align_corners": False}
     assert v["image_start_token_id"] != v["image_end_token_id"]
@@ -66,7 +66,7 @@ def test_glm_smart_resize_equals_the_image_processor(hw):
 
     for lo, hi in ((112 * 112, 28 * 28 * 15000), (112 * 112, 2 * 64 * 28 * 28)):
         want = smart_resize(2, *hw, temporal_factor=2, factor=28, min_pixels=lo, max_pixels=hi)
-        assert patches.smart_resize_glm4v(*hw, 28, lo, hi) == tuple(want)
+        assert patches.smart_resize_temporal(*hw, 28, lo, hi) == tuple(want)
 
 
 # ---- raw inputs through the directory's own processor --------------------------------------------

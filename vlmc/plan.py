@@ -409,13 +409,13 @@ def _packed_tokens(pre: dict, image_size: tuple[int, int] | None) -> int | None:
     patch, merge = int(pre["patch_size"]), int(pre["merge_size"])
     factor = patch * merge
     if image_size is not None:
-        rule = patches.RESIZE_RULES.get(pre.get("resize", "qwen2_vl"), patches.smart_resize)
+        rule = patches.RESIZE_RULES.get(pre.get("resize", "pixels"), patches.smart_resize)
         h, w = rule(
             int(image_size[0]), int(image_size[1]), factor, int(pre["min_pixels"]), int(pre["max_pixels"])
         )
         return (h // patch) * (w // patch) // (merge * merge)
     bound = int(pre["max_pixels"])
-    if pre.get("resize") == "glm4v":  # GLM's bound counts the temporal frames a still image is repeated into
+    if pre.get("resize") == "temporal_pixels":  # the bound counts the frames a still image is repeated into
         bound //= int(pre.get("temporal_patch_size", 2))
     return bound // (factor * factor)
 

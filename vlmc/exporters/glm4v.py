@@ -15,7 +15,7 @@ Images are wrapped ``<|begin_of_image|>`` + ``<|image|>`` x tokens + ``<|end_of_
 ``vision.image_start_token_id`` / ``image_end_token_id``); positions follow ``Glm4vModel.get_rope_index``, which
 for images is Qwen2-VL's rule (text continues at the image's largest position + 1). GLM's image processor has
 its own smart resize (upscale below one factor; pixel bounds count the two temporal frames), recorded as
-``vision.preprocess.resize: "glm4v"``. Video inputs are out of scope (the processor is loaded images-only).
+``vision.preprocess.resize: "temporal_pixels"``. Video inputs are out of scope (the processor is loaded images-only).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def preprocess_facts(vcfg, directory) -> dict:
     facts = qwen2_vl.preprocess_facts(vcfg, None)
     facts.update(
         {
-            "resize": "glm4v",
+            "resize": "temporal_pixels",
             "min_pixels": GLM_MIN_PIXELS,
             "max_pixels": GLM_MAX_PIXELS,
             "mean": CLIP_MEAN,
@@ -227,7 +227,7 @@ def preprocess_facts(vcfg, directory) -> dict:
     )
     if image_processor_config(directory) is not None:
         facts.update(qwen2_vl.preprocess_facts(vcfg, directory))
-        facts["resize"] = "glm4v"
+        facts["resize"] = "temporal_pixels"
     return facts
 
 

@@ -36,11 +36,11 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def smart_resize_glm4v(
+def smart_resize_temporal(
     height: int, width: int, factor: int, min_pixels: int, max_pixels: int, temporal: int = 2
 ) -> tuple[int, int]:
-    """GLM-4.1V's smart resize (Glm4vImageProcessor): sides below ``factor`` are scaled up first (truncated to
-    int), and the pixel bounds count the ``temporal`` frames a still image is repeated into."""
+    """Smart resize whose pixel bounds count the ``temporal`` frames a still image is repeated into, with
+    sides below ``factor`` scaled up first (truncated to int): GLM-4.1V's Glm4vImageProcessor."""
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
@@ -62,8 +62,9 @@ def smart_resize_glm4v(
     return h_bar, w_bar
 
 
-# vision.preprocess.resize -> the family's smart-resize rule (Qwen2-VL's when absent)
-RESIZE_RULES = {"qwen2_vl": smart_resize, "glm4v": smart_resize_glm4v}
+# vision.preprocess.resize -> the smart-resize rule: bounds on one frame's pixels (the default, Qwen2-VL's
+# image processor), or on all temporal frames' pixels (GLM-4.1V's)
+RESIZE_RULES = {"pixels": smart_resize, "temporal_pixels": smart_resize_temporal}
 
 
 def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, int, int]:
@@ -86,7 +87,7 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
         int(facts["temporal_patch_size"]),
     )
     mean, std = np.array(facts["mean"], np.float32), np.array(facts["std"], np.float32)
-    rule = facts.get("resize", "qwen2_vl")
+    rule = facts.get("resize", "pixels")
     if rule not in RESIZE_RULES:
         raise VlmcError(
             f"unknown smart-resize rule {rule!r} (vision.preprocess.resize); known: {', '.join(RESIZE_RULES)}; "
