@@ -160,6 +160,9 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     decoder = pkg.manifest["pipeline"]["decoder"][0]
     specs = {i["name"]: i for i in pkg.info(decoder)["inputs"]}
     s_cont, s_paged = ortsession.for_graph(cont, decoder), ortsession.for_graph(pkg, decoder)
+    # extra decoder inputs (text.decoder_inputs, e.g. token_type_ids): text tokens everywhere
+    extra = {n: np.zeros((2, 20), np.int64) for n in cont.manifest["text"].get("decoder_inputs") or {}}
+    extra1 = {n: v[:, :1] for n, v in extra.items()}
     rng = np.random.default_rng(0)
     layers, heads, dim = kv["layers"], kv["kv_heads"], kv["head_dim"]
     hidden = specs["inputs_embeds"]["shape"][2]
@@ -195,6 +198,7 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
                     "inputs_embeds": embeds,
                     "attention_mask": mask,
                     "position_ids": _positions(specs["position_ids"], pos),
+                    **extra,
                     **empty,
                 },
             ),
@@ -203,6 +207,7 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     feeds = {
         "inputs_embeds": embeds,
         "position_ids": _positions(specs["position_ids"], pos),
+        **extra,
         **pools,
         "block_tables": tables,
         "slot_mapping": slots,
@@ -257,6 +262,7 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
                     "inputs_embeds": step,
                     "attention_mask": np.concatenate([mask, np.ones((batch, 1), np.int64)], 1),
                     "position_ids": _positions(specs["position_ids"], nxt),
+                    **extra1,
                     **past,
                 },
             ),
@@ -265,6 +271,7 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     decode = {
         "inputs_embeds": step,
         "position_ids": _positions(specs["position_ids"], nxt),
+        **extra1,
         **pools,
         "block_tables": tables,
         "slot_mapping": new_slots,

@@ -115,9 +115,11 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
 
     if list_:
         fams = exporters.families()
-        rows = [[name, fam, ""] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
-        rows += [["", name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
-        ui.show(ui.table("built-ins and families", ["built-in", "family", "architectures"], rows))
+        # Two tables, so an architecture name keeps the full width (a 3-column table cut the longest ones).
+        builtins = [[name, fam] for name, (fam, _) in sorted(zoo.BUILTINS.items())]
+        ui.show(ui.table("built-ins", ["built-in", "family"], builtins))
+        rows = [[name, ", ".join(mod.ARCHITECTURES)] for name, mod in fams.items()]
+        ui.show(ui.table("families", ["family", "architectures"], rows))
         return
     if not model or not output:
         raise click.UsageError("export needs MODEL and -o/--output (or --list)")

@@ -112,7 +112,12 @@ class Gemma3(generic.Family):
         same = (blocks.unsqueeze(2) == kv_blocks.unsqueeze(1)) & (blocks.unsqueeze(2) >= 0)  # [B, Q, K]
         padding = attention_mask.bool().unsqueeze(1)  # [B, 1, K]
         full = (causal | same) & padding
-        window = (k > q - int(text_model.config.sliding_window)).unsqueeze(0)
+        # transformers' window is by cache index (kv_idx > q_idx - window). In a left-padded contiguous
+        # cache the index distance of two real tokens is their distance in real tokens, which is what is
+        # counted here, so the window also holds where the past has masked holes (the paged_kv layout).
+        count = torch.cumsum(attention_mask, dim=1)  # [B, K]: real tokens up to each slot
+        q_count = count[:, past:]  # [B, Q]
+        window = count.unsqueeze(1) > q_count.unsqueeze(2) - int(text_model.config.sliding_window)
         sliding = (causal | same) & window & padding
         zero = torch.zeros((), dtype=inputs_embeds.dtype)
         low = torch.tensor(torch.finfo(inputs_embeds.dtype).min, dtype=inputs_embeds.dtype)
