@@ -41,13 +41,12 @@ def text_facts(config, text_config, **family) -> dict:
         value = getattr(t, name, None)
         return value if value is not None else getattr(config, name, None)
 
-    pad = token("pad_token_id")
+    pad = t.pad_token_id if hasattr(t, "pad_token_id") else getattr(config, "pad_token_id", None)
     return {
         "vocab_size": int(t.vocab_size),
         "eos_token_id": token("eos_token_id"),
-        "bos_token_id": token("bos_token_id")
-        if hasattr(t, "bos_token_id")
-        else getattr(config, "bos_token_id", None),
+        # as before for text configs that have the field (even when it is None)
+        "bos_token_id": t.bos_token_id if hasattr(t, "bos_token_id") else token("bos_token_id"),
         "pad_token_id": pad if pad is not None else 0,
         "max_positions": int(t.max_position_embeddings),
         "hidden_size": int(t.hidden_size),
