@@ -105,6 +105,7 @@ class Merge(Pass):
         inits: list[onnx.TensorProto] = []
         vinfo: list[onnx.ValueInfoProto] = []
         records = []
+        fed_inside, deepstack_nodes = _deepstack_nodes(package, decoder)
         for s in stages:
             g = parts[s].graph
             init_names = {t.name for t in g.initializer}
@@ -113,9 +114,12 @@ class Merge(Pass):
                     continue
                 if s == decoder[0] and vi.name == "inputs_embeds":
                     continue  # produced by the scatter below
+                if s in decoder and vi.name in fed_inside:
+                    continue  # deepstack inputs: produced inside, below
                 graph_inputs.append(vi)
             if s == decoder[0]:
                 nodes.extend(_scatter_nodes(package, embed_out, vinfo))
+                nodes.extend(deepstack_nodes)
             nodes.extend(g.node)
             inits.extend(g.initializer)
             vinfo.extend(g.value_info)
@@ -265,6 +269,31 @@ def _scatter_nodes(pkg: Package, embeds: str, vinfo: list[onnx.ValueInfoProto]) 
     return nodes
 
 
+def _deepstack_nodes(pkg: Package, decoder: list[str]) -> tuple[set[str], list[onnx.NodeProto]]:
+    """The decoder inputs a merged graph computes itself for ``text.deepstack`` (Qwen3-VL), and the nodes.
+
+    ``mask_input`` marks the image placeholders of ``input_ids`` (int64, its shape) and ``embeds_input``
+    is the image chain's ``vision_output``, cast to the decoder's input type; other packages: nothing.
+    """
+    ds = pkg.manifest["text"].get("deepstack")
+    if not ds:
+        return set(), []
+    wanted = {i["name"]: i for s in decoder for i in pkg.info(s)["inputs"]}
+    mask, embeds = ds["mask_input"], ds["embeds_input"]
+    if embeds not in wanted:
+        return set(), []
+    p = "vlm_deepstack/"
+    image_id = numpy_helper.from_array(np.array(int(pkg.manifest["vision"]["image_token_id"]), np.int64))
+    to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(wanted[embeds]["dtype"]))
+    nodes = [
+        helper.make_node("Constant", [], [p + "image_token_id"], name=p + "Constant", value=image_id),
+        helper.make_node("Equal", ["input_ids", p + "image_token_id"], [p + "is_image"], name=p + "Equal"),
+        helper.make_node("Cast", [p + "is_image"], [mask], name=p + "Cast_mask", to=onnx.TensorProto.INT64),
+        helper.make_node("Cast", [ds["vision_output"]], [embeds], name=p + "Cast_embeds", to=to),
+    ]
+    return {mask, embeds}, nodes
+
+
 def _sample_inputs(pkg: Package, image: list[str], decoder: list[str]) -> dict[str, np.ndarray]:
     """Sample inputs for the merged graph: the vision samples, the decoder's, and ids with one placeholder."""
     feeds = dict(samples.inputs_for(pkg, image[0]))
@@ -284,6 +313,7 @@ def _sample_inputs(pkg: Package, image: list[str], decoder: list[str]) -> dict[s
 
 def _store_samples(pkg: Package, name: str, feeds: dict[str, np.ndarray]) -> None:
     wanted = {i["name"] for i in pkg.info(name)["inputs"]}
+    feeds = {k: v for k, v in feeds.items() if k in wanted}  # e.g. decoder inputs computed inside
     # KV of later decoder ranges: the same shapes as the first range's (one past length for all layers)
     for w in sorted(wanted - set(feeds)):
         layer = C.layer_of(w)

@@ -305,6 +305,7 @@ def rewrite(
     seed: int = 0,
     recompute: bool = False,
     packed: dict | None = None,
+    aligned: dict[str, int] | None = None,
 ) -> tuple[onnx.ModelProto, dict]:
     """Return a copy of a vision graph that outputs only ``keep`` feature tokens per image.
 
@@ -319,6 +320,8 @@ def rewrite(
         recompute: score from a side branch recomputing the attention from Q and Kᵀ.
         packed: for packed features: ``grid_input`` (the [images, 3] grid input), ``group`` (patches
             per token) and ``max_tokens`` (bound on tokens per image, for the random table).
+        aligned: other outputs laid out along the packed token axis (name -> that axis; the manifest's
+            ``vision.token_aligned_outputs``, e.g. Qwen3-VL's deepstack features): they keep the same tokens.
 
     Returns:
         The new model and facts about the rewrite (score source, op types added).
@@ -345,6 +348,8 @@ def rewrite(
     kept.dtype, indices.dtype = feats.dtype or np.float32, np.int64
     kept.shape, indices.shape = kept_shape, idx_shape
     graph.outputs = [kept if o is feats else o for o in graph.outputs] + [indices]
+    if aligned:
+        _keep_aligned(b, graph, kept, aligned, packed)
     graph.cleanup()
     new = gs.export_onnx(graph)
     new.ir_version = model.ir_version
@@ -355,6 +360,30 @@ def rewrite(
         "score_source": source,
         "ops_added": sorted({n.op for n in graph.nodes[n_before:]}),
     }
+
+
+def _keep_aligned(b: _Builder, graph: gs.Graph, kept: gs.Variable, aligned: dict[str, int], packed) -> None:
+    """Gather each token-aligned output with the index that selected the kept image_features rows."""
+    if not packed:
+        raise VlmcError(
+            "outputs aligned with image_features (vision.token_aligned_outputs) are only supported for "
+            "packed features"
+        )
+    # The packed paths end in Gather(features, flat packed index, axis=0): reuse that index.
+    index = kept.inputs[0].inputs[1]
+    for name, axis in aligned.items():
+        outs = [o for o in graph.outputs if o.name == name]
+        if not outs:
+            raise VlmcError(f"the vision graph has no {name!r} output (vision.token_aligned_outputs)")
+        old = outs[0]
+        shape = list(old.shape) if old.shape is not None else None
+        old.name = f"{name}_unpruned"
+        new = b.one("Gather", [old, index], {"axis": int(axis)}, dtype=old.dtype or np.float32)
+        new.name = name
+        if shape is not None:
+            shape[int(axis)] = "image_tokens"
+            new.shape = shape
+        graph.outputs = [new if o is old else o for o in graph.outputs]
 
 
 @register
@@ -502,7 +531,15 @@ class PruneVisualTokens(Pass):
                     "the scoring attention is masked, so it cannot be recomputed from Q and K alone; "
                     "keep the exported attention (recompute_attention: false)"
                 )
-        return {"target": target, "tokens": tokens, "keep": k, "attention": att, "packed": packed}
+        aligned = v.get("token_aligned_outputs") or None
+        return {
+            "target": target,
+            "tokens": tokens,
+            "keep": k,
+            "attention": att,
+            "packed": packed,
+            "aligned": aligned,
+        }
 
     def check_package(self, package) -> dict:
         return self._plan(package)
@@ -521,6 +558,7 @@ class PruneVisualTokens(Pass):
             self.opts["seed"],
             self.opts["recompute_attention"],
             plan["packed"],
+            plan.get("aligned"),
         )
         # tokens_before is None for dynamic resolution: each image had prod(grid)/merge² tokens.
         facts = {
@@ -575,6 +613,7 @@ class PruneVisualTokens(Pass):
                     plan["tokens"],
                     seed=self.opts["seed"],
                     packed=plan["packed"],
+                    aligned=plan.get("aligned"),
                 )
                 variants[base] = pruning.variant(pruned, {plan["target"]: model})
         result = pruning.fidelity(

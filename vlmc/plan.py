@@ -369,6 +369,9 @@ def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> tuple[int, i
         return tokens, rows, note, int(before) * rows
     if isinstance(tpi, int):
         return tpi, 1, None, int(pruned.get("tokens_before", tpi))
+    packed = _packed_tokens(facts, image_size)
+    if packed is not None:
+        return packed, 1, None, packed
     if facts.get("kind") in preprocess.COUNTS:
         if image_size is None:
             raise VlmcError(
@@ -422,6 +425,28 @@ def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
         vision_rows_per_image=rows,
         count_note=note,
     )
+
+
+def _packed_tokens(pre: dict, image_size: tuple[int, int] | None) -> int | None:
+    """Dynamic resolution (preprocess kind packed_patches, Qwen-VL / GLM-4.1V): the tokens of an
+    ``image_size`` image by the runtime's own smart-resize rule, else the most one image can give under the
+    processor's max_pixels bound (smart resize keeps every image at or below it); None for other kinds."""
+    if pre.get("kind") != "packed_patches" or not pre.get("max_pixels"):
+        return None
+    from vlmc.runtime import patches
+
+    patch, merge = int(pre["patch_size"]), int(pre["merge_size"])
+    factor = patch * merge
+    if image_size is not None:
+        rule = patches.RESIZE_RULES.get(pre.get("resize", "pixels"), patches.smart_resize)
+        h, w = rule(
+            int(image_size[0]), int(image_size[1]), factor, int(pre["min_pixels"]), int(pre["max_pixels"])
+        )
+        return (h // patch) * (w // patch) // (merge * merge)
+    bound = int(pre["max_pixels"])
+    if pre.get("resize") == "temporal_pixels":  # the bound counts the frames a still image is repeated into
+        bound //= int(pre.get("temporal_patch_size", 2))
+    return bound // (factor * factor)
 
 
 def _widest_inner(model, hidden: int, vocab: int) -> int:
@@ -520,7 +545,9 @@ def spec_from_hf_config(
     family = exporters._family_for_config(config, name)
     mod = exporters.families()[family]
     with torch.device("meta"):
-        model = mod.model_class()._from_config(config)
+        cls = mod.model_class()
+        # an auto class (families that serve several architectures) picks the class from the config
+        model = cls._from_config(config) if hasattr(cls, "_from_config") else cls.from_config(config)
     prec = {"vision": "fp16", "embed": "fp16", "decoder": "fp16", **(precision or {})}
     emb = model.get_input_embeddings()
     dec = model.get_decoder()
@@ -531,7 +558,9 @@ def spec_from_hf_config(
     for p in model.parameters():
         role = "embed" if id(p) in emb_ids else ("decoder" if id(p) in dec_ids | head_ids else "vision")
         count[role] += p.numel()
-    if getattr(config, "tie_word_embeddings", False) or config.get_text_config().tie_word_embeddings:
+    if getattr(config, "tie_word_embeddings", False) or getattr(
+        config.get_text_config(), "tie_word_embeddings", False
+    ):
         count["decoder"] += emb.weight.numel()  # the decoder graph holds its own copy of a tied head
     graphs = [
         GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))

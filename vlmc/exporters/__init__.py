@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 FAMILY_MODULES = {
     "llava": "vlmc.exporters.llava",
     "qwen2_vl": "vlmc.exporters.qwen2_vl",
+    "qwen3_vl": "vlmc.exporters.qwen3_vl",
+    "glm4v": "vlmc.exporters.glm4v",
     "blip2": "vlmc.exporters.blip2",
     # the generic tier (vlmc/exporters/generic.py)
     "llava_next": "vlmc.exporters.llava_next",

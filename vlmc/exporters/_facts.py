@@ -35,12 +35,19 @@ def text_facts(config, text_config, **family) -> dict:
     """The manifest's ``text`` section from a VLM config and its text config; ``family`` adds or
     overrides the family's own facts (prompt template, image marker, position kind...)."""
     t = text_config
-    eos = t.eos_token_id if t.eos_token_id is not None else getattr(config, "eos_token_id", None)
+
+    def token(name: str):
+        # Some text configs (GLM-4.1V's) carry no special ids; the VLM config does.
+        value = getattr(t, name, None)
+        return value if value is not None else getattr(config, name, None)
+
+    pad = t.pad_token_id if hasattr(t, "pad_token_id") else getattr(config, "pad_token_id", None)
     return {
         "vocab_size": int(t.vocab_size),
-        "eos_token_id": eos,
-        "bos_token_id": t.bos_token_id,
-        "pad_token_id": t.pad_token_id if t.pad_token_id is not None else 0,
+        "eos_token_id": token("eos_token_id"),
+        # as before for text configs that have the field (even when it is None)
+        "bos_token_id": t.bos_token_id if hasattr(t, "bos_token_id") else token("bos_token_id"),
+        "pad_token_id": pad if pad is not None else 0,
         "max_positions": int(t.max_position_embeddings),
         "hidden_size": int(t.hidden_size),
         "intermediate_size": getattr(t, "intermediate_size", None),

@@ -36,6 +36,37 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def smart_resize_temporal(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, temporal: int = 2
+) -> tuple[int, int]:
+    """Smart resize whose pixel bounds count the ``temporal`` frames a still image is repeated into, with
+    sides below ``factor`` scaled up first (truncated to int): GLM-4.1V's Glm4vImageProcessor."""
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise VlmcError(
+            f"image aspect ratio {max(height, width) / min(height, width):.0f} is above 200; crop it first"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(temporal / temporal) * temporal  # a still image is exactly `temporal` frames
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((temporal * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (temporal * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# vision.preprocess.resize -> the smart-resize rule: bounds on one frame's pixels (the default, Qwen2-VL's
+# image processor), or on all temporal frames' pixels (GLM-4.1V's)
+RESIZE_RULES = {"pixels": smart_resize, "temporal_pixels": smart_resize_temporal}
+
+
 def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[np.ndarray, int, int]:
     """CHW float image -> [grid_h*grid_w, C*T*P*P] rows in merge-block-major order, plus the grid."""
     c, h, w = image.shape
@@ -56,10 +87,17 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
         int(facts["temporal_patch_size"]),
     )
     mean, std = np.array(facts["mean"], np.float32), np.array(facts["std"], np.float32)
+    rule = facts.get("resize", "pixels")
+    if rule not in RESIZE_RULES:
+        raise VlmcError(
+            f"unknown smart-resize rule {rule!r} (vision.preprocess.resize); known: {', '.join(RESIZE_RULES)}; "
+            "upgrade vlmc, or re-export the package with this one"
+        )
+    resize = RESIZE_RULES[rule]
     rows, grids = [], []
     for img in images:
         h, w = img.shape[:2]
-        nh, nw = smart_resize(h, w, patch * merge, int(facts["min_pixels"]), int(facts["max_pixels"]))
+        nh, nw = resize(h, w, patch * merge, int(facts["min_pixels"]), int(facts["max_pixels"]))
         x = _resize(img, nh, nw, facts.get("resample", "bicubic")).astype(np.float32)
         x = (x * np.float32(facts.get("rescale_factor", 1 / 255)) - mean) / std
         flat, gh, gw = patchify(x.transpose(2, 0, 1), patch, merge, temporal)

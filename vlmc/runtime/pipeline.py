@@ -15,7 +15,7 @@ import numpy as np
 
 from vlmc.errors import VlmcError
 from vlmc.package import Package
-from vlmc.runtime import chat, extras, positions, preprocess
+from vlmc.runtime import chat, deepstack, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
 from vlmc.runtime.executor import Executor, OrtExecutor
@@ -352,6 +352,12 @@ class Pipeline:
                 else:
                     available["inputs_embeds"] = embeds
                     chain, new_tokens = self.m["pipeline"]["decoder"], embeds.shape[1]
+                    # text.deepstack (Qwen3-VL): vision-layer features for the image positions
+                    available.update(
+                        deepstack.feeds(
+                            self.m, inp.input_ids, inp.image_outputs, embeds.shape[-1], prefill=step == 0
+                        )
+                    )
                 available.update(state.feeds({"attention_mask": mask, "new_tokens": new_tokens}))
                 out = self.run_chain(chain, available)
                 state.update(out)

@@ -89,6 +89,16 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         max_positions=max_positions,
         patches=_patches_per_image(package.manifest),
     )
+    deepstack_rows = _deepstack_rows(package, ctx_base.fixed)
+
+    def _ds(ctx: gears.DimContext, variant: str) -> gears.DimContext:
+        if not deepstack_rows:
+            return ctx
+        dim, rows = deepstack_rows
+        return gears.DimContext(
+            **{**ctx.__dict__, "fixed": {**ctx.fixed, dim: 1 if variant == "decode" else rows}}
+        )
+
     files: dict[str, onnx.ModelProto] = {}
     shared: dict[str, str] = {}
     builds: list[gears.Build] = []
@@ -118,13 +128,21 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             pfile = f"{name}_prefill.onnx"
             files[pfile] = prefill
             shared[pfile] = file
-            builds.append(_plan(f"{name}_prefill", name, pfile, "prefill", role, prefill, opts, ctx))
-            builds.append(_plan(f"{name}_decode", name, file, "decode", role, model, opts, ctx))
+            builds.append(
+                _plan(f"{name}_prefill", name, pfile, "prefill", role, prefill, opts, _ds(ctx, "prefill"))
+            )
+            builds.append(
+                _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
+            )
         elif role == "decoder" and any(n.startswith("key_cache.") for n in input_names):
-            builds.append(_plan(f"{name}_prefill", name, file, "prefill", role, model, opts, ctx))
-            builds.append(_plan(f"{name}_decode", name, file, "decode", role, model, opts, ctx))
+            builds.append(
+                _plan(f"{name}_prefill", name, file, "prefill", role, model, opts, _ds(ctx, "prefill"))
+            )
+            builds.append(
+                _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
+            )
         else:
-            builds.append(_plan(name, name, file, "full", role, model, opts, ctx))
+            builds.append(_plan(name, name, file, "full", role, model, opts, _ds(ctx, "prefill")))
 
     for file, model in files.items():
         findings += precheck.check_ops(model, file, lowered=True)
@@ -143,6 +161,31 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         "commands": commands,
         "warnings": warnings,
     }
+
+
+def _deepstack_rows(package, fixed: dict) -> tuple[str, int | list[int]] | None:
+    """The deepstack rows dim (manifest text.deepstack, Qwen3-VL) and its prefill value(s).
+
+    A decode step has no image token, so the runtime feeds one zero row (the graph gathers row 0, a zero
+    row of its own, at every non-image position); prefill carries the image tokens of the vision build:
+    its patches (the target's ``dims`` or the vision sample) over merge². A ``dims`` entry for the rows
+    dim itself wins for prefill.
+    """
+    ds = package.manifest.get("text", {}).get("deepstack")
+    if not ds:
+        return None
+    dim = ds.get("rows_dim", "visual_tokens")
+    if dim in fixed:
+        return dim, fixed[dim]
+    merge = int(package.manifest["vision"].get("spatial_merge_size", 1) or 1) ** 2
+    patches = fixed.get("patches")
+    if patches is None:
+        chain = package.manifest.get("pipeline", {}).get("image") or []
+        pixels = (samples.load(package, chain[0]) or {}).get("pixel_values") if chain else None
+        patches = None if pixels is None else int(pixels.shape[0])
+    if patches is None:
+        return dim, 1
+    return dim, [p // merge for p in patches] if isinstance(patches, list) else int(patches) // merge
 
 
 def _patches_per_image(manifest: dict) -> int | None:
