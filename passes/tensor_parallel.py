@@ -591,7 +591,11 @@ def _fix_shapes(sub: ir.Graph, kv_per_rank: int) -> None:
     for the whole model (per-head reshapes) no longer hold, so they are dropped for inference to redo."""
     io = set(sub.inputs) | set(sub.outputs)
     for v in io:
-        if (v.name.startswith(("past_key_values.", PRESENT_PREFIX))) and v.shape is not None and len(v.shape) == 4:
+        if (
+            (v.name.startswith(("past_key_values.", PRESENT_PREFIX)))
+            and v.shape is not None
+            and len(v.shape) == 4
+        ):
             dims = list(v.shape)
             dims[1] = kv_per_rank
             v.shape = ir.Shape(dims)

@@ -207,7 +207,9 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 def run(package, images, prompts, max_new_tokens, as_json):
     """Generate text for prompts (and images) with the package on onnxruntime CPU.
 
-    With several prompts, images are shared out in order, one per placeholder.
+    With several prompts, images are shared out in order, one per placeholder. A tensor-parallel
+    package (the tensor_parallel pass) runs as one process per rank joined by torch.distributed
+    with gloo, which needs torch (the export extra).
 
     Example:
 
@@ -217,9 +219,17 @@ def run(package, images, prompts, max_new_tokens, as_json):
     from vlmc.runtime import Pipeline
 
     pkg = Package.load(package)
-    pipe = Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
-    result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
+    if pkg.manifest.get("tensor_parallel"):
+        # One process per rank, joined by torch.distributed (gloo); docs/tensor_parallel.md.
+        from vlmc.runtime.tensor_parallel import RankGroup
+
+        size = pkg.manifest["tensor_parallel"]["size"]
+        ui.info(f"starting {size} ranks (torch.distributed, gloo)")
+        with RankGroup(package) as group:
+            result = group.generate(list(prompts), per_prompt, max_new_tokens)
+    else:
+        result = Pipeline(pkg).generate(list(prompts), per_prompt, max_new_tokens)
     if as_json:
         click.echo(json.dumps({"tokens": result.tokens, "texts": result.texts}))
         return

@@ -53,15 +53,19 @@ class GenerationResult:
 class Pipeline:
     """Run a package on onnxruntime CPU."""
 
-    def __init__(self, pkg: Package, threads: int | None = None, on_graph=None) -> None:
+    def __init__(self, pkg: Package, threads: int | None = None, on_graph=None, decoder=None) -> None:
         """
         Args:
             pkg: the package to run.
             threads: onnxruntime intra-op threads (default: onnxruntime's).
             on_graph: ``on_graph(name, feeds, outputs)``, called after every graph run (calibration
                 and fidelity code record activations through it).
+            decoder: runs the decoder step instead of the ``pipeline.decoder`` chain: one rank of a
+                tensor-parallel package (:class:`vlmc.runtime.tensor_parallel.RankDecoder`), which also
+                says which share of the KV heads the rank's cache holds.
         """
         self.pkg = pkg
+        self.decoder = decoder
         self.m = pkg.manifest
         self.threads = threads
         self.on_graph = on_graph
@@ -279,8 +283,15 @@ class Pipeline:
         }
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
         mask = inp.attention_mask
+        tp = self.m.get("tensor_parallel")
+        if tp and self.decoder is None:
+            raise VlmcError(
+                f"the package is split over {tp['size']} ranks (tensor_parallel); run it with `vlmc run`, "
+                "which starts the ranks, or vlmc.runtime.tensor_parallel.RankGroup"
+            )
         dtype = self.m["kv"].get("dtype", "float32")
-        state = kvmod.make(self.m["kv"], batch, dtype, attention_mask=mask, pipeline=self)
+        kv_facts = self.decoder.kv_facts(self.m["kv"]) if self.decoder is not None else self.m["kv"]
+        state = kvmod.make(kv_facts, batch, dtype, attention_mask=mask, pipeline=self)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         done = np.zeros(batch, bool)
         step_logits = []
@@ -295,7 +306,10 @@ class Pipeline:
                     available["inputs_embeds"] = embeds
                     chain, new_tokens = self.m["pipeline"]["decoder"], embeds.shape[1]
                 available.update(state.feeds({"attention_mask": mask, "new_tokens": new_tokens}))
-                out = self.run_chain(chain, available)
+                if self.decoder is not None and embeds is not None:
+                    out = self.decoder.run(self, available)
+                else:
+                    out = self.run_chain(chain, available)
                 state.update(out)
                 logits = out["logits"][:, -1, :]
                 if prefill_logits is None:
