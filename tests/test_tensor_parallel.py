@@ -250,3 +250,45 @@ def test_missing_torch_is_one_line(built, monkeypatch):
     )
     assert res.exit_code == 2
     assert "needs torch (torch.distributed with the gloo backend" in res.output.strip().splitlines()[-1]
+
+
+def test_ascend_compile_writes_per_rank_builds_host_plan_and_rank_table(built, tmp_path):
+    out = tmp_path / "build"
+    res = CliRunner().invoke(
+        main, ["compile", str(built["gqa-tp2"][0]), "--soc", "Ascend910B4", "-o", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    c = json.loads((out / "compile.json").read_text())
+    m = Package.load(built["gqa-tp2"][0]).manifest
+    ranked = [b for b in c["builds"] if "rank" in b]
+    assert {b["rank"] for b in ranked} == {0, 1}
+    for b in c["builds"]:  # every rank-local graph's builds carry its rank; replicated ones carry none
+        assert b.get("rank") == m["graphs"][b["graph"]].get("rank")
+    tp = c["tensor_parallel"]
+    assert tp["size"] == 2 and set(tp["replicated_builds"]) == {"embed_tokens", "vision_encoder"}
+    assert sorted(tp["ranks"]["0"] + tp["ranks"]["1"]) == sorted(b["name"] for b in ranked)
+    seg0 = tp["plan"][0]
+    assert seg0["builds"][1] == {"prefill": "decoder.rank1.0_prefill", "decode": "decoder.rank1.0_decode"}
+    assert tp["plan"][1]["call"].startswith("HcclAllReduce(sendBuf=tp_partial.0, recvBuf=tp_reduced.0")
+    assert all("atc" in b["command"] and "--cluster_config" not in b["command"] for b in c["builds"])
+    table = json.loads((out / tp["rank_table"]).read_text())
+    assert table["server_list"][0]["device"] == [
+        {"device_id": "0", "rank_id": "0"},
+        {"device_id": "1", "rank_id": "1"},
+    ]
+
+
+def test_plan_tp_gives_one_cards_memory(tiny_llava):
+    res = CliRunner().invoke(
+        main, ["plan", str(tiny_llava), "--device-memory", "1GiB", "--tp", "4", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    t = d["tensor_parallel"]
+    assert d["cards"] == 4 and t["size"] == 4
+    # tiny-llava has 2 KV heads: at TP=4 each card keeps one, so per-card KV is half the model's.
+    assert (t["kv"], t["kv_heads_per_card"]) == ("replicated", 1)
+    assert t["kv_bytes_per_token"] * 2 == d["kv_bytes_per_token"]
+    assert t["weight_bytes"] == t["replicated_bytes"] + t["sharded_bytes"] < d["weight_bytes"]
+    res = CliRunner().invoke(main, ["plan", str(tiny_llava), "--device-memory", "1GiB", "--tp", "8"])
+    assert res.exit_code == 2 and "--tp 8 does not divide the model's 4 attention heads" in res.output

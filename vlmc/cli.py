@@ -442,6 +442,11 @@ def inspect(package, as_json, pruning_image, output):
     help="Cards sharing the model (tensor parallel).",
 )
 @click.option(
+    "--tp",
+    type=click.Choice(["2", "4", "8"]),
+    help="Also show one card's memory under the tensor_parallel pass's split over this many cards.",
+)
+@click.option(
     "--block-size", type=click.IntRange(1), help="Paged block size (default: the package's, else 128)."
 )
 @click.option(
@@ -467,6 +472,7 @@ def plan(
     text_tokens,
     batch,
     cards,
+    tp,
     block_size,
     max_context,
     reserve,
@@ -480,6 +486,8 @@ def plan(
     Example:
 
         vlmc plan out/demo/package --device-memory 16GiB --images 4 --text-tokens 2048 --batch 2
+
+    With --tp N, also one card's memory when the tensor_parallel pass splits the decoder over N cards.
     """
     from vlmc import plan as PL
     from vlmc.package import Package
@@ -502,6 +510,11 @@ def plan(
                 "--precision only applies with --config (a package states its own precisions)"
             )
         spec = PL.spec_from_package(Package.load(package))
+    if tp and cards not in (1, int(tp)):
+        raise click.UsageError(
+            f"--tp {tp} splits the model over {tp} cards; leave out --cards or give --cards {tp}"
+        )
+    cards = int(tp) if tp else cards
     result = PL.plan(
         spec,
         device_memory,
@@ -512,6 +525,7 @@ def plan(
         block_size=block_size,
         max_context=max_context,
         reserve=reserve,
+        tp=int(tp) if tp else None,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))
