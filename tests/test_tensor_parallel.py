@@ -59,6 +59,8 @@ def built(tiny_llava, mha, tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     int4 = {"decoder": {"weights": "int4", "group_size": 32}, "eval_samples": 0, "eval_tokens": 0}
     gqa_int4 = _build(tiny_llava, root / "gqa-int4", [{"quantize": int4}])
+    prune = {"prune_visual_tokens": {"keep": 16, "calibration_images": 0, "picture": False}}
+    pruned = _build(tiny_llava, root / "pruned", [prune])
     specs = {
         "gqa-tp2": (tiny_llava, [{"tensor_parallel": {"size": 2}}], tiny_llava),
         "mha-tp2": (mha, [{"tensor_parallel": {"size": 2}}], mha),
@@ -68,6 +70,9 @@ def built(tiny_llava, mha, tmp_path_factory):
             tiny_llava,
         ),
         "gqa-tp2-int4": (tiny_llava, [{"tensor_parallel": {"size": 2}}, {"quantize": int4}], gqa_int4),
+        # prune before and after the split: the vision graph is replicated and left alone
+        "gqa-prune-tp2": (tiny_llava, [prune, {"tensor_parallel": {"size": 2}}], pruned),
+        "gqa-tp2-prune": (tiny_llava, [{"tensor_parallel": {"size": 2}}, prune], pruned),
         "gqa-tp4": (tiny_llava, [{"tensor_parallel": {"size": 4}}], tiny_llava),
         "mha-tp4": (mha, [{"tensor_parallel": {"size": 4}}], mha),
         "mha-tp4-paged": (
@@ -99,7 +104,18 @@ def groups(built):
 
 
 @pytest.mark.parametrize(
-    "name", ["gqa-tp2", "mha-tp2", "gqa-tp2-paged", "gqa-tp2-int4", "gqa-tp4", "mha-tp4", "mha-tp4-paged"]
+    "name",
+    [
+        "gqa-tp2",
+        "mha-tp2",
+        "gqa-tp2-paged",
+        "gqa-tp2-int4",
+        "gqa-prune-tp2",
+        "gqa-tp2-prune",
+        "gqa-tp4",
+        "mha-tp4",
+        "mha-tp4-paged",
+    ],
 )
 def test_ranks_are_token_exact_with_the_unsharded_package(name, built, groups):
     path, ref = built[name]
