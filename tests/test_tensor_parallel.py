@@ -308,3 +308,16 @@ def test_plan_tp_gives_one_cards_memory(tiny_llava):
     assert t["weight_bytes"] == t["replicated_bytes"] + t["sharded_bytes"] < d["weight_bytes"]
     res = CliRunner().invoke(main, ["plan", str(tiny_llava), "--device-memory", "1GiB", "--tp", "8"])
     assert res.exit_code == 2 and "--tp 8 does not divide the model's 4 attention heads" in res.output
+
+
+def test_verify_runs_the_ranks_against_transformers(built, tmp_path):
+    """Ground truth from outside vlmc: the source model in transformers against the gloo-joined ranks."""
+    import shutil
+
+    pkg_dir = tmp_path / "pkg"
+    shutil.copytree(built["gqa-tp4"][0], pkg_dir)
+    res = CliRunner().invoke(main, ["verify", str(pkg_dir), "--max-new-tokens", "6"])
+    assert res.exit_code == 0, res.output
+    v = json.loads((pkg_dir / "verify.json").read_text())
+    assert v["passed"] and v["exact_package"] and v["token_agreement"] == 1.0
+    assert v["prefill_logits_max_abs_diff"] <= 1e-4

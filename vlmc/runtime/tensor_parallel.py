@@ -258,7 +258,14 @@ class RankGroup:
 
     def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20):
         """Generate on every rank; returns rank 0's result after checking every rank produced the same tokens."""
-        results = self.call("generate", prompts, images, max_new_tokens)
+        return self._agreed(self.call("generate", prompts, images, max_new_tokens))
+
+    def generate_from(self, inputs, max_new_tokens: int = 20):
+        """:meth:`Pipeline.generate_from` on every rank (prepared inputs, e.g. verify's); rank 0's result."""
+        return self._agreed(self.call("generate_from", inputs, max_new_tokens))
+
+    @staticmethod
+    def _agreed(results: list):
         for rank, r in enumerate(results[1:], start=1):
             if r.tokens != results[0].tokens:
                 raise VlmcError(
