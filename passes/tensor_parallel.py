@@ -349,7 +349,7 @@ def _find_cuts(graph: ir.Graph, dec: str, layers: int) -> list[_Cut]:
         raise VlmcError(
             f"tensor_parallel: graph {dec!r}: found {len(cuts)} residual projections ({', '.join(kinds) or 'none'}), "
             f"expected attention and MLP for each of the {layers} layers; the decoder does not have the "
-            "standard layer structure"
+            "Llama/Qwen2-style layer structure tensor_parallel supports (LLaVA, Qwen2-VL decoders)"
         )
     return cuts
 

@@ -54,7 +54,7 @@ def mha(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def built(tiny_llava, mha, tmp_path_factory):
+def built(tiny_llava, mha, exported, tmp_path_factory):
     """Every package the token-exact checks run: name -> (sharded, unsharded reference)."""
     root = tmp_path_factory.mktemp("tp")
     int4 = {"decoder": {"weights": "int4", "group_size": 32}, "eval_samples": 0, "eval_tokens": 0}
@@ -73,6 +73,12 @@ def built(tiny_llava, mha, tmp_path_factory):
         # prune before and after the split: the vision graph is replicated and left alone
         "gqa-prune-tp2": (tiny_llava, [prune, {"tensor_parallel": {"size": 2}}], pruned),
         "gqa-tp2-prune": (tiny_llava, [{"tensor_parallel": {"size": 2}}, prune], pruned),
+        # M-RoPE positions and q/k/v biases (sliced with their heads)
+        "qwen2-vl-tp2": (
+            exported("tiny-qwen2-vl"),
+            [{"tensor_parallel": {"size": 2}}],
+            exported("tiny-qwen2-vl"),
+        ),
         "gqa-tp4": (tiny_llava, [{"tensor_parallel": {"size": 4}}], tiny_llava),
         "mha-tp4": (mha, [{"tensor_parallel": {"size": 4}}], mha),
         "mha-tp4-paged": (
@@ -112,6 +118,7 @@ def groups(built):
         "gqa-tp2-int4",
         "gqa-prune-tp2",
         "gqa-tp2-prune",
+        "qwen2-vl-tp2",
         "gqa-tp4",
         "mha-tp4",
         "mha-tp4-paged",
@@ -249,6 +256,16 @@ def test_size_that_does_not_divide_the_heads_is_refused_in_one_line(tiny_llava, 
 def test_orders_that_make_no_sense_are_refused(tiny_llava, passes, message):
     with pytest.raises(PassFailed, match=message):
         manager.run(Package.load(tiny_llava), recipe.from_dict({"passes": passes}).steps)
+
+
+def test_a_decoder_of_another_structure_is_refused(exported):
+    """BLIP-2's OPT decoder (learned positions added first, Gemm MLP with biases) is not split."""
+    with pytest.raises(PassFailed, match="Llama/Qwen2-style layer structure") as err:
+        manager.run(
+            Package.load(exported("tiny-blip2")),
+            recipe.from_dict({"passes": [{"tensor_parallel": {"size": 2}}]}).steps,
+        )
+    assert err.value.exit_code == 2
 
 
 def test_single_process_runtime_refuses_a_sharded_package(built):
