@@ -44,6 +44,7 @@ class Merge(Pass):
     """Compose vision (+ fusion), embedding and decoder into one graph; keep the text-only decode path."""
 
     name = "merge"
+    requires = ("unsharded",)
     summary = (
         "compose vision (+fusion), embed_tokens and decoder into one prefill graph `vlm` "
         "(image features written into placeholder rows inside; weights stored once)"

@@ -88,9 +88,11 @@ class PagedKV(Pass):
             return PassResult(package, False, {"skipped": "no graph with a contiguous KV interface"})
         bs, nb = self.opts["block_size"], self.opts["num_blocks"]
         report = {"block_size": bs, "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM, "graphs": {}}
+        # A tensor-parallel package's rank-local graphs hold the rank's share of the KV heads.
+        heads = int((package.manifest.get("tensor_parallel") or {}).get("kv_heads_per_rank", kv["kv_heads"]))
         for name in names:
             model = package.graph(name)
-            layers = rewrite(model, bs, nb, int(kv["kv_heads"]), int(kv["head_dim"]), where=name)
+            layers = rewrite(model, bs, nb, heads, int(kv["head_dim"]), where=name)
             package.set_graph(name, model)
             samples.store(package, name, sample_feeds(package, name, bs))
             report["graphs"][name] = {"layers": layers, "nodes": len(model.graph.node)}

@@ -126,9 +126,15 @@ class Quantize(Pass):
     def check_package(self, package) -> None:
         from . import _quant_calib as C
 
-        for plan in self.resolve(package).values():
+        for name, plan in self.resolve(package).items():
             if plan.calibration.images is not None:
                 C.image_files(plan.calibration.images)
+            if package.manifest.get("tensor_parallel") and (plan.needs_calibration or plan.mode == "int8"):
+                # Calibration runs the package in this process; a sharded one runs as rank processes.
+                raise VlmcError(
+                    f"quantize: {name} ({plan.mode}) needs calibration, which cannot run on a tensor-parallel "
+                    "package; use rtn weight-only (int8/int4) after tensor_parallel, or fp16"
+                )
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, package):
@@ -141,6 +147,9 @@ class Quantize(Pass):
             self.opts["eval_tokens"],
             self.opts["seed"],
         )
+        sharded = bool(package.manifest.get("tensor_parallel"))
+        if sharded:  # fidelity runs the package in this process; a sharded one runs as rank processes
+            eval_samples = eval_tokens = 0
         # One FP32 pipeline run per distinct calibration set, before any graph changes.
         groups: dict[tuple, list[str]] = {}
         for n, p in plans.items():
@@ -216,6 +225,11 @@ class Quantize(Pass):
         if modified and e2e_source is not None and eval_tokens:
             report["end_to_end"] = E.end_to_end(
                 package, e2e_source.inputs, e2e_source.generations, eval_tokens
+            )
+        if sharded:
+            report["end_to_end"] = (
+                "not measured: a tensor-parallel package runs as rank processes; compare `vlmc run` "
+                "with the unsharded package quantized the same way (docs/tensor_parallel.md)"
             )
         return PassResult(package, modified, report)
 

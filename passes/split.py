@@ -30,6 +30,7 @@ class Split(Pass):
     """Split a merged package back into stages; optionally split the decoder into layer ranges."""
 
     name = "split"
+    requires = ("unsharded",)
     summary = (
         "split a merged `vlm` graph back into vision/fusion/embed/decoder stages, and/or the decoder "
         "into N contiguous layer ranges decoder.0, decoder.1, ... (pipeline stages)"

@@ -219,6 +219,18 @@ def recipe_wrong_type(work, pkg):
     ]
 
 
+def tp_size_not_dividing_heads(work, pkg):
+    return [
+        "-q",  # the pass refuses once work has begun ("running passes ..." is a progress note)
+        "optimize",
+        str(pkg),
+        "-r",
+        _recipe(work, "passes: [{tensor_parallel: {size: 8}}]\n"),
+        "-o",
+        str(work / "out"),
+    ]
+
+
 def recipe_out_of_range(work, pkg):
     return [
         "optimize",
@@ -388,6 +400,11 @@ CASES = [
     ),
     Case("recipe-wrong-type", recipe_wrong_type, ("block_size", "int")),
     Case("recipe-out-of-range", recipe_out_of_range, ("block_size", "100", "multiple of 16")),
+    Case(
+        "tp-size-not-dividing-heads",
+        tp_size_not_dividing_heads,
+        ("size 8 does not divide the 4 attention heads", "use one of 2, 4"),
+    ),
     Case("recipe-python-tag", recipe_python_tag, ("YAML error", "python/object")),
     Case("recipe-missing", recipe_missing, ("recipe", "does not exist")),
     Case("build-without-model", build_without_model, ("needs a 'model' key",)),

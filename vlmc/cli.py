@@ -251,7 +251,8 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
     through --executor, in the same generation loop. With several prompts, images are shared out in
-    order, one per placeholder.
+    order, one per placeholder. A tensor-parallel package (the tensor_parallel pass) runs as one process
+    per rank joined by torch.distributed with gloo, which needs torch (the export extra).
 
     Example:
 
@@ -277,12 +278,21 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             flag = "--executor" if executor is not None else "--against"
             raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
         pkg = Package.load(path)
-        pipe = Pipeline(pkg)
+        pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
-    try:
-        result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
-    finally:
-        pipe.close()
+    if pipe is None:
+        # One process per rank, joined by torch.distributed (gloo); docs/tensor_parallel.md.
+        from vlmc.runtime.tensor_parallel import RankGroup
+
+        size = pkg.manifest["tensor_parallel"]["size"]
+        ui.info(f"starting {size} ranks (torch.distributed, gloo)")
+        with RankGroup(package) as group:
+            result = group.generate(list(prompts), per_prompt, max_new_tokens)
+    else:
+        try:
+            result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
+        finally:
+            pipe.close()
     report = None
     if against is not None:
         ref_pipe = Pipeline(Package.load(against))
@@ -524,6 +534,11 @@ def inspect(package, as_json, pruning_image, output):
     help="Cards sharing the model (tensor parallel).",
 )
 @click.option(
+    "--tp",
+    type=click.Choice(["2", "4", "8"]),
+    help="Also show one card's memory under the tensor_parallel pass's split over this many cards.",
+)
+@click.option(
     "--block-size", type=click.IntRange(1, 65536), help="Paged block size (default: the package's, else 128)."
 )
 @click.option(
@@ -553,6 +568,7 @@ def plan(
     text_tokens,
     batch,
     cards,
+    tp,
     block_size,
     max_context,
     reserve,
@@ -567,6 +583,8 @@ def plan(
     Example:
 
         vlmc plan out/demo/package --device-memory 16GiB --images 4 --text-tokens 2048 --batch 2
+
+    With --tp N, also one card's memory when the tensor_parallel pass splits the decoder over N cards.
     """
     from vlmc import plan as PL
     from vlmc.package import Package
@@ -590,6 +608,11 @@ def plan(
                 "--precision only applies with --config (a package states its own precisions)"
             )
         spec = PL.spec_from_package(Package.load(package), size)
+    if tp and cards not in (1, int(tp)):
+        raise click.UsageError(
+            f"--tp {tp} splits the model over {tp} cards; leave out --cards or give --cards {tp}"
+        )
+    cards = int(tp) if tp else cards
     result = PL.plan(
         spec,
         device_memory,
@@ -600,6 +623,7 @@ def plan(
         block_size=block_size,
         max_context=max_context,
         reserve=reserve,
+        tp=int(tp) if tp else None,
     )
     if as_json:
         click.echo(json.dumps(result.to_dict(), indent=2, sort_keys=True))

@@ -64,6 +64,15 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                 try:
                     check_requirements(p, pkg)
                     plan = p.check_package(pkg)
+                except VlmcError as exc:
+                    # A refusal (the package does not suit the pass) is a user error, with its exit code (2).
+                    refused = PassFailed(f"{label} failed: {exc}{after_txt}")
+                    refused.exit_code = exc.exit_code
+                    raise refused from exc
+                except Exception as exc:  # a pass bug: still one line, traceback with -v
+                    logger.debug("pass failure", exc_info=True)
+                    raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
+                try:
                     before = _snapshot(
                         pkg,
                         Path(tmp) / str(step.index),

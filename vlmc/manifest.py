@@ -37,9 +37,15 @@ Layout (format version 1; ``?`` marks keys only some packages have)::
                         "quantization"?: {"mode", ...},       # quantize: what lowering needs
                         "weights_file"?: str,                 # merge: the shared weights file
                         "stages"?: [...], "pipeline"?: {...}, # merge: the stages inside a vlm graph
-                        "kv_layers"?: [first, end]}},         # split: a decoder range's layers
+                        "kv_layers"?: [first, end],           # split: a decoder range's layers
+                        "rank"?: int, "segment"?: int}},      # tensor_parallel: a rank-local segment
       "pipeline": {"image": [graph, ...], "embed": graph, "decoder": [graph, ...],
                    "vlm"?: graph},   # merge: one prefill graph; "image" is then absent
+      "tensor_parallel"?: {"size", "heads", "heads_per_rank", "kv_heads", "kv_heads_per_rank",
+                           "kv": "split" | "replicated", "kv_heads_of_rank", "intermediate_per_rank",
+                           "replicated", "source_graph", "collective",
+                           "plan": [{"step": "segment", "index", "kind", "layer", "graphs": [per rank]}
+                                    | {"step": "all_reduce", "op": "sum", "input", "output", "after"}]},
       "history": [{"pass", "index", "options", "modified", "report"}]
     }
 

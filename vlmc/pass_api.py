@@ -145,6 +145,12 @@ REQUIREMENTS = {
         "{name} cannot run on a merged package: graph {vlm!r} repeats the stages that the decode graphs keep, "
         "and changing one copy would make prefill and decode disagree; run {name} before merge, or run split first",
     ),
+    "unsharded": (
+        lambda pkg: not pkg.manifest.get("tensor_parallel"),
+        "{name} cannot run on a tensor-parallel package: each rank's decoder is already cut into segments "
+        "at the all-reduce points, and neither one merged graph nor a layer range can hold the host's "
+        "collectives; run {name} without tensor_parallel",
+    ),
 }
 
 

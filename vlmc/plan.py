@@ -145,6 +145,7 @@ class Plan:
     max_context_one_sequence: int
     paged_step_bytes: int = 0  # transient of one paged decode step of the batch (see paged_step_bytes())
     notes: list[str] = field(default_factory=list)
+    tensor_parallel: dict | None = None  # per-card memory under the tensor_parallel pass's split (--tp)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -193,6 +194,35 @@ class Plan:
             ],
             ["max context of one sequence", str(self.max_context_one_sequence)],
             ["paged decode step, transient (one layer's gathered past)", fmt_bytes(self.paged_step_bytes)],
+            *self._tp_rows(),
+        ]
+
+    def _tp_rows(self) -> list[list[str]]:
+        t = self.tensor_parallel
+        if not t:
+            return []
+        n = t["size"]
+        return [
+            [
+                f"TP={n}: weights per card (replicated + 1/{n} of the layers)",
+                f"{fmt_bytes(t['replicated_bytes'])} + {fmt_bytes(t['sharded_bytes'])} = {fmt_bytes(t['weight_bytes'])}",
+            ],
+            [
+                f"TP={n}: KV per token per card ({t['kv_heads_per_card']} KV head(s), {t['kv']})",
+                fmt_bytes(t["kv_bytes_per_token"]),
+            ],
+            [
+                f"TP={n}: per card, paged KV for {self.batch} sequence(s) + headroom + reserve",
+                fmt_bytes(t["paged_total"]),
+            ],
+            [
+                f"TP={n}: per card, contiguous KV (worst case) + headroom + reserve",
+                fmt_bytes(t["contiguous_total"]),
+            ],
+            [
+                f"TP={n}: fits one card (paged / contiguous)",
+                f"{'yes' if t['fits_paged'] else 'NO'} / {'yes' if t['fits_contiguous'] else 'NO'}",
+            ],
         ]
 
 
@@ -206,6 +236,7 @@ def plan(
     block_size: int | None = None,
     max_context: int | None = None,
     reserve: int | str = 0,
+    tp: int | None = None,
 ) -> Plan:
     """How a request mix fits in device memory, paged and contiguous.
 
@@ -219,6 +250,8 @@ def plan(
         block_size: paged block size (default: the package's, else 128).
         max_context: what a contiguous cache reserves per sequence (default: the model's max positions).
         reserve: memory the runtime keeps for itself per card.
+        tp: also give one card's memory under the tensor_parallel pass's split over ``tp`` cards
+            (replicated vision, embedding and lm_head; the layers and KV heads split).
     """
     mem = parse_size(device_memory)
     res = parse_size(reserve)
@@ -254,7 +287,11 @@ def plan(
     paged = (batch * math.ceil(seq / bs) + RESERVED_BLOCKS) * per_block
     contiguous = batch * ctx_max * per_tok
     seq_paged = math.ceil(seq / bs) * per_block
+    tp_card = (
+        tensor_parallel_card(spec, tp, mem, act, res, seq, batch, bs, ctx_max) if tp and tp > 1 else None
+    )
     return Plan(
+        tensor_parallel=tp_card,
         spec=spec.name,
         device_memory=mem,
         cards=cards,
@@ -285,6 +322,56 @@ def plan(
         paged_step_bytes=step,
         notes=notes,
     )
+
+
+def tensor_parallel_card(
+    spec: Spec,
+    size: int,
+    device_memory: int,
+    activation: int,
+    reserve: int,
+    seq: int,
+    batch: int,
+    block_size: int,
+    max_context: int,
+) -> dict:
+    """Memory on one card when the ``tensor_parallel`` pass splits the decoder over ``size`` cards.
+
+    Vision, embedding and lm_head are replicated (passes/tensor_parallel.py); the decoder layers are
+    split 1/size; each card's KV holds its share of the KV heads (all of one where size exceeds them).
+    """
+    if spec.heads % size:
+        raise VlmcError(f"--tp {size} does not divide the model's {spec.heads} attention heads")
+    decoder = [g for g in spec.graphs if g.role == "decoder"]
+    dec_bytes = sum(g.bytes for g in decoder)
+    per_weight = WEIGHT_BYTES.get(decoder[0].precision, 2.0) if decoder else 2.0
+    head = int(spec.vocab * spec.hidden * per_weight)  # lm_head, kept whole on every card
+    replicated = spec.weight_bytes - dec_bytes + head
+    sharded = (dec_bytes - head) // size
+    if spec.kv_heads % size == 0:
+        kv_heads, kv = spec.kv_heads // size, "split"
+    elif size % spec.kv_heads == 0:
+        kv_heads, kv = 1, "replicated"
+    else:
+        raise VlmcError(f"--tp {size} neither divides nor is a multiple of the {spec.kv_heads} KV heads")
+    per_tok = 2 * spec.layers * kv_heads * spec.head_dim * DTYPE_BYTES[spec.kv_dtype]
+    weights = replicated + sharded
+    paged = batch * math.ceil(seq / block_size) * block_size * per_tok
+    contiguous = batch * max_context * per_tok
+    fixed = weights + activation + reserve
+    return {
+        "size": size,
+        "replicated_bytes": replicated,
+        "sharded_bytes": sharded,
+        "weight_bytes": weights,
+        "kv_heads_per_card": kv_heads,
+        "kv": kv,
+        "kv_bytes_per_token": per_tok,
+        "paged_total": fixed + paged,
+        "contiguous_total": fixed + contiguous,
+        "fits_paged": fixed + paged <= device_memory,
+        "fits_contiguous": fixed + contiguous <= device_memory,
+    }
 
 
 def _int4_note(spec: Spec) -> str | None:

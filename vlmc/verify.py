@@ -302,7 +302,14 @@ def verify(
             model, ref_inp, max_new_tokens, t.get("eos_token_id"), int(t.get("pad_token_id") or 0)
         )
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
-        got = pipe.generate_from(inp, max_new_tokens)
+        if pkg.manifest.get("tensor_parallel") and pkg.root is not None:
+            # A sharded package runs as its rank processes, joined by gloo (docs/tensor_parallel.md).
+            from vlmc.runtime.tensor_parallel import RankGroup
+
+            with RankGroup(pkg.root) as group:
+                got = group.generate_from(inp, max_new_tokens)
+        else:
+            got = pipe.generate_from(inp, max_new_tokens)
     c = metrics.generation_agreement(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
     image_id = int(pkg.manifest["vision"]["image_token_id"])
     n_images = max(sum(inp.image_counts), 1)

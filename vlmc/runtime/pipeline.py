@@ -57,7 +57,12 @@ class Pipeline:
     """Run a package: on onnxruntime CPU by default, or through another :class:`Executor`."""
 
     def __init__(
-        self, pkg: Package, threads: int | None = None, on_graph=None, executor: Executor | None = None
+        self,
+        pkg: Package,
+        threads: int | None = None,
+        on_graph=None,
+        executor: Executor | None = None,
+        decoder=None,
     ) -> None:
         """
         Args:
@@ -67,8 +72,12 @@ class Pipeline:
                 and fidelity code record activations through it).
             executor: what runs each graph (default: onnxruntime on the package's graphs). The loop
                 is the same whatever runs the graphs (vlmc/runtime/executor.py).
+            decoder: runs the decoder step instead of the ``pipeline.decoder`` chain: one rank of a
+                tensor-parallel package (:class:`vlmc.runtime.tensor_parallel.RankDecoder`), which also
+                says which share of the KV heads the rank's cache holds.
         """
         self.pkg = pkg
+        self.decoder = decoder
         self.m = pkg.manifest
         self.threads = threads
         self.on_graph = on_graph
@@ -337,8 +346,15 @@ class Pipeline:
         pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
         extra = extras.prefill(self.m, inp.input_ids)
         mask = inp.attention_mask
+        tp = self.m.get("tensor_parallel")
+        if tp and self.decoder is None:
+            raise VlmcError(
+                f"the package is split over {tp['size']} ranks (tensor_parallel); run it with `vlmc run`, "
+                "which starts the ranks, or vlmc.runtime.tensor_parallel.RankGroup"
+            )
         dtype = self.m["kv"].get("dtype", "float32")
-        state = kvmod.make(self.m["kv"], batch, dtype, attention_mask=mask, pipeline=self)
+        kv_facts = self.decoder.kv_facts(self.m["kv"]) if self.decoder is not None else self.m["kv"]
+        state = kvmod.make(kv_facts, batch, dtype, attention_mask=mask, pipeline=self)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         done = np.zeros(batch, bool)
         step_logits = []
@@ -359,7 +375,10 @@ class Pipeline:
                         )
                     )
                 available.update(state.feeds({"attention_mask": mask, "new_tokens": new_tokens}))
-                out = self.run_chain(chain, available)
+                if self.decoder is not None and embeds is not None:
+                    out = self.decoder.run(self, available)
+                else:
+                    out = self.run_chain(chain, available)
                 state.update(out)
                 logits = out["logits"][:, -1, :]
                 if prefill_logits is None:

@@ -15,6 +15,7 @@ from vlmc import graphs as G
 from vlmc import outdir
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools
+from vlmc.backends.ascend import tensor_parallel as tp_builds
 from vlmc.backends.ascend import soc as S
 from vlmc.backends.ascend.options import NAME
 from vlmc.errors import VlmcError
@@ -49,6 +50,9 @@ def summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict) 
                 **runner_facts(b, G.signature(plan["files"][b.file])),
             }
         )
+        info = package.info(b.graph)
+        if "rank" in info:  # a rank-local build of a tensor-parallel package
+            builds[-1].update(rank=info["rank"], segment=info["segment"])
     return {
         "backend": NAME,
         "soc_version": resolution.soc_version,
@@ -62,6 +66,7 @@ def summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict) 
         "builds": builds,
         "runner": dict(RUNNER),
         "paged_kv": paged_kv_host_write(package.manifest.get("kv", {}), plan["builds"]),
+        "tensor_parallel": tp_builds.tensor_parallel_host_plan(package.manifest, plan["builds"]),
         "warnings": plan["warnings"] + ([resolution.warning] if resolution.warning else []),
         "run": None,
     }
@@ -191,6 +196,9 @@ def write(out_dir: Path, plan: dict, summary: dict, force: bool, package: Packag
         os.chmod(tmp / "build.sh", 0o755)
         (tmp / "atc.mk").write_text(_makefile(plan))
         (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        if summary.get("tensor_parallel"):
+            table = tp_builds.rank_table(summary["tensor_parallel"]["size"])
+            (tmp / tp_builds.RANK_TABLE).write_text(json.dumps(table, indent=2) + "\n")
         (tmp / BUILD_MARKER).write_text(
             json.dumps({"backend": NAME, "compile": "compile.json"}, indent=2) + "\n"
         )
