@@ -15,8 +15,8 @@ from vlmc import graphs as G
 from vlmc import outdir
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools
-from vlmc.backends.ascend import tensor_parallel as tp_builds
 from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import tensor_parallel as tp_builds
 from vlmc.backends.ascend.options import NAME
 from vlmc.errors import VlmcError
 from vlmc.package import Package
