@@ -271,22 +271,26 @@ def _transposed_forward(m: torch.nn.Linear):
     return forward
 
 
-def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20):
-    """A tensor's bytes in C order, in pieces of at most about ``limit`` bytes.
+def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20, dtype: torch.dtype | None = None):
+    """A tensor's bytes in C order (as ``dtype``, default its own), in pieces of about ``limit`` bytes.
 
     A contiguous tensor is one piece straight from its memory; a view (a transposed Linear weight)
-    is made contiguous a block of rows at a time, so writing it never holds a full copy.
+    or a tensor to convert is made contiguous a block of rows at a time, so writing it never holds
+    a full copy (a bf16 checkpoint weight is transposed in bf16, then converted block by block).
     """
     import numpy as np
 
+    dtype = dtype or tensor.dtype
+
     def as_bytes(t: torch.Tensor) -> memoryview:
+        t = t.to(dtype)
         arr = t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
         return memoryview(np.ascontiguousarray(arr)).cast("B")
 
-    if tensor.is_contiguous() or tensor.dim() == 0:
+    if (tensor.is_contiguous() and dtype == tensor.dtype) or tensor.dim() == 0:
         yield as_bytes(tensor.contiguous())
         return
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    row_bytes = max(1, tensor[0].numel() * max(tensor.element_size(), dtype.itemsize))
     step = max(1, limit // row_bytes)
     for r in range(0, tensor.shape[0], step):
         yield as_bytes(tensor[r : r + step].contiguous())
@@ -344,15 +348,16 @@ def _write_with_weights(
                 t.ClearField("raw_data")
                 put(t, [raw])
 
-        def add(name: str, elem_type: int, tensor: torch.Tensor) -> None:
+        def add(name: str, elem_type: int, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
             t = g.initializer.add()
             t.name = name
             t.data_type = elem_type
             t.dims.extend(tensor.shape)
-            if tensor.numel() * tensor.element_size() < G.EXTERNAL_DATA_THRESHOLD:
-                t.raw_data = b"".join(bytes(c) for c in _byte_chunks(tensor))  # small: inline, as saved
+            chunks = _byte_chunks(tensor, dtype=dtype)
+            if tensor.numel() * (dtype or tensor.dtype).itemsize < G.EXTERNAL_DATA_THRESHOLD:
+                t.raw_data = b"".join(bytes(c) for c in chunks)  # small: inline, as saved
             else:
-                put(t, _byte_chunks(tensor))
+                put(t, chunks)
 
         for vi in params:
             tensor = large.pop(vi.name).detach()
@@ -363,13 +368,13 @@ def _write_with_weights(
             if c.key is None:  # a buffer the checkpoint does not hold: computed alike in every layer
                 tensor = tmpl.detach()
             else:
-                tensor = c.stack.checkpoint.tensor(c.key).to(tmpl.dtype)
+                tensor = c.stack.checkpoint.tensor(c.key)  # in the checkpoint's dtype
                 tensor = tensor.t() if c.transposed else tensor
             if tuple(tensor.shape) != tuple(tmpl.shape):
                 raise streaming.StitchError(
                     f"{c.key}: shape {tuple(tensor.shape)}, layer template {tuple(tmpl.shape)}"
                 )
-            add(c.name, elem_types[c.template], tensor)
+            add(c.name, elem_types[c.template], tensor, dtype=tmpl.dtype)
             del tensor
     with open(path, "wb") as f:
         f.write(model.SerializeToString())

@@ -14,7 +14,7 @@ in a stage graph needs every weight resident at once: its repeated layers (``mod
    hands the graph to :func:`stitch`, which instantiates the last traced layer's subgraph once per
    missing layer, each copy bound to that layer's weights by name.
 3. The writer streams each copy's weights from the memory-mapped safetensors shard to the graph's
-   data file, one tensor at a time, converted to FP32 (:meth:`Checkpoint.tensor`).
+   data file, one tensor at a time, converted to the graph's dtype (FP32) a block of rows at a time.
 
 Peak memory is the reduced model (embeddings, head, two layers per stack) plus one tensor in
 flight, whatever the depth. The stitched graph is the graph the full-depth trace gives, node for
@@ -57,14 +57,14 @@ class Checkpoint:
         return key in self.files
 
     def tensor(self, key: str) -> torch.Tensor:
-        """One weight as FP32, read from its shard; the shard's mapping is closed again at once, so the
-        pages read do not stay in this process's resident set."""
+        """One weight in the checkpoint's dtype, read from its shard; the shard's mapping is closed
+        again at once, so the pages read do not stay in this process's resident set. (The writer
+        converts it to the graph's dtype a block at a time.)"""
         from safetensors import safe_open
 
         shard, name = self.files[key]
         with safe_open(str(self.directory / shard), framework="pt") as f:
-            t = f.get_tensor(name)
-        return t if t.dtype == torch.float32 else t.to(torch.float32)
+            return f.get_tensor(name)
 
 
 @dataclass
