@@ -268,18 +268,21 @@ def _scale_build(
     return row
 
 
-def scale_rows(root: Path, seven_b: bool, seven_b_dir: Path | None, rss_limit: int) -> list[dict]:
+def scale_rows(
+    root: Path, seven_b: bool, seven_b_dir: Path | None, rss_limit: int, with_512m: bool = True
+) -> list[dict]:
     """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards)."""
-    rows = []
-    model_dir, params = make_model_dir("llava-1.5", root)
-    rows.append(
-        _scale_build(
-            "llava-1.5 quantized", model_dir, params, QUANT_PASSES + SCALE_TARGET, root, rss_limit, True
-        )
-    )
     import shutil
 
-    shutil.rmtree(model_dir, ignore_errors=True)
+    rows = []
+    if with_512m:
+        model_dir, params = make_model_dir("llava-1.5", root)
+        rows.append(
+            _scale_build(
+                "llava-1.5 quantized", model_dir, params, QUANT_PASSES + SCALE_TARGET, root, rss_limit, True
+            )
+        )
+        shutil.rmtree(model_dir, ignore_errors=True)
     if seven_b:
         sys.path.insert(0, str(SCRIPTS))
         import make_checkpoint
@@ -539,6 +542,7 @@ def main() -> None:
         "--7b", dest="seven_b", action="store_true", help="add the full LLaVA-1.5-7B row (~45 GB disk)"
     )
     ap.add_argument("--7b-dir", dest="seven_b_dir", type=Path, help="an existing 7B checkpoint to use (kept)")
+    ap.add_argument("--no-512m", dest="with_512m", action="store_false", help="leave out the 512 M scale row")
     ap.add_argument(
         "--scratch", type=Path, help="where the scale rows write (default: a temporary directory)"
     )
@@ -553,7 +557,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         cost = pipeline_cost(args.sizes, args.runs, Path(tmp), args.large_runs) if args.sizes else []
         if not args.skip_scale:
-            scale = scale_rows(Path(tmp), args.seven_b, args.seven_b_dir, int(args.rss_limit_gib * 2**30))
+            scale = scale_rows(
+                Path(tmp), args.seven_b, args.seven_b_dir, int(args.rss_limit_gib * 2**30), args.with_512m
+            )
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,8 @@
 ``save_pretrained`` needs the whole model in memory (28 GB for a 7 B model in FP32, 14 GB in
 bf16). This writes the same files (config.json, safetensors shards under the key names
 save_pretrained uses, model.safetensors.index.json) from a model built on the meta device, so at
-most one shard is ever in memory. Values: norms 1, biases 0, everything else N(0, 0.02).
+most one shard is ever in memory. Values: norms 1, biases 0, everything else N(0, 0.02) (windows
+into one pool of samples, see write()).
 
     python scripts/make_checkpoint.py llava-1.5-7b /tmp/ckpt   # the hub config of llava-1.5-7b-hf
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 
@@ -76,6 +78,16 @@ def write(
     shapes = revert_weight_conversion(model, dict(model.state_dict()))
     tdtype = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(seed)
+    # Drawing 7 B normal samples takes half an hour on two busy cores; every weight is instead a
+    # window at a random offset into one pool of 2**26 samples (different values per tensor, same
+    # distribution), which is as fast as the disk.
+    pool = (torch.randn(1 << 26, generator=gen) * 0.02).to(tdtype)
+
+    def window(n: int) -> torch.Tensor:
+        start = int(torch.randint(0, pool.numel(), (1,), generator=gen))
+        reps = -(-(start + n) // pool.numel())
+        return (pool.repeat(reps) if reps > 1 else pool)[start : start + n].clone()
+
     weight_map: dict[str, str] = {}
     shards: list[list[str]] = [[]]
     size = 0
@@ -99,7 +111,7 @@ def write(
             elif "norm" in key and leaf == "weight":
                 v = torch.ones(shape, dtype=tdtype)
             else:
-                v = (torch.randn(shape, generator=gen) * 0.02).to(tdtype)
+                v = window(math.prod(shape)).reshape(shape)
             tensors[key] = v
             weight_map[key] = name
             total += v.numel() * v.element_size()
