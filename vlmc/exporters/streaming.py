@@ -83,12 +83,6 @@ def stack_of(module: torch.nn.Module) -> Stack | None:
     return getattr(module, "_vlmc_stack", None)
 
 
-def full_depth(modules: torch.nn.ModuleList) -> int:
-    """The depth a (possibly cut) layer stack has in the source model."""
-    stack = stack_of(modules)
-    return stack.depth if stack is not None else len(modules)
-
-
 # ----------------------------------------------------------------------------------------- loading
 
 
