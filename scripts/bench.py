@@ -318,20 +318,26 @@ def scale_section(rows: list[dict]) -> list[str]:
         "bf16 safetensors shards with an index (scripts/make_checkpoint.py). A step that goes over the "
         "RSS limit is killed (scripts/_measure.py) so the benchmark cannot take a shared machine down.",
         "",
-        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor | export time / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         fp32 = r["fp32_weight_bytes"]
-        status = (
-            "" if r["build_ok"] else (" (killed over the RSS limit)" if r["killed_over_rss"] else " (failed)")
-        )
+        if r["build_ok"]:
+            status = ""
+        elif r["killed_over_rss"]:
+            status = " (killed over the RSS limit)"
+        elif "interrupted" in r.get("build_last_line", ""):
+            status = " (interrupted, unfinished)"
+        else:
+            status = " (failed)"
+        ratio = f"**{r['build_seconds'] / r['floor_seconds']:.2f}×**" if r["build_ok"] else "–"
         bare = f"{r['bare_seconds']:.1f}" if "bare_seconds" in r else "–"
         lines.append(
             f"| {r['name']} | {r['params'] / 1e9:.2f} B | {_gib(fp32)} | {r['floor_seconds']:.1f} | {bare} | "
             f"{r['export_seconds']:.1f} ({_gib(r['export_peak_rss'])}, {r['export_peak_rss'] / fp32:.2f}×) | "
             f"{r['build_seconds']:.1f}{status} | {_gib(r['build_peak_rss'])} | **{r['build_peak_rss'] / fp32:.2f}×** | "
-            f"**{r['build_seconds'] / r['floor_seconds']:.2f}×** |"
+            f"{ratio} | {r['export_seconds'] / r['floor_seconds']:.2f}× |"
         )
     for r in rows:
         lines += ["", f"Per step of `vlmc build`, {r['name']}:", ""]
