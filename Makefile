@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check vlmc passes tests scripts
 
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3
+	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3 $(if $(BENCH_7B),--7b)
 
 schema: $(STAMP)
 	$(BIN)/vlmc passes --schema > docs/recipe.schema.json

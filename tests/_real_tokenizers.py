@@ -207,11 +207,20 @@ def save_image(path: Path, h: int, w: int, seed: int = 0) -> str:
 
 
 def llava_dir(
-    path: Path, legacy: bool = False, metaspace: str | None = None, hidden: int = 64, seed: int = 1
+    path: Path,
+    legacy: bool = False,
+    metaspace: str | None = None,
+    hidden: int = 64,
+    seed: int = 1,
+    text_layers: int | None = None,
+    vision_layers: int | None = None,
+    save_kwargs: dict | None = None,
 ) -> Path:
     """LlavaForConditionalGeneration (CLIP 64 px, patch 8: 64 image tokens) with LlavaProcessor files.
 
-    The tokenizer files are llava-1.5-7b-hf's format by default (see llama_tokenizer)."""
+    The tokenizer files are llava-1.5-7b-hf's format by default (see llama_tokenizer). ``text_layers``
+    and ``vision_layers`` change the depths; ``save_kwargs`` go to save_pretrained (max_shard_size),
+    with ``dtype`` applied to the model before saving."""
     import torch
     from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
 
@@ -228,8 +237,17 @@ def llava_dir(
     )
     cfg.image_token_index = image_id
     cfg.pad_token_id = tok.pad_token_id
+    if text_layers:
+        cfg.text_config.num_hidden_layers = text_layers
+    if vision_layers:
+        cfg.vision_config.num_hidden_layers = vision_layers
     torch.manual_seed(seed)
-    LlavaForConditionalGeneration(cfg).save_pretrained(path)
+    save_kwargs = dict(save_kwargs or {})
+    dtype = save_kwargs.pop("dtype", None)
+    model = LlavaForConditionalGeneration(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(path, **save_kwargs)
     size = cfg.vision_config.image_size
     # Not the defaults vlmc would assume (resize to the tower size, CLIP statistics, bicubic): the package
     # must take them from processor_config.json, where transformers 5 saves them.

@@ -53,6 +53,7 @@ def build(
         trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
         allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
         revision=recipe.export.get("revision"),
+        lazy=True,
     )
     phases: dict[str, dict] = {}
     with outdir.atomic(out, force, inputs=model_dir) as tmp:

@@ -149,8 +149,11 @@ def export(model, output, force, list_, trust_remote_code, allow_pickle):
     from vlmc import outdir
 
     outdir.check(output, force, inputs=[Path(model)] if Path(model).is_dir() else [])
-    source = exporters.load_source(model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    source = exporters.load_source(
+        model, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle, lazy=True
+    )
     pkg = exporters.export(source)
+    del source
     path = pkg.save(output, force=force)
     ui.info(f"wrote {path}")
     _summary(pkg)

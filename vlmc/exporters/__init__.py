@@ -64,6 +64,7 @@ class Source:
     directory: Path | None = None  # local directory with config/tokenizer/processor files
     builtin: bool = False
     extra: dict = field(default_factory=dict)
+    streamed: bool = False  # model is the reduced-depth cut of a lazy load (see load_source)
 
     @property
     def architecture(self) -> str:
@@ -110,9 +111,20 @@ def _require_export_extra() -> None:
 
 
 def load_source(
-    name: str, trust_remote_code: bool = False, allow_pickle: bool = False, revision: str | None = None
+    name: str,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    revision: str | None = None,
+    lazy: bool = False,
 ) -> Source:
-    """Resolve a model reference and load it in transformers (fp32, eager attention)."""
+    """Resolve a model reference and load it in transformers (fp32, eager attention).
+
+    ``lazy`` (what `vlmc export` and `vlmc build` ask for): where the family supports it and the
+    weights are safetensors, load only what tracing needs, the model with its repeated layer stacks
+    cut to two layers, and let the exporter stream the other layers' weights from the checkpoint
+    (vlmc/exporters/streaming.py). ``Source.model`` is then that reduced model and ``Source.config``
+    the full one. Without ``lazy`` (tests, verify, anything that runs the model) it is all there.
+    """
     _require_export_extra()
     from vlmc.exporters import zoo
 
@@ -127,13 +139,13 @@ def load_source(
         path.exists() or name.startswith((".", "/", "~")) or os.sep in name.strip("/").split("/", 1)[-1]
     )
     if path.exists():
-        return _load_local(path, trust_remote_code, allow_pickle)
+        return _load_local(path, trust_remote_code, allow_pickle, lazy)
     if looks_local or name.count("/") > 1:
         raise VlmcError(
             f"model path {name} does not exist; pass a local Hugging Face model directory, a hub id "
             f"(org/name) or a built-in ({', '.join(sorted(zoo.BUILTINS))})"
         )
-    return _load_hub(name, trust_remote_code, allow_pickle, revision)
+    return _load_hub(name, trust_remote_code, allow_pickle, revision, lazy)
 
 
 # config.json sizes that shape the model built from it: positive ints under vlmc's bounds (limits.py).
@@ -173,7 +185,7 @@ def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
                 )
 
 
-def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Source:
+def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: bool = False) -> Source:
     from transformers import AutoConfig
 
     if not path.is_dir() or not (path / "config.json").is_file():
@@ -200,6 +212,10 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
         if not has_pickle:
             raise VlmcError(f"{path} has no weights (*.safetensors)")
     mod = families()[family]
+    if lazy and has_safetensors and not trust_remote_code:
+        src = _load_reduced(path, mod, config, family)
+        if src is not None:
+            return src
     try:
         model = mod.model_class().from_pretrained(
             str(path),
@@ -216,7 +232,29 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool) -> Sour
     return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
 
 
-def _load_hub(name: str, trust_remote_code: bool, allow_pickle: bool, revision: str | None) -> Source:
+def _load_reduced(path: Path, mod: ModuleType, config, family: str) -> Source | None:
+    """The family's cut of the model for a streaming export, or None where it has none."""
+    from vlmc.exporters import streaming
+
+    depths = mod.stream_depths(config) if hasattr(mod, "stream_depths") else {}
+    if not depths:
+        return None
+    try:
+        loaded = streaming.load_reduced(path, mod.model_class(), config, depths)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise VlmcError(f"{path}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+    if loaded is None:
+        return None
+    model, full_config = loaded
+    _eager(model)
+    return Source(
+        name=str(path), model=model, config=full_config, family=family, directory=path, streamed=True
+    )
+
+
+def _load_hub(
+    name: str, trust_remote_code: bool, allow_pickle: bool, revision: str | None, lazy: bool = False
+) -> Source:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
 
@@ -232,7 +270,7 @@ def _load_hub(name: str, trust_remote_code: bool, allow_pickle: bool, revision: 
         ) from exc
     except HfHubHTTPError as exc:
         raise VlmcError(f"cannot download {name!r} from the hub: {str(exc).splitlines()[0]}") from exc
-    src = _load_local(Path(local), trust_remote_code, allow_pickle)
+    src = _load_local(Path(local), trust_remote_code, allow_pickle, lazy)
     src.name = name
     return src
 
@@ -259,13 +297,24 @@ def export(source: Source, scratch: str | Path | None = None) -> Package:
     model. ``scratch`` is a directory the caller owns and removes (default: a temporary directory
     removed with the package); :meth:`Package.save` moves the files out of it.
     """
+    from vlmc.exporters import streaming
+
     mod = families()[source.family]
     m = M.new(source.family, source.architecture, source.name, source.config_hash)
     pkg = Package(m)
     if scratch is not None:
         pkg.use_scratch(scratch)
     with ui.progress(f"exporting {source.name} ({source.family})"):
-        mod.export(source, pkg)
+        try:
+            mod.export(source, pkg)
+        except streaming.StitchError as exc:
+            if not source.streamed:
+                raise
+            # The layers are not one repeated subgraph after all: export the whole model instead.
+            ui.warn(f"{source.name}: streaming export not possible ({exc}); loading the whole model")
+            whole = _load_local(source.directory, trust_remote_code=False, allow_pickle=False)
+            whole.name = source.name
+            return export(whole, scratch)
     if source.directory is not None:
         _attach_source_files(source.directory, pkg)
     M.validate(pkg.manifest, where="exported manifest")

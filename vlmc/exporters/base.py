@@ -15,6 +15,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 
 from vlmc import graphs as G
 from vlmc import samples
+from vlmc.exporters import streaming
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -157,16 +159,24 @@ def export_graph(
     data file one at a time, each hashed as it is written. Linear weights are laid out as [in, out]
     before tracing (:func:`_linear_weights_transposed`) so that torch's constant folding does not
     materialize a transposed copy of each of them.
+
+    Layer stacks the source loaded at reduced depth (vlmc/exporters/streaming.py) are grown to their
+    full depth after tracing (:func:`streaming.stitch`): their parameters are kept out of torch's
+    serialization like the large ones, whatever their size, so that each layer's weights are its
+    own initializers, and the added layers' weights are streamed from the source checkpoint.
     """
     module.eval()
     path = Path(path)
     large: dict[str, torch.Tensor] = {}
+    stacks = {
+        name: (streaming.stack_of(m), len(m)) for name, m in module.named_modules() if streaming.stack_of(m)
+    }
     with (
         tempfile.TemporaryDirectory() as tmp,
         warnings.catch_warnings(),
         torch.no_grad(),
         _linear_weights_transposed(module),
-        _weights_out_of_proto(large),
+        _weights_out_of_proto(large, tuple(f"{name}." for name in stacks)),
     ):
         warnings.simplefilter("ignore")
         tmp_path = os.path.join(tmp, "graph.onnx")
@@ -186,9 +196,12 @@ def export_graph(
         model = onnx.load(tmp_path)  # the graph and small constants only
         _name_unnamed_nodes(model)
         _inline_shared_small_constants(model)
+        copies = []
+        for name, (stack, traced) in stacks.items():
+            copies += streaming.stitch(model, name, stack, traced)
         if edit is not None:
             edit(model)
-        _write_with_weights(model, large, path)
+        _write_with_weights(model, large, path, copies)
     return model
 
 
@@ -197,7 +210,7 @@ _STREAM_BYTES = 1 << 16
 
 
 @contextlib.contextmanager
-def _weights_out_of_proto(large: dict[str, torch.Tensor]):
+def _weights_out_of_proto(large: dict[str, torch.Tensor], stream_prefixes: tuple[str, ...] = ()):
     """Keep large parameters out of every protobuf the TorchScript exporter builds; collect them in ``large``.
 
     - The exporter hands its final name -> tensor map to ``_jit_pass_onnx_deduplicate_initializers``
@@ -211,18 +224,24 @@ def _weights_out_of_proto(large: dict[str, torch.Tensor]):
     These three entry points of torch 2.13's exporter (pinned in constraints.txt) are the narrowest
     hooks there are; if torch renames one, the export fails loudly here rather than silently holding
     every weight in memory again. A test compares the result with torch.onnx.export's own output.
+
+    Parameters whose names start with one of ``stream_prefixes`` (the layer stacks being stitched)
+    are collected whatever their size.
     """
     from torch import _C
 
+    def streamed(k: str, t: torch.Tensor) -> bool:
+        return t.numel() * t.element_size() > _STREAM_BYTES or k.startswith(stream_prefixes)
+
     def small(params: dict) -> dict:
-        return {k: t for k, t in params.items() if t.numel() * t.element_size() <= _STREAM_BYTES}
+        return {k: t for k, t in params.items() if not streamed(k, t)}
 
     def dedupe(real):
         # Large parameters skip torch's deduplication: it compares tensors by value, which made
         # contiguous copies of the transposed weight views (a 0.5 GB transient at LLaVA-1.5 widths).
         # A weight shared by two modules is one Parameter, so one graph input, without it.
         def split(graph, params, training):
-            large.update({k: t for k, t in params.items() if t.numel() * t.element_size() > _STREAM_BYTES})
+            large.update({k: t for k, t in params.items() if streamed(k, t)})
             return real(graph, small(params), training)
 
         return split
@@ -300,38 +319,51 @@ def _transposed_forward(m: torch.nn.Linear):
     return forward
 
 
-def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20):
-    """A tensor's bytes in C order, in pieces of at most about ``limit`` bytes.
+def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20, dtype: torch.dtype | None = None):
+    """A tensor's bytes in C order (as ``dtype``, default its own), in pieces of about ``limit`` bytes.
 
     A contiguous tensor is one piece straight from its memory; a view (a transposed Linear weight)
-    is made contiguous a block of rows at a time, so writing it never holds a full copy.
+    or a tensor to convert is made contiguous a block of rows at a time, so writing it never holds
+    a full copy (a bf16 checkpoint weight is transposed in bf16, then converted block by block).
     """
     import numpy as np
 
+    dtype = dtype or tensor.dtype
+
     def as_bytes(t: torch.Tensor) -> memoryview:
+        t = t.to(dtype)
         arr = t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
         return memoryview(np.ascontiguousarray(arr)).cast("B")
 
-    if tensor.is_contiguous() or tensor.dim() == 0:
+    if (tensor.is_contiguous() and dtype == tensor.dtype) or tensor.dim() == 0:
         yield as_bytes(tensor.contiguous())
         return
-    row_bytes = max(1, tensor[0].numel() * tensor.element_size())
+    row_bytes = max(1, tensor[0].numel() * max(tensor.element_size(), dtype.itemsize))
     step = max(1, limit // row_bytes)
     for r in range(0, tensor.shape[0], step):
         yield as_bytes(tensor[r : r + step].contiguous())
 
 
-def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], path: Path) -> None:
+def _write_with_weights(
+    model: onnx.ModelProto,
+    large: dict[str, torch.Tensor],
+    path: Path,
+    copies: Sequence[streaming.Copy] = (),
+) -> None:
     """Turn the graph inputs that stand for parameters into initializers whose bytes go to ``path.data``.
 
     Small initializers torch serialized go to the data file too (every tensor of 1 KiB or more is
     external, as in any saved package). Each tensor is written from its own memory and hashed while
-    it is written, so the pass manager never reads it again to fingerprint it.
+    it is written, so the pass manager never reads it again to fingerprint it. ``copies`` are the
+    stitched layers' weights: each is read from the source checkpoint, converted to the traced
+    tensor's dtype and layout, written and dropped before the next.
     """
+    templates = {c.template: large[c.template] for c in copies}
     path.parent.mkdir(parents=True, exist_ok=True)
     data_name = path.name + ".data"
     g = model.graph
     params = [v for v in g.input if v.name in large]
+    elem_types = {v.name: v.type.tensor_type.elem_type for v in params}
     keep = [v for v in g.input if v.name not in large]
     del g.input[:]
     g.input.extend(keep)
@@ -341,7 +373,9 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
     g.value_info.extend(infos)
     hashes: list[tuple[int, int, str]] = []
     offset = 0
-    with open(path.parent / data_name, "wb") as f:
+    # sha256 and the file write both release the GIL: each block is hashed on a second thread while
+    # it is written, so hashing adds no time at 7 B scale (28 GB) where it would add a minute.
+    with open(path.parent / data_name, "wb") as f, ThreadPoolExecutor(1) as hasher:
 
         def put(t: onnx.TensorProto, chunks) -> None:
             nonlocal offset
@@ -351,8 +385,9 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
             h = G.digest_start(t.data_type, list(t.dims))
             n = 0
             for chunk in chunks:
-                h.update(chunk)
+                hashed = hasher.submit(h.update, chunk)
                 n += f.write(chunk)
+                hashed.result()
             hashes.append((offset, n, h.hexdigest()))
             G._point_at(t, data_name, offset, n)
             t.data_location = onnx.TensorProto.EXTERNAL
@@ -363,13 +398,34 @@ def _write_with_weights(model: onnx.ModelProto, large: dict[str, torch.Tensor], 
                 raw = t.raw_data
                 t.ClearField("raw_data")
                 put(t, [raw])
+
+        def add(name: str, elem_type: int, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+            t = g.initializer.add()
+            t.name = name
+            t.data_type = elem_type
+            t.dims.extend(tensor.shape)
+            chunks = _byte_chunks(tensor, dtype=dtype)
+            if tensor.numel() * (dtype or tensor.dtype).itemsize < G.EXTERNAL_DATA_THRESHOLD:
+                t.raw_data = b"".join(bytes(c) for c in chunks)  # small: inline, as saved
+            else:
+                put(t, chunks)
+
         for vi in params:
             tensor = large.pop(vi.name).detach()
-            t = g.initializer.add()
-            t.name = vi.name
-            t.data_type = vi.type.tensor_type.elem_type
-            t.dims.extend(tensor.shape)
-            put(t, _byte_chunks(tensor))
+            add(vi.name, vi.type.tensor_type.elem_type, tensor)
+            del tensor
+        for c in copies:
+            tmpl = templates[c.template]
+            if c.key is None:  # a buffer the checkpoint does not hold: computed alike in every layer
+                tensor = tmpl.detach()
+            else:
+                tensor = c.stack.checkpoint.tensor(c.key)  # in the checkpoint's dtype
+                tensor = tensor.t() if c.transposed else tensor
+            if tuple(tensor.shape) != tuple(tmpl.shape):
+                raise streaming.StitchError(
+                    f"{c.key}: shape {tuple(tensor.shape)}, layer template {tuple(tmpl.shape)}"
+                )
+            add(c.name, elem_types[c.template], tensor, dtype=tmpl.dtype)
             del tensor
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
@@ -470,7 +526,15 @@ def export_decoder(
     Graph inputs: ``inputs_embeds``, ``attention_mask``, ``position_ids`` ([batch, seq], or
     [position_axes, batch, seq]; ``mrope=True`` is ``position_axes=3``), each of ``extra_inputs`` in
     order, then ``past_key_values.{i}.key/value``. See DecoderWrapper for ``text_kwargs``/``softcap``.
+
+    A text model whose layer stack the source cut for streaming (vlmc/exporters/streaming.py) is
+    traced at that depth and stitched to ``layers``; its samples are for the full graph.
     """
+    traced = layers
+    for m in text_model.modules():
+        if streaming.stack_of(m) is not None:
+            traced = len(m)
+            break
     g = torch.Generator().manual_seed(0)
     batch, seq, past_len = 2, 5, 3
     embeds = torch.randn(batch, seq, hidden, generator=g, dtype=dtype)
@@ -484,16 +548,19 @@ def export_decoder(
         torch.randn(batch, kv_heads, past_len, head_dim, generator=g, dtype=dtype) for _ in range(2 * layers)
     ]
     past_names, present_names = kv_names(layers)
-    names = ["inputs_embeds", "attention_mask", "position_ids", *(x.name for x in extra_inputs), *past_names]
+    extra_names = [x.name for x in extra_inputs]
+    names = ["inputs_embeds", "attention_mask", "position_ids", *extra_names, *past_names]
     args = [embeds, mask, pos.contiguous(), *extras, *past]
+    _, traced_present = kv_names(traced)
+    head = 3 + len(extra_names)
     export_stage(
         pkg,
         "decoder",
-        DecoderWrapper(text_model, lm_head, layers, [x.name for x in extra_inputs], text_kwargs, softcap),
-        args,
-        names,
-        ["logits", *present_names],
-        decoder_axes(layers, position_axes=axes_n, extra_inputs=extra_inputs),
+        DecoderWrapper(text_model, lm_head, traced, extra_names, text_kwargs, softcap),
+        args[: head + 2 * traced],
+        names[: head + 2 * traced],
+        ["logits", *traced_present],
+        decoder_axes(traced, position_axes=axes_n, extra_inputs=extra_inputs),
         role="decoder",
     )
     samples.store(pkg, "decoder", {n: t.numpy() for n, t in zip(names, args)})
