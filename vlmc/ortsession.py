@@ -10,7 +10,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from vlmc import graphs as G
+from vlmc import graphs, interop
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +35,15 @@ def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.Infere
 def from_model(
     model: onnx.ModelProto | ir.Model,
     threads: int | None = None,
-    extra_outputs: list[onnx.ValueInfoProto] = (),
+    extra_outputs: list[str | onnx.ValueInfoProto] = (),
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
     Args:
         model: the graph (a ModelProto or an onnx-ir model); it is not changed.
         threads: intra-op threads (default: onnxruntime's).
-        extra_outputs: internal tensors the session also returns (e.g. activations for calibration).
+        extra_outputs: internal tensors the session also returns (e.g. activations for calibration),
+            by name (float32) or as value infos.
     """
     # Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a model
     # holding only the extra outputs, written after the graph's, add them to the graph's outputs. So
@@ -50,16 +51,18 @@ def from_model(
     suffix = b""
     if extra_outputs:
         extra = onnx.ModelProto()
-        extra.graph.output.extend(extra_outputs)
+        extra.graph.output.extend(
+            onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) if isinstance(o, str) else o
+            for o in extra_outputs
+        )
         suffix = extra.SerializeToString()
-    if G.initializer_bytes(model) < MAX_IN_MEMORY_BYTES:
-        proto = G.to_proto(model) if isinstance(model, ir.Model) else model
+    if graphs.initializer_bytes(model) < MAX_IN_MEMORY_BYTES:
         return ort.InferenceSession(
-            proto.SerializeToString() + suffix, options(threads), providers=["CPUExecutionProvider"]
+            interop.session_bytes(model) + suffix, options(threads), providers=["CPUExecutionProvider"]
         )
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "m.onnx")
-        G.save(model, p)
+        graphs.save(model, p)
         with open(p, "ab") as f:
             f.write(suffix)
         return from_path(p, threads)
