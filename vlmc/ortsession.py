@@ -20,22 +20,44 @@ ort.set_default_logger_severity(3)
 MAX_IN_MEMORY_BYTES = 1_800_000_000
 
 
-def options(threads: int | None = None) -> ort.SessionOptions:
+def options(threads: int | None = None, precision: str | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
+    if precision in _KEEP_DEQUANT:
+        # The per-call dequantized weights are the largest buffers; without the arena they go back to
+        # the system after each call instead of staying reserved for the session's life.
+        so.enable_cpu_mem_arena = False
     if threads:
         so.intra_op_num_threads = threads
     return so
 
 
-def from_path(path: str | os.PathLike, threads: int | None = None) -> ort.InferenceSession:
-    return ort.InferenceSession(str(path), options(threads), providers=["CPUExecutionProvider"])
+# Weight-only graphs dequantize their integer weights with plain ops; onnxruntime's constant folding
+# would materialize every weight in float32 (and its integer intermediates) inside the session, which
+# is the FP32 model's size again. Without it the dequantization runs per call, with the same numerics.
+_KEEP_DEQUANT = ("int8_weight_only", "int4_weight_only", "mixed")
+
+
+def _disabled(precision: str | None) -> list[str]:
+    return ["ConstantFolding"] if precision in _KEEP_DEQUANT else []
+
+
+def from_path(
+    path: str | os.PathLike, threads: int | None = None, precision: str | None = None
+) -> ort.InferenceSession:
+    return ort.InferenceSession(
+        str(path),
+        options(threads, precision),
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=_disabled(precision),
+    )
 
 
 def from_model(
     model: onnx.ModelProto | ir.Model,
     threads: int | None = None,
     extra_outputs: list[str | onnx.ValueInfoProto] = (),
+    precision: str | None = None,
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
@@ -44,6 +66,8 @@ def from_model(
         threads: intra-op threads (default: onnxruntime's).
         extra_outputs: internal tensors the session also returns (e.g. activations for calibration),
             by name (float32) or as value infos.
+        precision: the graph's manifest precision; weight-only graphs keep their dequantization
+            unfolded (see ``_KEEP_DEQUANT``).
     """
     # Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a model
     # holding only the extra outputs, written after the graph's, add them to the graph's outputs. So
@@ -58,19 +82,23 @@ def from_model(
         suffix = extra.SerializeToString()
     if graphs.initializer_bytes(model) < MAX_IN_MEMORY_BYTES:
         return ort.InferenceSession(
-            interop.session_bytes(model) + suffix, options(threads), providers=["CPUExecutionProvider"]
+            interop.session_bytes(model) + suffix,
+            options(threads, precision),
+            providers=["CPUExecutionProvider"],
+            disabled_optimizers=_disabled(precision),
         )
     with tempfile.TemporaryDirectory() as tmp:
         p = os.path.join(tmp, "m.onnx")
         graphs.save(model, p)
         with open(p, "ab") as f:
             f.write(suffix)
-        return from_path(p, threads)
+        return from_path(p, threads, precision)
 
 
 def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:
     """Session for a package graph: straight from disk when unmodified, else from memory."""
     path = pkg.path_of(name)
+    precision = pkg.info(name).get("precision")
     if path is not None:
-        return from_path(path, threads)
-    return from_model(pkg.current(name), threads)
+        return from_path(path, threads, precision)
+    return from_model(pkg.current(name), threads, precision=precision)
