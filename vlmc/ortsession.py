@@ -27,6 +27,10 @@ def options(threads: int | None = None, precision: str | None = None) -> ort.Ses
         # The per-call dequantized weights are the largest buffers; without the arena they go back to
         # the system after each call instead of staying reserved for the session's life.
         so.enable_cpu_mem_arena = False
+        # Every dequantization chain is ready at the start of a call; priority order runs each nearer
+        # its MatMul instead of all first, so fewer float weights are alive at once (measured: the
+        # 512 M real-width INT4 decoder's prefill peak 2.23 -> 1.91 GB).
+        so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     if threads:
         so.intra_op_num_threads = threads
     return so
