@@ -505,6 +505,7 @@ def test_awq_activation_capture_does_not_touch_the_graph(through_file, monkeypat
 
     if through_file:  # the path models over the protobuf limit take
         monkeypatch.setattr(O, "MAX_IN_MEMORY_BYTES", 0)
+        monkeypatch.setattr(O, "STREAM_FROM_FILE_BYTES", 0)
     model = _unnamed_mlp()
     before = model.SerializeToString()
     rng = np.random.default_rng(6)

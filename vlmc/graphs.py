@@ -239,9 +239,20 @@ def save(model: onnx.ModelProto | ir.Model, path: str | Path, base_dir: Path | N
     finally:
         for v, t in zip(values, tensors):
             v.const_value = t
+        release(tensors)
     data = path.parent / (path.name + ".data")
     if data.exists() and data.stat().st_size == 0:
         data.unlink()
+
+
+def release(tensors) -> None:
+    """Close the memory maps of tensors read from files (their pages count as resident while mapped).
+
+    A released tensor maps its file again when it is next read, so this is always safe.
+    """
+    for t in tensors:
+        if isinstance(t, ir.ExternalTensor):
+            t.release()
 
 
 def _write_proto(proto: onnx.ModelProto, m: ir.Model, path: Path) -> None:
