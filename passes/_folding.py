@@ -1,19 +1,19 @@
-"""Shared by the folding passes: which graphs they must skip, and folding without reading big weights."""
+"""Shared by the folding passes: which graphs they must skip, and comparing a folded graph with its source."""
 
 from __future__ import annotations
 
 import logging
 
-import onnx
 import onnx_ir as ir
 
+from vlmc import ascend_limits
 from vlmc import graphs as G
 
 logger = logging.getLogger(__name__)
 
 # Quantized graphs keep int8/int4 weights behind a dequantize subgraph; folding that subgraph would
 # turn them back into float weights and silently undo the compression.
-_COMPRESSED = ("int8", "int8_weight_only", "int4_weight_only")
+_COMPRESSED = ascend_limits.QUANTIZED_PRECISIONS
 
 
 def foldable(package, names: list[str], pass_name: str) -> tuple[list[str], dict[str, str]]:
@@ -43,51 +43,6 @@ def foldable(package, names: list[str], pass_name: str) -> tuple[list[str], dict
         else:
             keep.append(name)
     return keep, skipped
-
-
-def without_big_weights(model: ir.Model, limit: int) -> tuple[onnx.ModelProto, dict[str, ir.Value]]:
-    """A ModelProto of ``model`` in which every initializer of ``limit`` bytes or more is a graph input.
-
-    Folding tools (onnx-graphsurgeon, onnxsim) then see those weights as values they cannot know, so
-    they never read or copy them, and they fold everything else (shape arithmetic, masks, small
-    constants). Weight-only expressions over big weights are left as they are: torch's exporter has
-    already folded those (e.g. transposed Linear weights). The model itself is not changed.
-
-    Returns the proto and the big initializers by name, for :func:`with_big_weights`.
-    """
-    g = model.graph
-    order = list(g.initializers.items())
-    big = {n: v for n, v in order if v.const_value is not None and v.const_value.nbytes >= limit}
-    n_inputs = len(g.inputs)
-    try:
-        for n in big:
-            g.initializers.pop(n)
-            g.inputs.append(big[n])
-        proto = G.to_proto(model)  # the small weights' bytes are read in: folding may need them
-    finally:
-        while len(g.inputs) > n_inputs:
-            g.inputs.pop()
-        g.initializers.clear()
-        for _, v in order:
-            g.register_initializer(v)
-    return proto, big
-
-
-def with_big_weights(proto: onnx.ModelProto, big: dict[str, ir.Value], like: ir.Model) -> ir.Model:
-    """The IR model of a folded ``proto`` with the big weights set aside by :func:`without_big_weights`
-    put back as initializers (the same tensors: nothing is read), in ``like``'s initializer order."""
-    model = G.from_proto(proto)
-    g = model.graph
-    for v in [v for v in g.inputs if v.name in big]:
-        g.inputs.remove(v)
-        v.const_value = big[v.name].const_value
-        g.register_initializer(v)
-    rank = {n: i for i, n in enumerate(like.graph.initializers)}
-    order = sorted(g.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
-    g.initializers.clear()
-    for _, v in order:
-        g.register_initializer(v)
-    return model
 
 
 def same_graph(a: ir.Model, b: ir.Model) -> bool:

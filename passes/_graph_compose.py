@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -11,6 +10,7 @@ import onnx
 from onnx import helper
 
 from vlmc import graphs as G
+from vlmc import tensor_names
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -20,13 +20,9 @@ SHAPE_OPS = ("Shape", "Size")
 # Ops that pass a tensor through unchanged in shape (single-input Concat is what TorchScript emits for a
 # DynamicCache update of an empty cache).
 _SHAPE_TRANSPARENT = ("Identity", "Concat")
-_LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 
 
-def layer_of(name: str) -> int | None:
-    """The layer index a KV tensor name carries (``past_key_values.3.key`` -> 3, ``key_cache.3`` -> 3)."""
-    m = _LAYER_RE.search(name)
-    return int(m.group(1)) if m else None
+layer_of = tensor_names.layer_of
 
 
 def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from vlmc import ascend_limits
 from vlmc import limits as L
 from vlmc.errors import VlmcError
 
@@ -18,9 +19,8 @@ METHODS = ("rtn", "awq")
 CALIB_METHODS = ("minmax", "percentile", "entropy")
 INT4_STORAGE = ("packed", "int8")
 TARGETS = ("ascend", "portable")
-# NPUWeightQuantBatchMatmulV2's antiquant_group_size is 0 or a multiple of 32 that is at most k-1
-# (hicann/ops-nn matmul/weight_quant_batch_matmul_v2/op_graph/weight_quant_batch_matmul_v2_proto.h).
-ASCEND_GROUP_MULTIPLE = 32
+# NPUWeightQuantBatchMatmulV2's group-size rule (vlmc/ascend_limits.py cites its source).
+ASCEND_GROUP_MULTIPLE = ascend_limits.GROUP_MULTIPLE
 DEFAULT_OP_TYPES = ("MatMul", "Gemm", "Conv")
 DEFAULT_PROMPTS = (
     "Describe the image.",

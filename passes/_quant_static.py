@@ -16,45 +16,74 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmc import graphs as G
+from vlmc import ascend_limits, interop
 
 logger = logging.getLogger(__name__)
 
-FP16_MAX = 65504.0
+FP16_MAX = ascend_limits.FP16_MAX
 # The smallest activation scale whose reciprocal is representable in fp16 (checked in float32).
-MIN_ACT_SCALE = float(np.float32(1.0 / FP16_MAX))
-while 1.0 / np.float32(MIN_ACT_SCALE) > FP16_MAX:
-    MIN_ACT_SCALE = float(np.nextafter(np.float32(MIN_ACT_SCALE), np.float32(1)))
+MIN_ACT_SCALE = ascend_limits.MIN_ACT_SCALE
 
 _WEIGHT_INPUT = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
+def _const(v: ir.Value | None) -> ir.TensorProtocol | None:
+    """The tensor behind an initializer value (None for anything computed)."""
+    return v.const_value if v is not None and v.is_initializer() else None
+
+
 def weighted_nodes(
-    model: onnx.ModelProto, op_types, keep, names: list[str] | None = None
+    model: ir.Model, op_types, keep, names: list[str] | None = None
 ) -> tuple[list[str], list[str]]:
     """Names of nodes with a constant weight to quantize, and of such nodes kept in float32.
 
     ``names`` gives every node's name (see :func:`node_names`); default: the names in the graph.
     """
-    inits = {t.name: t for t in model.graph.initializer}
-    names = names if names is not None else [n.name for n in model.graph.node]
+    nodes = list(model.graph)
+    names = names if names is not None else [n.name for n in nodes]
     take, kept = [], []
-    for node, name in zip(model.graph.node, names):
+    for node, name in zip(nodes, names):
         idx = _WEIGHT_INPUT.get(node.op_type)
-        if node.op_type not in op_types or idx is None or len(node.input) <= idx:
+        if node.op_type not in op_types or idx is None or len(node.inputs) <= idx:
             continue
-        w = inits.get(node.input[idx])
-        if w is None or w.data_type != onnx.TensorProto.FLOAT:
+        w = _const(node.inputs[idx])
+        if w is None or w.dtype != ir.DataType.FLOAT:
             continue
         (kept if keep.matches(node, name) else take).append(name)
     return take, kept
 
 
-def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[onnx.ModelProto, dict]:
-    """Static INT8 QDQ quantization of ``model``; returns the new model and the facts for the manifest."""
+@contextlib.contextmanager
+def _named(model: ir.Model, names: list[str]):
+    """The model with every node named as :func:`node_names` listed them, for the length of the block.
+
+    quantize_static and the fp16 converter select nodes by name; the package's graph keeps its own.
+    """
+    nodes = list(model.graph)
+    old = [n.name for n in nodes]
+    for n, name in zip(nodes, names):
+        n.name = name
+    try:
+        yield model
+    finally:
+        for n, name in zip(nodes, old):
+            n.name = name
+
+
+def quantize_int8(
+    model: ir.Model, reader, plan, seed: int = 0, directory: str | Path | None = None
+) -> tuple[ir.Model, dict]:
+    """Static INT8 QDQ quantization of ``model``; returns the new model and the facts for the manifest.
+
+    onnxruntime's quantizer works on a file the graph is streamed to. Calibration runs one sample at a
+    time (``CalibStridedMinMax``), so the calibrator holds one sample's activations and running
+    statistics (min/max, or histograms that grow bin by bin), never every activation of every sample.
+    The result's weights stay in its file under ``directory`` (memory-mapped); without a directory
+    they are read into memory.
+    """
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     import vlmc.ortsession  # noqa: F401  (quiets onnxruntime's logger)
@@ -79,21 +108,23 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
     # (hicann/amct: CHANNEL_WISE_ONNX_TYPES is Conv/ConvTranspose/LSTM/GRU; convert_qat_model's
     # LinearQAT refuses channel-wise). per_channel=False and a per-channel override on each Conv weight
     # gives exactly that with onnxruntime's own quantizer.
+    wanted = set(nodes)
     conv_weights = {
-        n.input[1]
-        for n, name in zip(model.graph.node, names)
-        if n.op_type == "Conv" and name in nodes and len(n.input) > 1
+        n.inputs[1].name
+        for n, name in zip(model.graph, names)
+        if n.op_type == "Conv" and name in wanted and len(n.inputs) > 1 and n.inputs[1] is not None
     }
+    out_dir = Path(directory) if directory is not None else None
     with tempfile.TemporaryDirectory(prefix="vlmc-quant-") as tmp:
-        src, dst = Path(tmp) / "fp32.onnx", Path(tmp) / "int8.onnx"
-        G.save(model, src)
-        _name_saved_nodes(src, names)
+        dst = (out_dir or Path(tmp)) / "int8.onnx"
+        with _named(model, names), interop.as_file(model, tmp, "fp32.onnx") as src:
+            pass
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
         with _quiet_root_logger():
             quantize_static(
                 str(src),
                 str(dst),
-                reader,
+                _OneAtATime(reader),
                 quant_format=QuantFormat.QDQ,
                 per_channel=False,
                 activation_type=QuantType.QInt8,
@@ -109,9 +140,11 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
                     # AscendDequant gives float out of the int32 accumulator: no requantized output
                     "OpTypesToExcludeOutputQuantization": list(_WEIGHT_INPUT),
                     "TensorQuantOverrides": {w: [{"axis": 0}] for w in sorted(conv_weights)},
+                    # One calibration sample per collect step: running statistics, bounded memory.
+                    "CalibStridedMinMax": 1,
                 },
             )
-        out = G.load(dst)
+        out = interop.load_result(dst, in_memory=out_dir is None)
     clamped = clamp_activation_scales(out)
     biases = int32_matmul_bias(out)
     facts.update(collect_int8_facts(out))
@@ -127,6 +160,33 @@ def quantize_int8(model: onnx.ModelProto, reader, plan, seed: int = 0) -> tuple[
     return out, facts
 
 
+class _OneAtATime:
+    """A calibration reader onnxruntime's strided calibration walks one sample at a time."""
+
+    def __init__(self, reader) -> None:
+        reader.rewind()
+        self._feeds = []
+        while (f := reader.get_next()) is not None:
+            self._feeds.append(f)
+        self._range = (0, len(self._feeds))
+        self._i = 0
+
+    def __len__(self) -> int:
+        return len(self._feeds)
+
+    def set_range(self, start_index: int, end_index: int) -> None:
+        self._range, self._i = (start_index, end_index), start_index
+
+    def get_next(self):
+        if self._i >= self._range[1]:
+            return None
+        self._i += 1
+        return self._feeds[self._i - 1]
+
+    def rewind(self) -> None:
+        self._i = self._range[0]
+
+
 @contextlib.contextmanager
 def _quiet_root_logger():
     # quantize_static logs "Please consider pre-processing" on the root logger for every model; the
@@ -139,20 +199,22 @@ def _quiet_root_logger():
     root, f = logging.getLogger(), _Drop()
     root.addFilter(f)
     try:
-        yield
+        with contextlib.redirect_stdout(None):  # the histogram collector prints progress lines
+            yield
     finally:
         root.removeFilter(f)
 
 
-def node_names(model: onnx.ModelProto) -> list[str]:
+def node_names(model: ir.Model) -> list[str]:
     """Every node's name, with a unique made-up one for unnamed nodes; the model is not changed.
 
     quantize_static and the fp16 converter select nodes by name, so unnamed nodes would be ambiguous.
     The names are applied to the copy the tools work on, never to the package's graph.
     """
-    used = {n.name for n in model.graph.node if n.name}
+    nodes = list(model.graph)
+    used = {n.name for n in nodes if n.name}
     names = []
-    for i, node in enumerate(model.graph.node):
+    for i, node in enumerate(nodes):
         name = node.name
         if not name:
             name = f"{node.op_type}_{i}"
@@ -163,37 +225,24 @@ def node_names(model: onnx.ModelProto) -> list[str]:
     return names
 
 
-def _apply_names(model: onnx.ModelProto, names: list[str]) -> bool:
-    """Name the nodes as :func:`node_names` listed them; True if any name changed."""
-    changed = False
-    for node, name in zip(model.graph.node, names):
-        if node.name != name:
-            node.name = name
-            changed = True
-    return changed
-
-
-def _name_saved_nodes(path: Path, names: list[str]) -> None:
-    # Only the protobuf is rewritten: its weights stay in the external data file beside it.
-    skeleton = G.load(path, load_weights=False)
-    if _apply_names(skeleton, names):
-        path.write_bytes(skeleton.SerializeToString())
-
-
-def clamp_activation_scales(model: onnx.ModelProto) -> list[dict]:
+def clamp_activation_scales(model: ir.Model) -> list[dict]:
     """Raise QuantizeLinear scales below 1/65504 so that 1/s fits fp16; return what was clamped."""
-    inits = {t.name: t for t in model.graph.initializer}
     clamped, done = [], set()
-    for node in model.graph.node:
-        if node.op_type != "QuantizeLinear" or node.input[1] in done or node.input[1] not in inits:
+    for node in model.graph:
+        if node.op_type != "QuantizeLinear":
             continue
-        t = inits[node.input[1]]
-        s = numpy_helper.to_array(t)
+        sv = node.inputs[1]
+        t = _const(sv)
+        if t is None or sv.name in done:
+            continue
+        s = t.numpy()
         if s.size and float(s.min()) < MIN_ACT_SCALE:
             new = np.maximum(s, np.float32(MIN_ACT_SCALE)).astype(s.dtype)
-            t.CopyFrom(numpy_helper.from_array(new, t.name))
-            clamped.append({"tensor": node.input[0], "scale": float(s.min()), "clamped_to": MIN_ACT_SCALE})
-        done.add(node.input[1])
+            sv.const_value = ir.tensor(new, name=sv.name)
+            clamped.append(
+                {"tensor": node.inputs[0].name, "scale": float(s.min()), "clamped_to": MIN_ACT_SCALE}
+            )
+        done.add(sv.name)
     if clamped:
         logger.warning(
             "quantize: %d activation scale(s) raised to 1/65504 so that AscendQuant's fp16 1/s fits",
@@ -202,115 +251,102 @@ def clamp_activation_scales(model: onnx.ModelProto) -> list[dict]:
     return clamped
 
 
-def _producers(model: onnx.ModelProto) -> dict[str, onnx.NodeProto]:
-    return {o: n for n in model.graph.node for o in n.output}
+def _producer_op(v: ir.Value | None) -> ir.Node | None:
+    return v.producer() if v is not None else None
 
 
-def int32_matmul_bias(model: onnx.ModelProto) -> int:
+def int32_matmul_bias(model: ir.Model) -> int:
     """Turn the float bias of quantized MatMul -> Add into int32 + DequantizeLinear (scale s_x*s_w).
 
     This is the form Conv/Gemm bias already has after quantize_static, and what AscendDequant after
     the bias Add expects. Returns the number of biases converted.
     """
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    prod = _producers(model)
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    new_nodes: list[tuple[onnx.NodeProto, onnx.NodeProto]] = []
     count = 0
-    for node in g.node:
+    for node in list(g):
         if node.op_type != "MatMul":
             continue
-        dqs = [prod.get(i) for i in node.input]
+        dqs = [_producer_op(i) for i in node.inputs]
         if not all(d is not None and d.op_type == "DequantizeLinear" for d in dqs):
             continue
-        users = consumers.get(node.output[0], [])
-        if len(users) != 1 or users[0].op_type != "Add":
+        users = node.outputs[0].uses()
+        if len(users) != 1 or users[0].node.op_type != "Add":
             continue
-        add = users[0]
-        bias_name = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        src = prod.get(bias_name)
+        add = users[0].node
+        bias_v = add.inputs[1] if add.inputs[0] is node.outputs[0] else add.inputs[0]
+        src = _producer_op(bias_v)
         # Packages exported before the exporter inlined shared small constants route some biases
         # through Identity(initializer); read the initializer behind it.
-        b = inits.get(src.input[0]) if src is not None and src.op_type == "Identity" else inits.get(bias_name)
-        sx, sw = inits.get(dqs[0].input[1]), inits.get(dqs[1].input[1])
-        if b is None or sx is None or sw is None or b.data_type != onnx.TensorProto.FLOAT or len(b.dims) != 1:
+        b = _const(src.inputs[0]) if src is not None and src.op_type == "Identity" else _const(bias_v)
+        sx, sw = _const(dqs[0].inputs[1]), _const(dqs[1].inputs[1])
+        if b is None or sx is None or sw is None or b.dtype != ir.DataType.FLOAT or len(b.shape) != 1:
             continue
-        bias = numpy_helper.to_array(b).astype(np.float64)
-        scale = numpy_helper.to_array(sx).astype(np.float64).reshape(-1)[0] * numpy_helper.to_array(
-            sw
-        ).astype(np.float64).reshape(-1)
+        bias = b.numpy().astype(np.float64)
+        scale = sx.numpy().astype(np.float64).reshape(-1)[0] * sw.numpy().astype(np.float64).reshape(-1)
         if scale.size not in (1, bias.size):
             continue
         scale = np.broadcast_to(scale, bias.shape).astype(np.float32)
         q = np.clip(np.rint(bias / np.maximum(scale.astype(np.float64), 1e-30)), -(2**31), 2**31 - 1).astype(
             np.int32
         )
-        qname, sname, out = (
-            f"{bias_name}_{node.name}_int32",
-            f"{bias_name}_{node.name}_scale",
-            f"{bias_name}_{node.name}_dq",
+        base = f"{bias_v.name}_{node.name}"
+        qv = ir.Value(name=f"{base}_int32", const_value=ir.tensor(q, name=f"{base}_int32"))
+        sv = ir.Value(name=f"{base}_scale", const_value=ir.tensor(scale, name=f"{base}_scale"))
+        for v in (qv, sv):
+            v.shape, v.dtype = v.const_value.shape, v.const_value.dtype
+            g.register_initializer(v)
+        dq = ir.node(
+            "DequantizeLinear",
+            [qv, sv],
+            {"axis": 0},
+            name=f"{add.name}_bias_DequantizeLinear",
+            outputs=[ir.Value(name=f"{base}_dq")],
         )
-        g.initializer.extend([numpy_helper.from_array(q, qname), numpy_helper.from_array(scale, sname)])
-        dq = helper.make_node(
-            "DequantizeLinear", [qname, sname], [out], name=f"{add.name}_bias_DequantizeLinear", axis=0
-        )
-        for k, i in enumerate(add.input):
-            if i == bias_name:
-                add.input[k] = out
-        new_nodes.append((add, dq))
+        g.insert_before(add, dq)  # keeps topological order: the DQ goes right before its Add
+        for k, i in enumerate(add.inputs):
+            if i is bias_v:
+                add.replace_input_with(k, dq.outputs[0])
         count += 1
-    for add, dq in new_nodes:  # keep topological order: the DQ goes right before its Add
-        idx = list(g.node).index(add)
-        g.node.insert(idx, dq)
     if count:  # the float biases (and Identity nodes that fed them) are now unused
-        from .simplify import remove_dead_nodes
-
-        remove_dead_nodes(model)
+        RemoveUnusedNodesPass()(model)
     return count
 
 
-def collect_int8_facts(model: onnx.ModelProto) -> dict:
+def collect_int8_facts(model: ir.Model) -> dict:
     """Activation scales/zero points by tensor and weight quantization per node, read from the QDQ graph."""
-    inits = {t.name: t for t in model.graph.initializer}
-    prod = _producers(model)
     acts = {}
-    for node in model.graph.node:
-        if node.op_type == "QuantizeLinear" and node.input[1] in inits:
-            s = numpy_helper.to_array(inits[node.input[1]]).reshape(-1)
-            zp = (
-                numpy_helper.to_array(inits[node.input[2]]).reshape(-1)
-                if len(node.input) > 2
-                else np.zeros(1)
-            )
-            acts[node.input[0]] = {"scale": float(s[0]), "zero_point": int(zp[0])}
+    for node in model.graph:
+        if node.op_type == "QuantizeLinear" and _const(node.inputs[1]) is not None:
+            s = _const(node.inputs[1]).numpy().reshape(-1)
+            zpt = _const(node.inputs[2]) if len(node.inputs) > 2 else None
+            zp = zpt.numpy().reshape(-1) if zpt is not None else np.zeros(1)
+            acts[node.inputs[0].name] = {"scale": float(s[0]), "zero_point": int(zp[0])}
     weights = {}
-    for node in model.graph.node:
+    for node in model.graph:
         idx = _WEIGHT_INPUT.get(node.op_type)
-        if idx is None or len(node.input) <= idx:
+        if idx is None or len(node.inputs) <= idx:
             continue
-        dq = prod.get(node.input[idx])
-        if dq is None or dq.op_type != "DequantizeLinear" or dq.input[0] not in inits:
+        dq = _producer_op(node.inputs[idx])
+        if dq is None or dq.op_type != "DequantizeLinear" or _const(dq.inputs[0]) is None:
             continue
-        axis = next((a.i for a in dq.attribute if a.name == "axis"), 1)
-        src = prod.get(node.input[0])
-        scale = inits.get(dq.input[1])
-        per_tensor = scale is None or int(np.prod(scale.dims)) == 1
+        axis = dq.attributes.get_int("axis", 1)
+        src = _producer_op(node.inputs[0])
+        scale = _const(dq.inputs[1])
+        per_tensor = scale is None or scale.size == 1
         entry = {
-            "weight": dq.input[0],
-            "scale": dq.input[1],
+            "weight": dq.inputs[0].name,
+            "scale": dq.inputs[1].name,
             "granularity": "per_tensor" if per_tensor else "per_channel",
             "axis": None if per_tensor else int(axis),
             "symmetric": True,
-            "input": src.input[0] if src is not None and src.op_type == "DequantizeLinear" else node.input[0],
+            "input": src.inputs[0].name
+            if src is not None and src.op_type == "DequantizeLinear"
+            else node.inputs[0].name,
         }
-        if node.op_type in ("Conv", "Gemm") and len(node.input) > 2:
-            bdq = prod.get(node.input[2])
+        if node.op_type in ("Conv", "Gemm") and len(node.inputs) > 2:
+            bdq = _producer_op(node.inputs[2])
             if bdq is not None and bdq.op_type == "DequantizeLinear":
-                entry["bias"] = bdq.input[0]
+                entry["bias"] = bdq.inputs[0].name
         weights[node.name] = entry
     return {
         "weights": {
@@ -325,77 +361,42 @@ def collect_int8_facts(model: onnx.ModelProto) -> dict:
     }
 
 
-def convert_fp16(model: onnx.ModelProto, plan) -> tuple[onnx.ModelProto, dict]:
+def convert_fp16(model: ir.Model, plan) -> tuple[ir.Model, dict]:
     """FP16 conversion with onnxruntime's float16 tool; keep_fp32 ops/nodes stay float32.
 
-    ``model`` is left as it is when no node would be converted; otherwise the result replaces it.
+    ``model`` is returned as it is when no node would be converted; otherwise a new model replaces it.
+    The converter needs every float weight's values, so it gets the whole graph through the seam.
     """
+    import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     names = node_names(model)
-    kept = [name for node, name in zip(model.graph.node, names) if plan.keep_fp32.matches(node, name)]
+    nodes = list(model.graph)
+    kept = [name for node, name in zip(nodes, names) if plan.keep_fp32.matches(node, name)]
     op_block = list(DEFAULT_OP_BLOCK_LIST) + [
         t for t in plan.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST
     ]
     facts = {"mode": "fp16", "keep_io_fp32": plan.keep_io_fp32, "nodes_kept_fp32": kept}
     blocked = set(kept)
-    if all(name in blocked or node.op_type in op_block for node, name in zip(model.graph.node, names)):
+    if all(name in blocked or node.op_type in op_block for node, name in zip(nodes, names)):
         return model, {**facts, "nodes_converted": 0}
-    if model.ByteSize() > 1_800_000_000:
-        # Too large to serialize for shape inference: the converter works in place. Something is
-        # converted, so the package replaces this graph anyway, and a copy would double the memory.
-        work = model
-    else:
-        # The copy the converter's own shape inference would make, made here so the names go on it.
-        work = onnx.shape_inference.infer_shapes(model)
-    _apply_names(work, names)
-    out = convert_float_to_float16(
-        work,
-        keep_io_types=plan.keep_io_fp32,
-        op_block_list=op_block,
-        node_block_list=kept,
-        disable_shape_infer=True,
-    )
-    toposort(out)
-    return out, {**facts, "nodes_converted": len(names) - len(kept)}
-
-
-def toposort(model: onnx.ModelProto) -> None:
-    """Order nodes topologically in place, keeping the existing order wherever it is already valid.
-
-    convert_float_to_float16 appends the Casts it inserts for graph inputs (keep_io_types) after
-    nodes that read them, which onnx.checker rejects.
-    """
-    g = model.graph
-    ready = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
-    pending = list(g.node)
-    ordered: list[onnx.NodeProto] = []
-    while pending:
-        rest = []
-        for n in pending:
-            needs = set(n.input) | _outer_inputs(n)
-            if needs <= ready:
-                ordered.append(n)
-                ready.update(n.output)
-            else:
-                rest.append(n)
-        if len(rest) == len(pending):  # a cycle or a dangling input: leave the rest as they were
-            ordered.extend(rest)
-            break
-        pending = rest
-    del g.node[:]
-    g.node.extend(ordered)
-
-
-def _outer_inputs(node: onnx.NodeProto) -> set[str]:
-    # Subgraphs (If/Loop) may read outer-scope names; only names produced in the main graph matter.
-    names: set[str] = set()
-    for a in node.attribute:
-        for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-            inner = (
-                {o for sn in sub.node for o in sn.output}
-                | {i.name for i in sub.input}
-                | {t.name for t in sub.initializer}
+    with _named(model, names), interop.as_proto(model, weight_limit=None) as seam:
+        work = seam.proto  # a private copy: the converter may work on it in place
+        if work.ByteSize() <= 1_800_000_000:
+            # the converter's shape inference would copy it; too large graphs go without (as before)
+            work = onnx.shape_inference.infer_shapes(work)
+        seam.give_back(
+            convert_float_to_float16(
+                work,
+                keep_io_types=plan.keep_io_fp32,
+                op_block_list=op_block,
+                node_block_list=kept,
+                disable_shape_infer=True,
             )
-            names |= {i for sn in sub.node for i in sn.input if i and i not in inner}
-    return names
+        )
+        del work
+    out = seam.model
+    # convert_float_to_float16 appends the Casts it inserts for graph inputs (keep_io_types) after
+    # nodes that read them; onnx-ir's stable sort puts them first and keeps every other node's order.
+    TopologicalSortPass()(out)
+    return out, {**facts, "nodes_converted": len(names) - len(kept)}

@@ -23,8 +23,7 @@ import functools
 import logging
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 logger = logging.getLogger(__name__)
 
@@ -32,40 +31,38 @@ AWQ_GRID = tuple(i / 10 for i in range(11))
 AWQ_ROWS = 512  # calibration rows kept per MatMul for the alpha search
 
 
-def _weight_users(model: onnx.ModelProto) -> dict[str, int]:
-    count: dict[str, int] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            count[i] = count.get(i, 0) + 1
-    for o in model.graph.output:
-        count[o.name] = count.get(o.name, 0) + 1
-    return count
+def _gemm_flag(node: ir.Node, name: str) -> bool:
+    attr = node.attributes.get(name)
+    return bool(attr is not None and attr.value)
 
 
-def candidates(
-    model: onnx.ModelProto, keep, group_size: int | None
-) -> tuple[list, list[str], dict[str, str]]:
-    """(node, weight initializer, transposed) to quantize; nodes kept fp32; skipped nodes with reasons."""
-    inits = {t.name: t for t in model.graph.initializer}
-    users = _weight_users(model)
+def candidates(model: ir.Model, keep, group_size: int | None) -> tuple[list, list[str], dict[str, str]]:
+    """(node, weight initializer value, transposed) to quantize; nodes kept fp32; skipped nodes with reasons."""
     take, kept, skipped = [], [], {}
-    for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2:
+    for node in model.graph:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.inputs) < 2:
             continue
-        w = inits.get(node.input[1])
-        if w is None or w.data_type != onnx.TensorProto.FLOAT or len(w.dims) != 2:
+        w = node.inputs[1]
+        if (
+            w is None
+            or not w.is_initializer()
+            or w.const_value is None
+            or w.const_value.dtype != ir.DataType.FLOAT
+            or len(w.const_value.shape) != 2
+        ):
             continue
         if keep.matches(node):
             kept.append(node.name)
             continue
-        trans = node.op_type == "Gemm" and any(a.name == "transB" and a.i for a in node.attribute)
-        if node.op_type == "Gemm" and any(a.name == "transA" and a.i for a in node.attribute):
+        trans = node.op_type == "Gemm" and _gemm_flag(node, "transB")
+        if node.op_type == "Gemm" and _gemm_flag(node, "transA"):
             skipped[node.name] = "Gemm with transA"
             continue
-        if users.get(w.name, 0) != 1:
+        if len(w.uses()) + int(w.is_graph_output()) != 1:
             skipped[node.name] = "weight shared with other nodes"
             continue
-        k = w.dims[1] if trans else w.dims[0]
+        dims = w.const_value.shape.numpy()
+        k = dims[1] if trans else dims[0]
         if group_size is not None and k % group_size:
             skipped[node.name] = f"input size {k} is not a multiple of group_size {group_size}"
             continue
@@ -132,18 +129,14 @@ def awq_scales(
 
 
 def collect_inputs(
-    model: onnx.ModelProto, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
+    model: ir.Model, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """For each tensor name: (mean |x| per last-axis channel, up to ``rows`` sampled rows) over all feeds."""
-    import vlmc.ortsession as S
+    from vlmc import ortsession
 
-    present = {o.name for o in model.graph.output}
-    extra = [
-        helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
-        for n in dict.fromkeys(names)
-        if n not in present
-    ]
-    sess = S.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
+    present = {o.name for o in model.graph.outputs}
+    extra = [n for n in dict.fromkeys(names) if n not in present]
+    sess = ortsession.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
     rng = np.random.default_rng(seed)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, int] = {}
@@ -161,152 +154,186 @@ def collect_inputs(
     return {n: (sums[n] / counts[n], np.concatenate(picked[n])[:rows]) for n in wanted}
 
 
+# Rows of a weight read and quantized at a time: bounds the working set to a few of these blocks
+# whatever the weight's size (a 32064 x 4096 lm_head is 525 MB in float32).
+_BLOCK_BYTES = 32 << 20
+
+
+def _row_blocks(t: ir.TensorProtocol, multiple: int):
+    """(first row, float32 block) over a [k, n] weight, ``multiple`` rows at a time or more.
+
+    A weight stored in a file is read block by block with plain reads (no memory map, whose pages
+    would count as resident until it is closed); an in-memory one is sliced.
+    """
+    k, n = (int(d) for d in t.shape.numpy())
+    step = max(multiple, (_BLOCK_BYTES // max(1, 4 * n)) // multiple * multiple)
+    if isinstance(t, ir.ExternalTensor) and t.dtype == ir.DataType.FLOAT:
+        with open(t.path, "rb") as f:
+            for r0 in range(0, k, step):
+                rows = min(step, k - r0)
+                f.seek(t.offset + 4 * r0 * n)
+                yield r0, np.fromfile(f, dtype="<f4", count=rows * n).reshape(rows, n)
+        return
+    arr = t.numpy()
+    for r0 in range(0, k, step):
+        yield r0, np.asarray(arr[r0 : r0 + step], dtype=np.float32)
+
+
+def _weight_kn(t: ir.TensorProtocol, trans: bool) -> np.ndarray:
+    w = np.asarray(t.numpy(), dtype=np.float32)
+    return np.ascontiguousarray(w.T) if trans else w
+
+
+def _int8_streamed(t: ir.TensorProtocol) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quant_int8_channel` of a [k, n] weight read in row blocks (two passes: scales, values)."""
+    k, n = (int(d) for d in t.shape.numpy())
+    amax = np.zeros(n, np.float32)
+    for _, blk in _row_blocks(t, 1):
+        np.maximum(amax, np.abs(blk).max(axis=0), out=amax)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.empty((k, n), np.int8)
+    for r0, blk in _row_blocks(t, 1):
+        q[r0 : r0 + len(blk)] = np.clip(np.rint(blk / scale), -127, 127)
+    return q, scale
+
+
+def _int4_streamed(t: ir.TensorProtocol, g: int, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quant_int4_group` (and :func:`pack_int4`) of a [k, n] weight read in row blocks of whole groups."""
+    k, n = (int(d) for d in t.shape.numpy())
+    scale = np.empty((k // g, n), np.float32)
+    out = np.empty((k // 2, n) if packed else (k, n), np.uint8 if packed else np.int8)
+    for r0, blk in _row_blocks(t, g):
+        q, s = quant_int4_group(blk, g)
+        scale[r0 // g : (r0 + len(blk)) // g] = s
+        if packed:
+            out[r0 // 2 : (r0 + len(blk)) // 2] = pack_int4(q)
+        else:
+            out[r0 : r0 + len(blk)] = q
+    return out, scale
+
+
+def _release(t) -> None:
+    # Drop a weight's cached bytes or memory map once its quantized form exists; it is re-read if asked.
+    if isinstance(t, ir.ExternalTensor):
+        t.release()
+
+
 def quantize_weight_only(
-    model: onnx.ModelProto, plan, feeds: list[dict] | None
-) -> tuple[onnx.ModelProto, dict]:
-    """INT8/INT4 weight-only quantization in place; returns the model and the manifest facts."""
+    model: ir.Model, plan, feeds: list[dict] | None, store=None
+) -> tuple[ir.Model, dict]:
+    """INT8/INT4 weight-only quantization of the IR model in place; returns it and the manifest facts.
+
+    One weight at a time: it is read (in row blocks for RTN), quantized, and its quantized tensors
+    are handed to ``store`` (a :class:`vlmc.graphs.TensorStore` writes them to a scratch file at
+    once, so they are not held in memory); without it they stay in memory.
+    """
     bits = 4 if plan.weights == "int4" else 8
     g = plan.group_size if bits == 4 else None
     take, kept, skipped = candidates(model, plan.keep_fp32, g)
     act = {}
     if plan.method == "awq" and take:
-        act = collect_inputs(model, [n.input[0] for n, _, _ in take], feeds or [])
+        act = collect_inputs(model, [n.inputs[0].name for n, _, _ in take], feeds or [])
     graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
+    keep_tensor = store.put if store is not None else _in_memory
     nodes_facts: dict[str, dict] = {}
     before = after = 0
-    for node, w_init, trans in take:
-        w = numpy_helper.to_array(w_init).astype(np.float32)
-        if trans:
-            w = w.T
-        before += w.nbytes
-        prefix = node.name or w_init.name
-        new_nodes: list[onnx.NodeProto] = []
-        new_inits: list[onnx.TensorProto] = []
-        fact: dict = {"input": node.input[0]}
+
+    def const(arr: np.ndarray, name: str) -> ir.Value:
+        v = ir.Value(name=name, const_value=keep_tensor(np.ascontiguousarray(arr), name))
+        v.shape, v.dtype = v.const_value.shape, v.const_value.dtype
+        graph.register_initializer(v)
+        return v
+
+    for node, w_val, trans in take:
+        src = w_val.const_value
+        x = node.inputs[0]
+        w_name = w_val.name
+        before += src.nbytes
+        prefix = node.name or w_name
+        new_nodes: list[ir.Node] = []
+        fact: dict = {"input": x.name}
+
+        add = functools.partial(_add, new_nodes)
+
         if plan.method == "awq":
-            s, alpha = awq_scales(act[node.input[0]][1], act[node.input[0]][0], w, g or 0, bits)
+            w = _weight_kn(src, trans)
+            s, alpha = awq_scales(act[x.name][1], act[x.name][0], w, g or 0, bits)
             w = w * s[:, None]
-            inv = numpy_helper.from_array((1.0 / s).astype(np.float32), f"{prefix}_awq_inv_scale")
-            new_inits.append(inv)
-            scaled = f"{prefix}_awq_scaled_input"
-            new_nodes.append(
-                helper.make_node("Mul", [node.input[0], inv.name], [scaled], name=f"{prefix}_awq_Mul")
-            )
-            node.input[0] = scaled
+            inv = const((1.0 / s).astype(np.float32), f"{prefix}_awq_inv_scale")
+            scaled = add("Mul", [x, inv], f"{prefix}_awq_scaled_input", f"{prefix}_awq_Mul")
+            node.replace_input_with(0, scaled)
             fact.update({"awq_inv_scale": inv.name, "awq_alpha": alpha})
+            src_for_q = ir.tensor(w, name=w_name)
+            trans_q = False
+        else:
+            src_for_q, trans_q = src, trans
         deq = f"{prefix}_weight_dequant"
+        out_name = deq if not trans else deq + "_kn"
         if bits == 8:
-            q, scale = quant_int8_channel(w)
-            qi = numpy_helper.from_array(q, f"{w_init.name}_int8")
-            si = numpy_helper.from_array(scale, f"{w_init.name}_scale")
-            new_inits += [qi, si]
+            if trans_q:
+                q, scale = quant_int8_channel(_weight_kn(src_for_q, True))
+            else:
+                q, scale = _int8_streamed(src_for_q)
+            qi = const(q, f"{w_name}_int8")
+            si = const(scale, f"{w_name}_scale")
             # Cast -> Mul rather than DequantizeLinear(axis=1): onnxruntime's CPU optimizer fuses
             # DequantizeLinear -> MatMul into MatMulNBits with int8 compute, which quantizes the
             # activations too and breaks parity with the FP32 reference.
-            new_nodes += [
-                helper.make_node(
-                    "Cast",
-                    [qi.name],
-                    [f"{prefix}_q_float"],
-                    name=f"{prefix}_Cast_float",
-                    to=onnx.TensorProto.FLOAT,
-                ),
-                helper.make_node(
-                    "Mul",
-                    [f"{prefix}_q_float", si.name],
-                    [deq if not trans else deq + "_kn"],
-                    name=f"{prefix}_Mul_scales",
-                ),
-            ]
+            qf = add("Cast", [qi], f"{prefix}_q_float", f"{prefix}_Cast_float", to=ir.DataType.FLOAT)
+            wout = add("Mul", [qf, si], out_name, f"{prefix}_Mul_scales")
             fact.update({"weight": qi.name, "scale": si.name, "axis": 1, "group_size": None})
             after += q.nbytes + scale.nbytes
         else:
-            q, scale = quant_int4_group(w, g)
-            k, n = q.shape
-            sc = numpy_helper.from_array(scale.reshape(k // g, 1, n), f"{w_init.name}_scale")
-            new_inits.append(sc)
+            packed = plan.int4_storage == "packed"
+            if trans_q:
+                qk, scale = quant_int4_group(_weight_kn(src_for_q, True), g)
+                q = pack_int4(qk) if packed else qk
+                del qk
+            else:
+                q, scale = _int4_streamed(src_for_q, g, packed)
+            k, n = scale.shape[0] * g, scale.shape[1]
+            sc = const(scale.reshape(k // g, 1, n), f"{w_name}_scale")
             fact.update({"scale": sc.name, "axis": 1, "group_size": g, "storage": plan.int4_storage})
             grouped = f"{prefix}_q_grouped"
-            shape_g = numpy_helper.from_array(np.array([k // g, g, n], np.int64), f"{prefix}_group_shape")
-            shape_kn = numpy_helper.from_array(np.array([k, n], np.int64), f"{prefix}_weight_shape")
-            new_inits += [shape_g, shape_kn]
-            if plan.int4_storage == "packed":
-                p = pack_int4(q)
-                pi = numpy_helper.from_array(p, f"{w_init.name}_int4_packed")
-                c16 = numpy_helper.from_array(np.array(16, np.int32), f"{prefix}_c16")
-                c8 = numpy_helper.from_array(np.array(8, np.float32), f"{prefix}_c8")
-                ax1 = numpy_helper.from_array(np.array([1], np.int64), f"{prefix}_axis1")
-                new_inits += [pi, c16, c8, ax1]
+            shape_g = const(np.array([k // g, g, n], np.int64), f"{prefix}_group_shape")
+            shape_kn = const(np.array([k, n], np.int64), f"{prefix}_weight_shape")
+            if packed:
+                pi = const(q, f"{w_name}_int4_packed")
+                c16 = const(np.array(16, np.int32), f"{prefix}_c16")
+                c8 = const(np.array(8, np.float32), f"{prefix}_c8")
+                ax1 = const(np.array([1], np.int64), f"{prefix}_axis1")
                 t = functools.partial("{}_{}".format, prefix)
-                new_nodes += [
-                    helper.make_node(
-                        "Cast", [pi.name], [t("p32")], name=t("Cast_packed"), to=onnx.TensorProto.INT32
-                    ),
-                    helper.make_node("Div", [t("p32"), c16.name], [t("hi")], name=t("Div_hi")),
-                    helper.make_node("Mul", [t("hi"), c16.name], [t("hi16")], name=t("Mul_hi")),
-                    helper.make_node("Sub", [t("p32"), t("hi16")], [t("lo")], name=t("Sub_lo")),
-                    helper.make_node("Unsqueeze", [t("lo"), ax1.name], [t("lo3")], name=t("Unsqueeze_lo")),
-                    helper.make_node("Unsqueeze", [t("hi"), ax1.name], [t("hi3")], name=t("Unsqueeze_hi")),
-                    helper.make_node(
-                        "Concat", [t("lo3"), t("hi3")], [t("pairs")], name=t("Concat_nibbles"), axis=1
-                    ),
-                    helper.make_node(
-                        "Reshape", [t("pairs"), shape_g.name], [t("u_grouped")], name=t("Reshape_groups")
-                    ),
-                    helper.make_node(
-                        "Cast", [t("u_grouped")], [t("uf")], name=t("Cast_float"), to=onnx.TensorProto.FLOAT
-                    ),
-                    helper.make_node("Sub", [t("uf"), c8.name], [grouped], name=t("Sub_offset")),
-                ]
+                p32 = add("Cast", [pi], t("p32"), t("Cast_packed"), to=ir.DataType.INT32)
+                hi = add("Div", [p32, c16], t("hi"), t("Div_hi"))
+                hi16 = add("Mul", [hi, c16], t("hi16"), t("Mul_hi"))
+                lo = add("Sub", [p32, hi16], t("lo"), t("Sub_lo"))
+                lo3 = add("Unsqueeze", [lo, ax1], t("lo3"), t("Unsqueeze_lo"))
+                hi3 = add("Unsqueeze", [hi, ax1], t("hi3"), t("Unsqueeze_hi"))
+                pairs = add("Concat", [lo3, hi3], t("pairs"), t("Concat_nibbles"), axis=1)
+                ug = add("Reshape", [pairs, shape_g], t("u_grouped"), t("Reshape_groups"))
+                uf = add("Cast", [ug], t("uf"), t("Cast_float"), to=ir.DataType.FLOAT)
+                gq = add("Sub", [uf, c8], grouped, t("Sub_offset"))
                 fact.update(
                     {
                         "weight": pi.name,
                         "packing": "uint8 [k/2, n]: low nibble row 2i, high nibble row 2i+1, stored q+8",
                     }
                 )
-                after += p.nbytes + scale.nbytes
             else:
-                qi = numpy_helper.from_array(q, f"{w_init.name}_int4")
-                new_inits.append(qi)
-                new_nodes += [
-                    helper.make_node(
-                        "Reshape",
-                        [qi.name, shape_g.name],
-                        [f"{prefix}_q_i8g"],
-                        name=f"{prefix}_Reshape_groups",
-                    ),
-                    helper.make_node(
-                        "Cast",
-                        [f"{prefix}_q_i8g"],
-                        [grouped],
-                        name=f"{prefix}_Cast_float",
-                        to=onnx.TensorProto.FLOAT,
-                    ),
-                ]
+                qi = const(q, f"{w_name}_int4")
+                q8g = add("Reshape", [qi, shape_g], f"{prefix}_q_i8g", f"{prefix}_Reshape_groups")
+                gq = add("Cast", [q8g], grouped, f"{prefix}_Cast_float", to=ir.DataType.FLOAT)
                 fact.update({"weight": qi.name})
-                after += q.nbytes + scale.nbytes
-            new_nodes += [
-                helper.make_node(
-                    "Mul", [grouped, sc.name], [f"{prefix}_w_grouped"], name=f"{prefix}_Mul_scales"
-                ),
-                helper.make_node(
-                    "Reshape",
-                    [f"{prefix}_w_grouped", shape_kn.name],
-                    [deq if not trans else deq + "_kn"],
-                    name=f"{prefix}_Reshape_weight",
-                ),
-            ]
+            after += q.nbytes + scale.nbytes
+            wg = add("Mul", [gq, sc], f"{prefix}_w_grouped", f"{prefix}_Mul_scales")
+            wout = add("Reshape", [wg, shape_kn], out_name, f"{prefix}_Reshape_weight")
         if trans:  # Gemm with transB: dequantize in [k, n] and transpose back to its [n, k]
-            new_nodes.append(
-                helper.make_node("Transpose", [deq + "_kn"], [deq], name=f"{prefix}_Transpose", perm=[1, 0])
-            )
-        node.input[1] = deq
-        graph.initializer.extend(new_inits)
-        graph.initializer.remove(inits[w_init.name])
-        idx = list(graph.node).index(node)
-        for j, nn in enumerate(new_nodes):
-            graph.node.insert(idx + j, nn)
+            wout = add("Transpose", [wout], deq, f"{prefix}_Transpose", perm=[1, 0])
+        del q, scale
+        node.replace_input_with(1, wout)
+        graph.insert_before(node, new_nodes)
+        graph.initializers.pop(w_name)
+        _release(src)
         nodes_facts[node.name] = fact
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
     facts = {
@@ -325,3 +352,14 @@ def quantize_weight_only(
         },
     }
     return model, {**facts, "_weight_bytes": (before, after)}
+
+
+def _add(nodes: list[ir.Node], op: str, inputs: list[ir.Value], out: str, name: str, **attrs) -> ir.Value:
+    """Append node ``name`` (``op`` on ``inputs``, one output named ``out``) to ``nodes``; its output."""
+    n = ir.node(op, inputs, attrs or None, name=name, outputs=[ir.Value(name=out)])
+    nodes.append(n)
+    return n.outputs[0]
+
+
+def _in_memory(arr: np.ndarray, name: str) -> ir.Tensor:
+    return ir.tensor(arr, name=name)

@@ -6,8 +6,9 @@ import logging
 
 import onnx_graphsurgeon as gs
 
+from vlmc import interop
 from vlmc.pass_api import Option, Pass, PassResult, register
-from vlmc.passes._folding import foldable, same_graph, with_big_weights, without_big_weights
+from vlmc.passes._folding import foldable, same_graph
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +47,12 @@ class FoldConstants(Pass):
         limit = int(self.opts["size_threshold_mb"] * 1024 * 1024)
         for name in names:
             model = package.model(name)
-            proto, big = without_big_weights(model, int(self.opts["weight_limit_mb"] * 1024 * 1024))
-            graph = gs.import_onnx(proto)
-            del proto
-            graph.fold_constants(size_threshold=limit, error_ok=True).cleanup().toposort()
-            folded = with_big_weights(gs.export_onnx(graph, do_type_check=False), big, model)
-            del graph
+            with interop.as_proto(model, int(self.opts["weight_limit_mb"] * 1024 * 1024)) as seam:
+                graph = gs.import_onnx(seam.proto)
+                graph.fold_constants(size_threshold=limit, error_ok=True).cleanup().toposort()
+                seam.give_back(gs.export_onnx(graph, do_type_check=False))
+                del graph
+            folded = seam.model
             folded.ir_version = model.ir_version
             folded.opset_imports.clear()
             folded.opset_imports.update(model.opset_imports)

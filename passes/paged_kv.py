@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from vlmc import samples
+from vlmc import samples, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
@@ -19,12 +18,12 @@ logger = logging.getLogger(__name__)
 ROLES = ("decoder", "vlm")
 NUM_BLOCKS_DIM = "num_blocks"
 MAX_BLOCKS_DIM = "max_blocks"
-PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
-PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
-CACHE_IN = {"key": "key_cache.{}", "value": "value_cache.{}"}
+PAST_RE = tensor_names.PAST_RE
+PRESENT_RE = tensor_names.PRESENT_RE
+CACHE_IN = {k: p + "{}" for k, p in tensor_names.CACHE_PREFIX.items()}
 # Interface v2 (docs/architecture.md): the graph returns this step's rows; whoever runs it writes them.
-NEW_OUT = {"key": "new_key.{}", "value": "new_value.{}"}
-NEW_INPUTS = ("block_tables", "slot_mapping", "context_lens")
+NEW_OUT = {k: p + "{}" for k, p in tensor_names.NEW_PREFIX.items()}
+NEW_INPUTS = tensor_names.PAGED_INPUTS
 # Documented in docs/paged_kv.md: a negative slot marks a padding position, masked and never stored.
 PADDING_RULE = "slot < 0 marks padding: masked for every query, and its row is not written to the pool"
 # The definition the graph's mask relies on (docs/paged_kv.md, recorded in the manifest as kv.context_lens).
@@ -282,7 +281,7 @@ def _external(name: str) -> bool:
         or name == "attention_mask"
         or bool(PAST_RE.match(name))
         or bool(PRESENT_RE.match(name))
-        or name.startswith(("key_cache", "value_cache", "new_key", "new_value"))
+        or tensor_names.is_paged_io(name)
     )
 
 
@@ -323,4 +322,4 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
 
 
 def _layers(specs: dict) -> list[int]:
-    return [int(m[1]) for n in specs if (m := re.match(r"^key_cache\.(\d+)$", n))]
+    return tensor_names.cache_layers(specs)

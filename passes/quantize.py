@@ -16,7 +16,7 @@ from vlmc import manifest as M
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
-from . import _quant_plan as P
+from . import _quant_plan
 
 logger = logging.getLogger(__name__)
 
@@ -73,18 +73,22 @@ class Quantize(Pass):
             "backend the quantized graphs are built for: ascend keeps to the forms the NPU builds "
             "(symmetric int8 activations by default, per-tensor MatMul/Gemm weights, group sizes that "
             "NPUWeightQuantBatchMatmulV2 accepts); portable allows any form onnxruntime runs",
-            choices=P.TARGETS,
+            choices=_quant_plan.TARGETS,
         ),
     )
 
     # ---- options --------------------------------------------------------------------------
     @classmethod
-    def _plans(cls, opts: dict, where: str) -> dict[str, P.GraphPlan]:
-        calib = P.parse_calibration(opts.get("calibration"), f"{where}: calibration")
-        keep = P.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
+    def _plans(cls, opts: dict, where: str) -> dict[str, _quant_plan.GraphPlan]:
+        calib = _quant_plan.parse_calibration(opts.get("calibration"), f"{where}: calibration")
+        keep = _quant_plan.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
         known = {o.name for o in cls.options}
         target = opts.get("target") or "ascend"
-        return {k: P.parse_graph(k, v, where, calib, keep, target) for k, v in opts.items() if k not in known}
+        return {
+            k: _quant_plan.parse_graph(k, v, where, calib, keep, target)
+            for k, v in opts.items()
+            if k not in known
+        }
 
     @classmethod
     def check_options(cls, opts: dict, where: str) -> None:
@@ -98,17 +102,17 @@ class Quantize(Pass):
     @classmethod
     def json_schema(cls) -> dict:
         schema = super().json_schema()
-        schema["additionalProperties"] = P.graph_schema()
-        for key, sub in (("keep_fp32", P.KEEP_KEYS), ("calibration", P.CALIB_KEYS)):
+        schema["additionalProperties"] = _quant_plan.graph_schema()
+        for key, sub in (("keep_fp32", _quant_plan.KEEP_KEYS), ("calibration", _quant_plan.CALIB_KEYS)):
             schema["properties"][key].update(
                 {"additionalProperties": False, "properties": {k: s for k, (_, s) in sub.items()}}
             )
         return schema
 
-    def resolve(self, package) -> dict[str, P.GraphPlan]:
+    def resolve(self, package) -> dict[str, _quant_plan.GraphPlan]:
         """Graph name -> plan. A key names a graph, or a role (all its graphs); graph names win."""
         plans = self._plans(self.opts, self.name)
-        out: dict[str, P.GraphPlan] = {}
+        out: dict[str, _quant_plan.GraphPlan] = {}
         for key, plan in plans.items():
             if key in package.manifest["graphs"]:
                 continue
@@ -124,11 +128,11 @@ class Quantize(Pass):
         return out
 
     def check_package(self, package) -> None:
-        from . import _quant_calib as C
+        from . import _quant_calib
 
         for name, plan in self.resolve(package).items():
             if plan.calibration.images is not None:
-                C.image_files(plan.calibration.images)
+                _quant_calib.image_files(plan.calibration.images)
             if package.manifest.get("tensor_parallel") and (plan.needs_calibration or plan.mode == "int8"):
                 # Calibration runs the package in this process; a sharded one runs as rank processes.
                 raise VlmcError(
@@ -138,8 +142,7 @@ class Quantize(Pass):
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, package):
-        from . import _quant_calib as C
-        from . import _quant_eval as E
+        from . import _quant_calib, _quant_eval
 
         plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
         eval_samples, eval_tokens, seed = (
@@ -155,15 +158,15 @@ class Quantize(Pass):
         for n, p in plans.items():
             c = p.calibration
             groups.setdefault((c.images, c.prompts), []).append(n)
-        recorded: dict[str, C.Recorded] = {}
+        recorded: dict[str, _quant_calib.Recorded] = {}
         e2e_source = None
         for (images, prompts), names in groups.items():
             count = max([plans[n].calibration.count for n in names if plans[n].needs_calibration] or [0])
             count = max(count, eval_samples)
             if not count:
                 continue
-            refs = C.image_refs(images, count, seed)
-            rec = C.record(
+            refs = _quant_calib.image_refs(images, count, seed)
+            rec = _quant_calib.record(
                 package,
                 set(names),
                 refs,
@@ -181,13 +184,14 @@ class Quantize(Pass):
         for name, plan in plans.items():
             rec = recorded.get(name)
             feeds = rec.feeds.get(name, []) if rec else []
-            model = package.graph(name)
-            before_fp = G.fingerprint(model)
+            model = package.model(name)
             bytes_before = G.initializer_bytes(model)
-            model, facts = self._apply(model, plan, feeds, seed)
+            # New weights go to a scratch file as they are made, so the pass holds one at a time.
+            scratch = package.scratch_path(name).parent
+            model, facts = self._apply(model, plan, feeds, seed, scratch)
             weight_bytes = facts.pop("_weight_bytes", None)
             quantized = facts.get("nodes_quantized") or facts.get("nodes_converted")
-            if not quantized or G.fingerprint(model) == before_fp:
+            if not quantized:
                 logger.warning("quantize: nothing to quantize in %s (%s); left unchanged", name, plan.mode)
                 report["graphs"][name] = {
                     "mode": plan.mode,
@@ -218,12 +222,12 @@ class Quantize(Pass):
                 entry["matmul_weight_bytes_before"], entry["matmul_weight_bytes_after"] = weight_bytes
                 entry["matmul_weight_bytes_ratio"] = round(weight_bytes[1] / max(weight_bytes[0], 1), 4)
             if rec is not None and eval_samples:
-                entry["fidelity"] = E.graph_fidelity(
+                entry["fidelity"] = _quant_eval.graph_fidelity(
                     package, name, feeds[:eval_samples], rec.outputs.get(name, [])
                 )
             report["graphs"][name] = entry
         if modified and e2e_source is not None and eval_tokens:
-            report["end_to_end"] = E.end_to_end(
+            report["end_to_end"] = _quant_eval.end_to_end(
                 package, e2e_source.inputs, e2e_source.generations, eval_tokens
             )
         if sharded:
@@ -234,18 +238,20 @@ class Quantize(Pass):
         return PassResult(package, modified, report)
 
     @staticmethod
-    def _apply(model, plan: P.GraphPlan, feeds: list, seed: int):
-        from . import _quant_calib as C
-        from . import _quant_static as S
-        from . import _quant_weight_only as W
+    def _apply(model, plan: _quant_plan.GraphPlan, feeds: list, seed: int, scratch):
+        from . import _quant_calib, _quant_static, _quant_weight_only
 
         if plan.mode == "fp16":
-            return S.convert_fp16(model, plan)
+            return _quant_static.convert_fp16(model, plan)
         if plan.mode == "int8":
             if not feeds:
                 raise VlmcError(f"quantize: no calibration data for {plan.key}; give calibration.count ≥ 1")
-            return S.quantize_int8(model, C.FeedReader(feeds), plan, seed)
-        return W.quantize_weight_only(model, plan, feeds)
+            return _quant_static.quantize_int8(model, _quant_calib.FeedReader(feeds), plan, seed, scratch)
+        store = G.TensorStore(scratch / "quantized.onnx.data")
+        try:
+            return _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
+        finally:
+            store.close()
 
 
 def _counts(facts: dict) -> dict:

@@ -8,8 +8,9 @@ import onnx
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
+from vlmc import interop
 from vlmc.pass_api import Option, Pass, PassResult, register
-from vlmc.passes._folding import foldable, same_graph, with_big_weights, without_big_weights
+from vlmc.passes._folding import foldable, same_graph
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,9 @@ class Simplify(Pass):
         report = {name: {"skipped": why} for name, why in skipped.items()}
         for name in names:
             model = package.model(name)
-            proto, big = without_big_weights(model, int(self.opts["weight_limit_mb"] * 1024 * 1024))
-            simplified = with_big_weights(_onnxsim(proto, self.opts["skip_fuse_bn"], name), big, model)
-            del proto
+            with interop.as_proto(model, int(self.opts["weight_limit_mb"] * 1024 * 1024)) as seam:
+                seam.give_back(_onnxsim(seam.proto, self.opts["skip_fuse_bn"], name))
+            simplified = seam.model
             remove_dead_nodes(simplified)
             report[name] = {"nodes_before": len(model.graph), "nodes_after": len(simplified.graph)}
             if not same_graph(simplified, model):  # onnxsim may only have reordered nodes

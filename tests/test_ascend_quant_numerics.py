@@ -11,6 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -26,6 +27,18 @@ from vlmc.backends.ascend import lower, ops, precheck, reference
 from vlmc.errors import VlmcError
 
 K, HID, N = 256, 256, 64
+
+
+def _weight_only(model: onnx.ModelProto, plan, feeds):
+    """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
+    m, facts = W.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    return ir.to_proto(m), facts
+
+
+def _int8(model: onnx.ModelProto, reader, plan):
+    """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
+    m, facts = S.quantize_int8(ir.from_proto(model), reader, plan)
+    return ir.to_proto(m), facts
 
 
 def _mlp(seed: int = 0, K: int = K, HID: int = HID) -> onnx.ModelProto:  # noqa: N803
@@ -80,7 +93,7 @@ def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
     plan = _plan({"weights": "int8", "activations": "int8"})
     assert plan.activation_symmetric  # the default for target ascend
-    q, facts = S.quantize_int8(_mlp(), C.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), C.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is True and facts["target"] == "ascend"
     assert all(e["granularity"] == "per_tensor" for e in facts["weights"]["nodes"].values())
     assert all(t["zero_point"] == 0 for t in facts["activations"]["tensors"].values())
@@ -115,7 +128,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
     model = _mlp()
     w1 = nh.to_array(model.graph.initializer[0])
     plan = _plan({"weights": "int4", "group_size": group, "int4_storage": storage})
-    q, facts = W.quantize_weight_only(model, plan, None)
+    q, facts = _weight_only(model, plan, None)
     facts.pop("_weight_bytes")
     assert facts["weights"]["group_size"] == group  # the key lowering reads (not facts["group_size"])
     low, report = _lower(q, facts, int4_weights)
@@ -163,7 +176,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
 def test_group_as_large_as_k_becomes_per_channel():
     model = _mlp()
     plan = _plan({"weights": "int4", "group_size": 256})  # k = 256 for both layers: one group
-    q, facts = W.quantize_weight_only(model, plan, None)
+    q, facts = _weight_only(model, plan, None)
     low, _ = _lower(q, facts)
     mm = [n for n in low.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"]
     assert len(mm) == 2
@@ -183,7 +196,7 @@ def test_group_size_the_npu_refuses_is_refused_by_quantize_for_ascend(group):
 def test_group_size_the_npu_refuses_is_refused_by_compile():
     """A package quantized for target portable with group 48 cannot be built for the NPU."""
     model = _mlp(K=96, HID=96)  # 48 divides 96: quantize (portable) takes it
-    q, facts = W.quantize_weight_only(model, _plan({"weights": "int4", "group_size": 48}, "portable"), None)
+    q, facts = _weight_only(model, _plan({"weights": "int4", "group_size": 48}, "portable"), None)
     assert facts["nodes_quantized"] == ["fc1", "fc2"]
     with pytest.raises(VlmcError, match=r"fc1 \(MatMul\): antiquant_group_size 48 is refused") as e:
         _lower(q, facts)
@@ -206,7 +219,7 @@ def test_cli_refuses_an_illegal_group_size_in_one_line(tiny_llava, tmp_path):
 
 def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     plan = _plan({"weights": "int8", "activations": "int8", "activation_symmetric": False})
-    q, facts = S.quantize_int8(_mlp(), C.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), C.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is False
     low, report = _lower(q, facts)
     offsets = [
@@ -276,7 +289,7 @@ def test_conv_stays_per_channel_and_matches_onnxruntime():
     )
     model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
-    q, facts = S.quantize_int8(model, C.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
+    q, facts = _int8(model, C.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
     assert facts["weights"]["nodes"]["conv"]["granularity"] == "per_channel"
     assert facts["weights"]["nodes"]["conv"]["axis"] == 0
     low, report = _lower(q, facts)

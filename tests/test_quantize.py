@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
@@ -28,6 +29,18 @@ from vlmc.runtime.preprocess import preprocess
 REPO = Path(__file__).resolve().parents[1]
 families()  # family modules register their built-ins
 BUILTINS = sorted(zoo.BUILTINS)
+
+
+def _weight_only(model: onnx.ModelProto, plan, feeds):
+    """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
+    m, facts = W.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    return ir.to_proto(m), facts
+
+
+def _int8(model: onnx.ModelProto, reader, plan):
+    """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
+    m, facts = S.quantize_int8(ir.from_proto(model), reader, plan)
+    return ir.to_proto(m), facts
 
 
 def _quantize(pkg_dir: Path, **opts) -> tuple[Package, dict]:
@@ -326,7 +339,7 @@ def test_weight_only_graph_matches_numpy_dequant(weights, storage):
     w = rng.standard_normal((64, 48)).astype(np.float32)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     plan = P.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
-    model, facts = W.quantize_weight_only(_matmul_model(w, x.shape), plan, None)
+    model, facts = _weight_only(_matmul_model(w, x.shape), plan, None)
     onnx.checker.check_model(model, full_check=True)
     y = O.from_model(model).run(None, {"x": x})[0]
     if weights == "int4":
@@ -423,8 +436,9 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     before = model.SerializeToString()
     x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
     out, facts = S.convert_fp16(
-        model, P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",)))
+        ir.from_proto(model), P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",)))
     )
+    out = ir.to_proto(out)
     assert model.SerializeToString() == before  # the input graph, unnamed nodes included, is untouched
     onnx.checker.check_model(out, full_check=True)
     assert [n.name for n in out.graph.node if n.op_type in ("MatMul", "Add", "Relu")] == [
@@ -438,8 +452,10 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=1e-2, atol=1e-2)
     # every node kept: nothing converts, and the graph that comes back is the input, unchanged
     keep_all = P.KeepFp32(op_types=("MatMul", "Add", "Relu"))
-    same, facts = S.convert_fp16(model, P.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all))
-    assert same is model and model.SerializeToString() == before and facts["nodes_converted"] == 0
+    m = ir.from_proto(model)
+    same, facts = S.convert_fp16(m, P.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all))
+    assert same is m and facts["nodes_converted"] == 0
+    assert ir.to_proto(same).SerializeToString() == ir.to_proto(ir.from_proto(model)).SerializeToString()
 
 
 def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava):
@@ -472,7 +488,7 @@ def test_int8_names_nodes_in_the_copy_it_quantizes():
     rng = np.random.default_rng(5)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)]
     plan = P.GraphPlan(key="g", weights="int8", activations="int8", calibration=P.Calibration(count=2))
-    out, facts = S.quantize_int8(model, FeedReader(feeds), plan)
+    out, facts = _int8(model, FeedReader(feeds), plan)
     assert model.SerializeToString() == before
     assert facts["nodes_quantized"] == ["MatMul_0"] and list(facts["weights"]["nodes"]) == ["MatMul_0"]
     mm = next(n for n in out.graph.node if n.op_type == "MatMul")
@@ -489,11 +505,12 @@ def test_awq_activation_capture_does_not_touch_the_graph(through_file, monkeypat
 
     if through_file:  # the path models over the protobuf limit take
         monkeypatch.setattr(O, "MAX_IN_MEMORY_BYTES", 0)
+        monkeypatch.setattr(O, "STREAM_FROM_FILE_BYTES", 0)
     model = _unnamed_mlp()
     before = model.SerializeToString()
     rng = np.random.default_rng(6)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
-    got = W.collect_inputs(model, ["z", "x"], feeds, rows=6)
+    got = W.collect_inputs(ir.from_proto(model), ["z", "x"], feeds, rows=6)
     assert model.SerializeToString() == before
     w, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
     z = np.concatenate([f["x"] @ w + b for f in feeds])
@@ -510,7 +527,7 @@ def test_activation_scales_are_clamped_for_fp16_reciprocal():
     w = rng.standard_normal((16, 8)).astype(np.float32)
     feeds = [{"x": (rng.standard_normal((4, 16)) * 1e-7).astype(np.float32)} for _ in range(3)]
     plan = P.GraphPlan(key="g", weights="int8", activations="int8", calibration=P.Calibration(count=3))
-    model, facts = S.quantize_int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
+    model, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
     assert len(facts["clamped_scales"]) == 1 and facts["clamped_scales"][0]["tensor"] == "x"
     assert facts["clamped_scales"][0]["scale"] < S.MIN_ACT_SCALE
     qnode = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
@@ -519,7 +536,7 @@ def test_activation_scales_are_clamped_for_fp16_reciprocal():
     assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(S.MIN_ACT_SCALE)
     # ordinary ranges are not touched
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
-    _, facts = S.quantize_int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
+    _, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
     assert facts["clamped_scales"] == []
 
 
@@ -586,7 +603,9 @@ def test_int32_bias_through_identity_from_older_exports():
         inits,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert S.int32_matmul_bias(model) == 1
+    m = ir.from_proto(model)
+    assert S.int32_matmul_bias(m) == 1
+    model = ir.to_proto(m)
     assert "Identity" not in [n.op_type for n in model.graph.node]
     bias_in = next(n for n in model.graph.node if n.name == "add").input[1]
     dq = next(n for n in model.graph.node if bias_in in n.output)

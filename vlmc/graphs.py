@@ -204,19 +204,9 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
 
     Weights are read one tensor at a time straight into the proto; the IR model is not changed.
     """
-    proto = ir.to_proto(model)
-    _drop_initializer_infos(proto, model)
-    tensors = {name: v.const_value for name, v in model.graph.initializers.items()}
-    for t in proto.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            continue
-        src = tensors.get(t.name)
-        if src is None:
-            raise VlmcError(f"weight {t.name!r} has no data")
-        t.raw_data = src.tobytes()
-        t.ClearField("data_location")  # ClearField: proto2 keeps an explicitly set default
-        del t.external_data[:]
-    return proto
+    from vlmc import interop
+
+    return interop._full_proto(model)
 
 
 def as_ir(model: onnx.ModelProto | ir.Model) -> ir.Model:
@@ -265,18 +255,30 @@ def save(model: onnx.ModelProto | ir.Model, path: str | Path, base_dir: Path | N
     finally:
         for v, t in zip(values, tensors):
             v.const_value = t
+        release(tensors)
     data = path.parent / (path.name + ".data")
     if data.exists() and data.stat().st_size == 0:
         data.unlink()
 
 
+def release(tensors) -> None:
+    """Close the memory maps of tensors read from files (their pages count as resident while mapped).
+
+    A released tensor maps its file again when it is next read, so this is always safe.
+    """
+    for t in tensors:
+        if isinstance(t, ir.ExternalTensor):
+            t.release()
+
+
 def _write_proto(proto: onnx.ModelProto, m: ir.Model, path: Path) -> None:
-    _drop_initializer_infos(proto, m)
+    drop_initializer_infos(proto, m)
     with open(path, "wb") as f:
         f.write(proto.SerializeToString())
 
 
-def _drop_initializer_infos(proto: onnx.ModelProto, m: ir.Model) -> None:
+def drop_initializer_infos(proto: onnx.ModelProto, m: ir.Model) -> None:
+    """Leave initializers out of a proto's value_info (onnx-ir lists them there), in place."""
     # onnx-ir describes initializers in value_info too; tools such as onnxruntime's float16 converter
     # take a value_info entry for an activation, so they are left out, as onnx's own protos do.
     infos = [v for v in proto.graph.value_info if v.name not in m.graph.initializers]
@@ -612,3 +614,51 @@ def remember_hashes(data_path: Path, entries: list[tuple[int, int, str]]) -> Non
     st = p.stat()
     for offset, length, digest in entries:
         _EXTERNAL_HASHES[(str(p.resolve()), st.st_ino, st.st_mtime_ns, offset, length)] = digest
+
+
+class TensorStore:
+    """Tensors a pass makes, written to a data file as they are made and read back memory-mapped.
+
+    A pass that rewrites weights one at a time (quantize) puts each result here, so it holds at most
+    the tensor it is working on; saving the package later streams them into the package's data file.
+    Small tensors (under :data:`EXTERNAL_DATA_THRESHOLD`) stay in memory. The content hash is
+    computed while writing, so fingerprints never read the file back.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "wb")  # noqa: SIM115 (closed by close() or the finalizer)
+        self._offset = 0
+        import weakref
+
+        weakref.finalize(self, self._f.close)
+
+    def put(self, arr: np.ndarray, name: str) -> ir.TensorProtocol:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes < EXTERNAL_DATA_THRESHOLD:
+            return ir.tensor(arr, name=name)
+        pad = (-self._offset) % 64
+        self._f.write(b"\0" * pad)
+        self._offset += pad
+        raw = memoryview(arr).cast("B")
+        self._f.write(raw)
+        self._f.flush()
+        dtype = ir.DataType.from_numpy(arr.dtype)
+        t = ir.ExternalTensor(
+            self.path.name,
+            self._offset,
+            arr.nbytes,
+            dtype,
+            shape=ir.Shape(arr.shape),
+            name=name,
+            base_dir=self.path.parent,
+        )
+        h = digest_start(int(dtype), list(arr.shape))
+        h.update(raw)
+        t.meta[_HASH_KEY] = h.hexdigest()
+        self._offset += arr.nbytes
+        return t
+
+    def close(self) -> None:
+        self._f.close()

@@ -485,13 +485,13 @@ def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
     m = pkg.manifest
     kv, t, v = m["kv"], m["text"], m["vision"]
     ws = [
-        GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.graph(n)))
+        GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.model(n)))
         for n, g in m["graphs"].items()
     ]
     tpi, rows, note, unpruned = _package_tokens(v, image_size)
     hidden = int(t.get("hidden_size") or kv["kv_heads"] * kv["head_dim"])
     decoder = next(iter(m["pipeline"].get("decoder", [])), None)
-    inter = _widest_inner(pkg.graph(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
+    inter = _widest_inner(pkg.model(decoder), hidden, int(t["vocab_size"])) if decoder else 4 * hidden
     precisions = {g["precision"] for g in m["graphs"].values() if g["role"] in ("decoder", "vlm")}
     return Spec(
         name=m["model"]["source"],
@@ -538,7 +538,9 @@ def _packed_tokens(pre: dict, image_size: tuple[int, int] | None) -> int | None:
 
 def _widest_inner(model, hidden: int, vocab: int) -> int:
     # The MLP width is the largest weight dimension that is neither the hidden size nor the vocabulary.
-    dims = {int(d) for init in model.graph.initializer if len(init.dims) == 2 for d in init.dims}
+    # Shapes only: the IR's weights stay in their files.
+    shapes = [v.const_value.shape for v in model.graph.initializers.values() if v.const_value is not None]
+    dims = {int(d) for shape in shapes if len(shape) == 2 for d in shape}
     inner = [d for d in dims if d not in (hidden, vocab)]
     return max(inner) if inner else 4 * hidden
 

@@ -29,6 +29,7 @@ import math
 import numpy as np
 
 from vlmc.errors import VlmcError
+from vlmc.runtime import imaging
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +101,9 @@ def token_counts(vision: dict[str, np.ndarray], facts: dict) -> list[int]:
 
 
 def _resize(img: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
-    from vlmc.runtime.preprocess import _resize as pil_resize
-
     if img.shape[0] == height and img.shape[1] == width:
         return img  # PIL returns a copy for a same-size resize
-    return pil_resize(img, height, width, resample)
+    return imaging.resize(img, height, width, resample)
 
 
 def _normalize(img: np.ndarray, facts: dict) -> np.ndarray:

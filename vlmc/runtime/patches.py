@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from vlmc.errors import VlmcError
+from vlmc.runtime import imaging
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,6 @@ def patchify(image: np.ndarray, patch: int, merge: int, temporal: int) -> tuple[
 
 def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     """Images (uint8 HWC) -> pixel_values [patches, C*T*P*P] float32 and image_grid_thw [images, 3] int64."""
-    from vlmc.runtime.preprocess import _resize  # late: preprocess imports this module for its KINDS table
 
     patch, merge, temporal = (
         int(facts["patch_size"]),
@@ -98,7 +98,7 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
     for img in images:
         h, w = img.shape[:2]
         nh, nw = resize(h, w, patch * merge, int(facts["min_pixels"]), int(facts["max_pixels"]))
-        x = _resize(img, nh, nw, facts.get("resample", "bicubic")).astype(np.float32)
+        x = imaging.resize(img, nh, nw, facts.get("resample", "bicubic")).astype(np.float32)
         x = (x * np.float32(facts.get("rescale_factor", 1 / 255)) - mean) / std
         flat, gh, gw = patchify(x.transpose(2, 0, 1), patch, merge, temporal)
         rows.append(flat)

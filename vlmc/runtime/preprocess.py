@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from vlmc.errors import VlmcError
-from vlmc.runtime import anyres, patches, tiles
+from vlmc.runtime import anyres, imaging, patches, tiles
 
 logger = logging.getLogger(__name__)
 
@@ -69,20 +69,6 @@ def load_image(ref) -> np.ndarray:
         ) from exc
 
 
-def _resample(name: str) -> int:
-    from PIL import Image
-
-    return {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR, "nearest": Image.NEAREST}.get(
-        name, Image.BICUBIC
-    )
-
-
-def _resize(img: np.ndarray, height: int, width: int, resample: str) -> np.ndarray:
-    from PIL import Image
-
-    return np.asarray(Image.fromarray(img).resize((width, height), _resample(resample)))
-
-
 def clip(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     """CLIP-style: resize the shortest edge, center-crop, rescale, normalize -> pixel_values NCHW."""
     out = []
@@ -92,7 +78,7 @@ def clip(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
         short = facts["resize_shortest_edge"]
         scale = short / min(h, w)
         nh, nw = max(ch, round(h * scale)), max(cw, round(w * scale))
-        img = _resize(img, nh, nw, facts.get("resample", "bicubic"))
+        img = imaging.resize(img, nh, nw, facts.get("resample", "bicubic"))
         top, left = (nh - ch) // 2, (nw - cw) // 2
         img = img[top : top + ch, left : left + cw]
         x = img.astype(np.float32) * np.float32(facts.get("rescale_factor", 1 / 255))
@@ -107,7 +93,7 @@ def resize(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     mean, std = np.array(facts["mean"], np.float32), np.array(facts["std"], np.float32)
     out = []
     for img in images:
-        x = _resize(img, h, w, facts.get("resample", "bicubic")).astype(np.float32)
+        x = imaging.resize(img, h, w, facts.get("resample", "bicubic")).astype(np.float32)
         x = (x * np.float32(facts.get("rescale_factor", 1 / 255)) - mean) / std
         out.append(x.transpose(2, 0, 1))
     return {"pixel_values": np.stack(out).astype(np.float32)}

@@ -21,6 +21,8 @@ import logging
 
 import numpy as np
 
+from vlmc.runtime import imaging
+
 logger = logging.getLogger(__name__)
 
 # The key of the per-image tile counts in the preprocessing output; not a graph input (the pipeline takes
@@ -78,23 +80,21 @@ def _normalize(tile: np.ndarray, facts: dict) -> np.ndarray:
 
 def tiles(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarray]:
     """Images (uint8 HWC) -> pixel_values [tiles, 3, H, W] float32 and image_tiles [images] int64."""
-    from vlmc.runtime.preprocess import _resize  # late: preprocess imports this module for its KINDS table
-
     th, tw = (int(s) for s in facts["tile_size"])
     resample = facts.get("resample", "bicubic")
     out, counts = [], []
     for img in images:
         h, w = img.shape[:2]
         if not facts.get("crop_to_patches", True) or int(facts["max_tiles"]) <= 1:
-            pieces = [_resize(img, th, tw, resample)]
+            pieces = [imaging.resize(img, th, tw, resample)]
         else:
             cols, rows = tile_grid(h, w, th, tw, int(facts["min_tiles"]), int(facts["max_tiles"]))
-            canvas = _resize(img, rows * th, cols * tw, resample)
+            canvas = imaging.resize(img, rows * th, cols * tw, resample)
             pieces = [
                 canvas[r * th : (r + 1) * th, c * tw : (c + 1) * tw] for r in range(rows) for c in range(cols)
             ]
             if len(pieces) > 1 and facts.get("thumbnail", True):
-                pieces.append(_resize(img, th, tw, resample))
+                pieces.append(imaging.resize(img, th, tw, resample))
         out.extend(_normalize(p, facts) for p in pieces)
         counts.append(len(pieces))
     return {"pixel_values": np.stack(out).astype(np.float32), TILES_KEY: np.array(counts, np.int64)}

@@ -28,6 +28,8 @@ from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_conv import Conv as _OnnxConv
 
+from vlmc import ascend_limits
+
 logger = logging.getLogger(__name__)
 
 # NPUWeightQuantBatchMatmulV2 dequantizes as (weight + antiquant_offset) * antiquant_scale
@@ -94,7 +96,7 @@ def dequant_weight(
     """
     w = weight.astype(np.float32)
     k = w.shape[0]
-    if group_size and (group_size % 32 or group_size > k - 1):
+    if group_size and not ascend_limits.group_size_ok(group_size, k):
         raise ValueError(
             f"antiquant_group_size {group_size} is not 0 or a multiple of 32 at most k-1={k - 1}"
         )

@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
+from vlmc import ascend_limits
 from vlmc.backends.ascend import reference as ref
 
 from ._base import Context, NoMatch
@@ -27,7 +28,7 @@ from ._graph import QParams, qparams
 logger = logging.getLogger(__name__)
 
 # AscendQuant computes x * (1/s) in fp16 on 910B: a scale of 1/s above fp16's max overflows.
-FP16_MAX = 65504.0
+FP16_MAX = ascend_limits.FP16_MAX
 ASYMMETRIC_NOTE = (
     "asymmetric int8 activations are lowered in AMCT's deploy form (AscendQuant offset = zero point, "
     "bias not corrected; GE's quant fusion applies the offset); unverified on hardware"

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from vlmc import ortsession
+from vlmc import ascend_limits, ortsession
 from vlmc.backends.ascend import reference as ref
 from vlmc.errors import VlmcError
 
@@ -41,7 +41,7 @@ SOURCE = "; ".join(
         _WQBMM + "docs/aclnnWeightQuantBatchMatmulV2.md ((weight + offset) * scale)",
     )
 )
-GROUP_MULTIPLE = 32
+GROUP_MULTIPLE = ascend_limits.GROUP_MULTIPLE
 # Group sizes the fallback fit tries (largest first). 16 and 48 are not legal on the NPU; they are
 # tried so that a foreign graph quantized with them is refused by name rather than "does not fit".
 FIT_GROUP_SIZES = (1024, 512, 256, 128, 64, 48, 32, 16)

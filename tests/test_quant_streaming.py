@@ -1,0 +1,123 @@
+"""Streaming quantization on small hand-built IR graphs: row blocks, the scratch store, calibration stride."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from vlmc import graphs, ortsession
+from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
+from vlmc.passes._quant_calib import FeedReader
+
+
+def _matmul_ir(w: np.ndarray, rows: int = 3) -> ir.Model:
+    x = ir.Value(name="x", shape=ir.Shape([rows, w.shape[0]]), type=ir.TensorType(ir.DataType.FLOAT))
+    wv = ir.Value(name="w", const_value=ir.tensor(w, name="w"))
+    wv.shape, wv.dtype = wv.const_value.shape, wv.const_value.dtype
+    mm = ir.node("MatMul", [x, wv], name="mm", outputs=[ir.Value(name="y")])
+    mm.outputs[0].dtype = ir.DataType.FLOAT
+    mm.outputs[0].shape = ir.Shape([rows, w.shape[1]])
+    g = ir.Graph([x], mm.outputs, nodes=[mm], initializers=[wv], opset_imports={"": 17}, name="g")
+    return ir.Model(g, ir_version=10)
+
+
+def _on_disk(model: ir.Model, tmp_path) -> ir.Model:
+    """The model saved and reopened, so its weight is an ExternalTensor read from the file."""
+    graphs.save(model, tmp_path / "m.onnx")
+    out = graphs.load_ir(tmp_path / "m.onnx")
+    assert isinstance(out.graph.initializers["w"].const_value, ir.ExternalTensor)
+    return out
+
+
+@pytest.mark.parametrize("weights, storage", [("int4", "packed"), ("int4", "int8"), ("int8", "packed")])
+def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tmp_path, monkeypatch):
+    monkeypatch.setattr(_quant_weight_only, "_BLOCK_BYTES", 1)  # one group (or row) per block
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((128, 24)).astype(np.float32)
+    model = _on_disk(_matmul_ir(w), tmp_path)
+    plan = _quant_plan.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
+    store = graphs.TensorStore(tmp_path / "q.data")
+    out, facts = _quant_weight_only.quantize_weight_only(model, plan, None, store)
+    store.close()
+    inits = {n: v.const_value.numpy() for n, v in out.graph.initializers.items()}
+    if weights == "int4":
+        q, s = _quant_weight_only.quant_int4_group(w, 32)
+        expect = _quant_weight_only.pack_int4(q) if storage == "packed" else q
+        name = "w_int4_packed" if storage == "packed" else "w_int4"
+        np.testing.assert_array_equal(inits["w_scale"].reshape(s.shape), s)
+    else:
+        expect, s = _quant_weight_only.quant_int8_channel(w)
+        name = "w_int8"
+        np.testing.assert_array_equal(inits["w_scale"], s)
+    np.testing.assert_array_equal(inits[name], expect)
+    assert "w" not in out.graph.initializers and facts["nodes_quantized"] == ["mm"]
+    # the quantized weight lives in the scratch file, with its hash recorded as it was written
+    t = out.graph.initializers[name].const_value
+    assert isinstance(t, ir.ExternalTensor) and t.path == str(tmp_path / "q.data")
+    assert graphs.tensor_hash(t) == graphs.tensor_hash(ir.tensor(expect))
+    graphs.check(out, "g")
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    y = ortsession.from_model(out, precision=f"{weights}_weight_only").run(None, {"x": x})[0]
+    ref = ortsession.from_model(out).run(None, {"x": x})[0]  # constant folding on: the same numbers
+    np.testing.assert_array_equal(y, ref)
+
+
+def test_exact_ops_after_int4_packed_and_nothing_eligible_is_left_alone():
+    w = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
+    model = _matmul_ir(w)
+    plan = _quant_plan.GraphPlan(key="g", weights="int4", group_size=32)
+    out, _ = _quant_weight_only.quantize_weight_only(model, plan, None)
+    assert [n.op_type for n in out.graph] == [
+        "Cast", "Div", "Mul", "Sub", "Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Cast", "Sub",
+        "Mul", "Reshape", "MatMul",
+    ]  # fmt: skip
+    # negative: an input size that is not a multiple of the group is skipped, the graph unchanged
+    odd = _matmul_ir(np.ones((48, 8), np.float32))
+    before = graphs.fingerprint(odd)
+    plan = _quant_plan.GraphPlan(key="g", weights="int4", group_size=32)
+    same, facts = _quant_weight_only.quantize_weight_only(odd, plan, None)
+    assert facts["nodes_quantized"] == [] and "mm" in facts["nodes_skipped"]
+    assert graphs.fingerprint(same) == before
+
+
+def test_calibration_one_sample_at_a_time_keeps_the_global_min_max():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    feeds = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(4)]
+    plan = _quant_plan.GraphPlan(
+        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=4)
+    )
+    _, facts = _quant_static.quantize_int8(_matmul_ir(w), FeedReader(feeds), plan)
+    amax = max(float(np.abs(f["x"]).max()) for f in feeds)
+    # symmetric int8: scale = max|x| / 127 over every sample, though each was seen alone
+    assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(amax / 127, rel=1e-6)
+    reader = _quant_static._OneAtATime(FeedReader(feeds))
+    assert len(reader) == 4
+    reader.set_range(1, 2)
+    assert reader.get_next() is feeds[1] and reader.get_next() is None
+
+
+def test_int32_bias_on_the_ir_replaces_the_float_bias():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    model = _matmul_ir(w)
+    b = ir.Value(name="b", const_value=ir.tensor(rng.standard_normal(8).astype(np.float32), name="b"))
+    b.shape, b.dtype = b.const_value.shape, b.const_value.dtype
+    model.graph.register_initializer(b)
+    mm = next(iter(model.graph))
+    add = ir.node("Add", [mm.outputs[0], b], name="add", outputs=[ir.Value(name="z")])
+    model.graph.append(add)
+    model.graph.outputs[0] = add.outputs[0]
+    add.outputs[0].dtype, add.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([3, 8])
+    feeds = [{"x": rng.standard_normal((3, 16)).astype(np.float32)} for _ in range(2)]
+    plan = _quant_plan.GraphPlan(
+        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=2)
+    )
+    out, facts = _quant_static.quantize_int8(model, FeedReader(feeds), plan)
+    assert facts["matmul_bias_int32"] == 1 and "b" not in out.graph.initializers
+    add = next(n for n in out.graph if n.op_type == "Add")
+    dq = add.inputs[1].producer()
+    assert dq.op_type == "DequantizeLinear" and dq.inputs[0].const_value.dtype == ir.DataType.INT32
+    onnx.checker.check_model(ir.to_proto(out), full_check=True)

@@ -1,0 +1,84 @@
+"""Stage tensor names that graphs, passes, the runtime and backends agree on, spelled once.
+
+Every graph input/output name another module depends on is built or matched here (the KV names of
+the contiguous and paged decoder interfaces, docs/architecture.md "Graph IO"); nothing else spells
+them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+logger = logging.getLogger(__name__)
+
+KV_KINDS = ("key", "value")
+
+# Contiguous KV interface: the decoder reads past_key_values.{i}.{key,value}, returns present.{i}.{...}.
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+PAST_RE = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+PRESENT_RE = re.compile(r"^present\.(\d+)\.(key|value)$")
+
+# Paged KV interface v2 (docs/paged_kv.md): block pools in, this step's rows out.
+CACHE_PREFIX = {"key": "key_cache.", "value": "value_cache."}
+NEW_PREFIX = {"key": "new_key.", "value": "new_value."}
+CACHE_RE = re.compile(r"^(key|value)_cache\.(\d+)$")
+PAGED_INPUTS = ("block_tables", "slot_mapping", "context_lens")
+# Paged interface v1 output names, refused with a hint to re-run paged_kv.
+LEGACY_CACHE_OUT_PREFIX = "key_cache_out."
+
+_LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
+
+
+def past(i: int, kind: str) -> str:
+    """``past_key_values.{i}.{kind}``."""
+    return f"{PAST_PREFIX}{i}.{kind}"
+
+
+def present(i: int, kind: str) -> str:
+    """``present.{i}.{kind}``."""
+    return f"{PRESENT_PREFIX}{i}.{kind}"
+
+
+def cache(i: int, kind: str) -> str:
+    """The paged pool input of layer ``i``: ``key_cache.{i}`` / ``value_cache.{i}``."""
+    return f"{CACHE_PREFIX[kind]}{i}"
+
+
+def new_rows(i: int, kind: str) -> str:
+    """The paged step's rows out of layer ``i``: ``new_key.{i}`` / ``new_value.{i}``."""
+    return f"{NEW_PREFIX[kind]}{i}"
+
+
+def kv_names(layers: int) -> tuple[list[str], list[str]]:
+    """Past and present KV tensor names in layer order (key then value)."""
+    return (
+        [past(i, k) for i in range(layers) for k in KV_KINDS],
+        [present(i, k) for i in range(layers) for k in KV_KINDS],
+    )
+
+
+def is_past(name: str) -> bool:
+    return name.startswith(PAST_PREFIX)
+
+
+def is_cache(name: str) -> bool:
+    """True for a paged pool input (``key_cache.{i}`` or ``value_cache.{i}``)."""
+    return CACHE_RE.match(name) is not None
+
+
+def is_paged_io(name: str) -> bool:
+    """True for any name of the paged interface (pools, rows out, legacy pool outputs)."""
+    return name.startswith(("key_cache", "value_cache", "new_key", "new_value"))
+
+
+def cache_layers(names) -> list[int]:
+    """Layer indices of the ``key_cache.{i}`` names among ``names``, in their order."""
+    return [int(m[2]) for n in names if (m := CACHE_RE.match(n)) and m[1] == "key"]
+
+
+def layer_of(name: str) -> int | None:
+    """The layer index a KV tensor name carries (``past_key_values.3.key`` -> 3, ``key_cache.3`` -> 3)."""
+    m = _LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
