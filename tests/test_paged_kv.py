@@ -16,7 +16,7 @@ from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.recipe import Step
-from vlmc.runtime import Pipeline
+from vlmc.runtime import Pipeline, deepstack
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV, write_rows
 
@@ -163,6 +163,10 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
     # extra decoder inputs (text.decoder_inputs, e.g. token_type_ids): text tokens everywhere
     extra = {n: np.zeros((2, 20), np.int64) for n in cont.manifest["text"].get("decoder_inputs") or {}}
     extra1 = {n: v[:, :1] for n, v in extra.items()}
+    # deepstack inputs (text.deepstack): no image position, as the runtime feeds text-only steps
+    width = specs["inputs_embeds"]["shape"][2]
+    extra.update(deepstack.feeds(cont.manifest, np.zeros((2, 20), np.int64), {}, width, prefill=True))
+    extra1.update(deepstack.feeds(cont.manifest, np.zeros((2, 1), np.int64), {}, width, prefill=False))
     rng = np.random.default_rng(0)
     layers, heads, dim = kv["layers"], kv["kv_heads"], kv["head_dim"]
     hidden = specs["inputs_embeds"]["shape"][2]

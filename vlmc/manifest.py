@@ -102,6 +102,16 @@ def new(family: str, architecture: str, source: str, config_hash: str) -> dict:
 
 def validate(m: Any, where: str = "vlmc.json") -> dict:
     """Check a manifest's structure and internal consistency; raise a one-line VlmcError if broken."""
+    try:
+        return _validate(m, where)
+    except VlmcError as exc:
+        text = str(exc)
+        if "\n" in text or "\r" in text:  # a key with a line break: keep the error on one line
+            raise VlmcError(text.replace("\r", "\\r").replace("\n", "\\n")) from None
+        raise
+
+
+def _validate(m: Any, where: str) -> dict:
     if not isinstance(m, dict):
         raise VlmcError(f"{where}: manifest must be a JSON object")
     version = m.get("format_version")

@@ -449,8 +449,8 @@ GRAPH = Obj(
         "weights_file": FILE_NAME,
         "kv_layers": List(Int(0, L.MAX_LAYERS), 2, 2),
         "quantization": Facts(depth=6, max_items=1 << 20),
-        "stages": Facts(depth=6, max_items=4096),
-        "pipeline": Facts(depth=6, max_items=4096),
+        "stages": Facts(depth=12, max_items=1 << 20),
+        "pipeline": Facts(depth=12, max_items=1 << 20),
     },
     Facts(depth=4, max_items=4096),
 )
@@ -483,7 +483,9 @@ MANIFEST = Obj(
                     "spatial_merge_size": Int(1, 64),
                     "temporal_patch_size": Int(1, 64),
                     "num_query_tokens": Int(1, L.MAX_TOKENS_PER_IMAGE),
-                    "feature_layer": Int(-L.MAX_LAYERS, L.MAX_LAYERS),
+                    "feature_layer": OneOf(
+                        (Int(-L.MAX_LAYERS, L.MAX_LAYERS), List(Int(-L.MAX_LAYERS, L.MAX_LAYERS), 1, 64))
+                    ),
                     "has_cls_token": Bool(),
                     "packed_features": Bool(),
                     "dynamic_resolution": Bool(),
@@ -539,8 +541,8 @@ MANIFEST = Obj(
             Obj(
                 {
                     "image": List(Nullable(Str(128, pattern=NAME)), 0, 64),
-                    "embed": Req(Str(128, pattern=NAME)),
-                    "decoder": Req(List(Nullable(Str(128, pattern=NAME)), 1, 1024)),
+                    "embed": Nullable(Str(128, pattern=NAME)),
+                    "decoder": List(Nullable(Str(128, pattern=NAME)), 0, 1024),
                     "vlm": Nullable(Str(128, pattern=NAME)),
                 },
                 Facts(depth=2),
@@ -569,8 +571,6 @@ MANIFEST = Obj(
 def cross_check(m: dict, where: str) -> None:
     """Rules across fields: an image path in the pipeline; every ``*_token_id`` fact of vision and text is
     below text.vocab_size (pipeline names are checked against graphs in vlmc.manifest.validate)."""
-    if "image" not in m["pipeline"] and "vlm" not in m["pipeline"]:
-        raise VlmcError(f"{where}: pipeline.image is missing (and no pipeline.vlm graph takes images)")
     vocab = m["text"]["vocab_size"]
     for section in ("vision", "text"):
         for key, value in m[section].items():
