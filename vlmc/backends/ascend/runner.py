@@ -28,6 +28,7 @@ from typing import Protocol
 
 import numpy as np
 
+from vlmc import paths
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc
 from vlmc.errors import VlmcError
@@ -339,11 +340,8 @@ def _shapes(feeds: dict[str, object]) -> str:
 
 
 def _inside(root: Path, rel: str) -> Path:
-    """``root / rel``, refusing a path that leaves the build directory (compile.json may come from elsewhere)."""
-    path = (root / rel).resolve()
-    if root.resolve() not in path.parents:
-        raise VlmcError(f"compile.json names {rel!r}, which is outside the build directory {root}")
-    return path
+    """``root / rel`` under the one confinement rule (vlmc/paths.py): compile.json may come from elsewhere."""
+    return paths.inside(root, rel, "a build file", where=f"{root}/compile.json")
 
 
 def agreement(reference, got) -> dict:

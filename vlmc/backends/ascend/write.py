@@ -12,7 +12,7 @@ from pathlib import Path
 import onnx
 
 from vlmc import graphs as G
-from vlmc import outdir
+from vlmc import outdir, paths
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools
 from vlmc.backends.ascend import soc as S
@@ -225,7 +225,7 @@ def write_runtime_package(package: Package, plan: dict, dest: Path) -> None:
         rel = p.relative_to(root).as_posix()
         if p.is_dir() or p.is_symlink() or rel in package.files or not _runtime_file(rel):
             continue
-        _copy_inside(dest, rel, p.read_bytes())
+        _copy_inside(dest, rel, paths.regular_file(root, rel, "a package file", str(root)).read_bytes())
 
 
 def _runtime_file(rel: str) -> bool:
@@ -236,9 +236,7 @@ def _runtime_file(rel: str) -> bool:
 
 
 def _copy_inside(dest: Path, rel: str, blob: bytes) -> None:
-    target = (dest / rel).resolve()
-    if dest.resolve() not in target.parents:
-        raise VlmcError(f"package file {rel!r} would be written outside {dest}")
+    target = paths.inside(dest, rel, "a package file", str(dest))
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_bytes(blob)
 
