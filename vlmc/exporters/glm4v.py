@@ -25,7 +25,6 @@ import logging
 
 import torch
 
-from vlmc import samples
 from vlmc.exporters import base, qwen2_vl, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -247,31 +246,19 @@ def tokens_per_image(config) -> int:
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    merge = int(vcfg.spatial_merge_size)
     marker = _marker(source)
     m = pkg.manifest
-    m["vision"] = {
-        "image_size": None,
-        "tokens_per_image": None,
-        "dynamic_resolution": True,
-        "image_token_id": int(cfg.image_token_id),
-        "video_token_id": int(cfg.video_token_id),
-        "image_start_token_id": int(cfg.image_start_token_id),
-        "image_end_token_id": int(cfg.image_end_token_id),
-        "spatial_merge_size": merge,
-        "patch_size": int(vcfg.patch_size),
-        "temporal_patch_size": int(vcfg.temporal_patch_size),
-        "packed_features": True,
-        "preprocess": preprocess_facts(vcfg, source.directory),
-        "hidden_size": int(tcfg.hidden_size),
-        "position_embedding": {
+    m["vision"] = qwen2_vl.packed_vision_facts(
+        source,
+        preprocess_facts(vcfg, source.directory),
+        image_start_token_id=int(cfg.image_start_token_id),
+        image_end_token_id=int(cfg.image_end_token_id),
+        position_embedding={
             "table": int(model.model.visual.embeddings.position_embedding.weight.shape[0]),
             "interpolation": "bicubic",
             "align_corners": False,
         },
-        "window_attention": None,
-        "attention": None,
-    }
+    )
     m["text"] = text_facts(
         cfg,
         tcfg,
@@ -285,27 +272,7 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    g = torch.Generator().manual_seed(0)
-    grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
-    dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
-    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    vision = base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels, grid],
-        ["pixel_values", "image_grid_thw"],
-        ["image_features"],
-        {
-            "pixel_values": {0: base.PATCHES},
-            "image_grid_thw": {0: base.IMAGES},
-            "image_features": {0: qwen2_vl.IMAGE_TOKENS},
-        },
-        role="vision",
-    )
-    m["vision"]["attention"] = qwen2_vl.attention_facts(vision, vcfg)
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
-    del vision
+    qwen2_vl.export_packed_vision(pkg, VisionWrapper(model), vcfg)
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     with _traceable_rotary(model.model.language_model.rotary_emb):
         base.export_decoder(

@@ -303,6 +303,7 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
     so token scores are patch scores averaged over those groups. The attention is masked (block
     diagonal per image), which the pass needs to know before recomputing it from Q and K.
     """
+    merge = int(vcfg.spatial_merge_size)
     blocks = int(vcfg.depth)
     full = getattr(vcfg, "fullatt_block_indexes", None)
     layer = max(full) if full else blocks - 1
@@ -315,7 +316,6 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
         )
         return None
     facts = attention.locate(vision_graph, nodes[layer])
-    merge = int(vcfg.spatial_merge_size)
     facts.update(
         {
             "graph": "vision_encoder",
@@ -341,33 +341,21 @@ def _marker(source) -> str:
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    merge = int(vcfg.spatial_merge_size)
     windowed = getattr(vcfg, "fullatt_block_indexes", None) is not None
     marker = _marker(source)
 
     m = pkg.manifest
-    m["vision"] = {
-        "image_size": None,
-        "tokens_per_image": None,
-        "dynamic_resolution": True,
-        "image_token_id": int(cfg.image_token_id),
-        "video_token_id": int(cfg.video_token_id),
-        "vision_start_token_id": int(cfg.vision_start_token_id),
-        "vision_end_token_id": int(cfg.vision_end_token_id),
-        "spatial_merge_size": merge,
-        "patch_size": int(vcfg.patch_size),
-        "temporal_patch_size": int(vcfg.temporal_patch_size),
-        "packed_features": True,
-        "preprocess": preprocess_facts(vcfg, source.directory),
-        "hidden_size": int(tcfg.hidden_size),
-        "window_attention": (
+    m["vision"] = packed_vision_facts(
+        source,
+        preprocess_facts(vcfg, source.directory),
+        vision_start_token_id=int(cfg.vision_start_token_id),
+        vision_end_token_id=int(cfg.vision_end_token_id),
+        window_attention=(
             {"window_size": int(vcfg.window_size), "full_attention_blocks": list(vcfg.fullatt_block_indexes)}
             if windowed
             else None
         ),
-        # no single CLS attention row to score tokens with (read by prune_visual_tokens)
-        "attention": None,
-    }
+    )
     m["text"] = text_facts(
         cfg,
         tcfg,
@@ -380,28 +368,7 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    # Trace with two images of different sizes so nothing about one grid can be baked in.
-    g = torch.Generator().manual_seed(0)
-    grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
-    dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
-    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    vision = base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels, grid],
-        ["pixel_values", "image_grid_thw"],
-        ["image_features"],
-        {
-            "pixel_values": {0: base.PATCHES},
-            "image_grid_thw": {0: base.IMAGES},
-            "image_features": {0: IMAGE_TOKENS},
-        },
-        role="vision",
-    )
-    m["vision"]["attention"] = attention_facts(vision, vcfg)
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
-    del vision
+    export_packed_vision(pkg, VisionWrapper(model), vcfg)
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(
         pkg,
@@ -413,3 +380,58 @@ def export(source, pkg: Package) -> None:
         tcfg.hidden_size,
         mrope=True,
     )
+
+
+def packed_vision_facts(source, preprocess: dict, **family) -> dict:
+    """The manifest ``vision`` section of a packed-patch ViT (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4.1V):
+    the facts they share, with the family's ``preprocess`` facts and its own (begin/end tokens, position table, windows)."""
+    cfg = source.config
+    tcfg, vcfg = cfg.text_config, cfg.vision_config
+    return {
+        "image_size": None,
+        "tokens_per_image": None,
+        "dynamic_resolution": True,
+        "image_token_id": int(cfg.image_token_id),
+        "video_token_id": int(cfg.video_token_id),
+        "spatial_merge_size": int(vcfg.spatial_merge_size),
+        "patch_size": int(vcfg.patch_size),
+        "temporal_patch_size": int(vcfg.temporal_patch_size),
+        "packed_features": True,
+        "preprocess": preprocess,
+        "hidden_size": int(tcfg.hidden_size),
+        "window_attention": None,
+        # no single CLS attention row to score tokens with (read by prune_visual_tokens)
+        "attention": None,
+        **family,
+    }
+
+
+def export_packed_vision(pkg: Package, wrapper, vcfg, token_aligned: dict[str, int] | None = None) -> None:
+    """Export a packed-patch vision graph (``pixel_values`` [patches, dim], ``image_grid_thw``) and its sample.
+
+    Traced with two images of different sizes so nothing about one grid can be baked in.
+    ``token_aligned``: further outputs after ``image_features`` (name -> their image-token axis).
+    """
+    merge = int(vcfg.spatial_merge_size)
+    g = torch.Generator().manual_seed(0)
+    grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
+    dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
+    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
+    extra = dict(token_aligned or {})
+    vision = base.export_stage(
+        pkg,
+        "vision_encoder",
+        wrapper,
+        [pixels, grid],
+        ["pixel_values", "image_grid_thw"],
+        ["image_features", *extra],
+        {
+            "pixel_values": {0: base.PATCHES},
+            "image_grid_thw": {0: base.IMAGES},
+            "image_features": {0: IMAGE_TOKENS},
+            **{name: {axis: IMAGE_TOKENS} for name, axis in extra.items()},
+        },
+        role="vision",
+    )
+    pkg.manifest["vision"]["attention"] = attention_facts(vision, vcfg)
+    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})

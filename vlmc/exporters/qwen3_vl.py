@@ -25,7 +25,6 @@ import logging
 
 import torch
 
-from vlmc import samples
 from vlmc.exporters import base, qwen2_vl, zoo
 from vlmc.exporters._facts import image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -261,7 +260,6 @@ def preprocess_facts(vcfg, directory) -> dict:
 def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     tcfg, vcfg = cfg.text_config, cfg.vision_config
-    merge = int(vcfg.spatial_merge_size)
     deepstack_layers = len(vcfg.deepstack_visual_indexes)
     if deepstack_layers > int(tcfg.num_hidden_layers):
         from vlmc.errors import VlmcError
@@ -272,31 +270,20 @@ def export(source, pkg: Package) -> None:
         )
     marker = qwen2_vl._marker(source)
     m = pkg.manifest
-    m["vision"] = {
-        "image_size": None,
-        "tokens_per_image": None,
-        "dynamic_resolution": True,
-        "image_token_id": int(cfg.image_token_id),
-        "video_token_id": int(cfg.video_token_id),
-        "vision_start_token_id": int(cfg.vision_start_token_id),
-        "vision_end_token_id": int(cfg.vision_end_token_id),
-        "spatial_merge_size": merge,
-        "patch_size": int(vcfg.patch_size),
-        "temporal_patch_size": int(vcfg.temporal_patch_size),
-        "packed_features": True,
-        "preprocess": preprocess_facts(vcfg, source.directory),
-        "hidden_size": int(tcfg.hidden_size),
-        "position_embedding": {
+    m["vision"] = qwen2_vl.packed_vision_facts(
+        source,
+        preprocess_facts(vcfg, source.directory),
+        vision_start_token_id=int(cfg.vision_start_token_id),
+        vision_end_token_id=int(cfg.vision_end_token_id),
+        position_embedding={
             "table": int(vcfg.num_position_embeddings),
             "interpolation": "bilinear",
             "align_corners": True,
         },
-        "window_attention": None,
         # Outputs of the vision graph laid out along image_features' token axis (name -> that axis):
         # whatever selects or reorders tokens (prune_visual_tokens) must do the same to these.
-        "token_aligned_outputs": {DEEPSTACK_OUTPUT: 1},
-        "attention": None,
-    }
+        token_aligned_outputs={DEEPSTACK_OUTPUT: 1},
+    )
     m["text"] = text_facts(
         cfg,
         tcfg,
@@ -318,28 +305,7 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    g = torch.Generator().manual_seed(0)
-    grid = torch.tensor([[1, 2 * merge, 3 * merge], [1, 3 * merge, 2 * merge]], dtype=torch.int64)
-    dim = int(vcfg.in_channels) * int(vcfg.temporal_patch_size) * int(vcfg.patch_size) ** 2
-    pixels = torch.randn(int(grid.prod(-1).sum()), dim, generator=g)
-    vision = base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels, grid],
-        ["pixel_values", "image_grid_thw"],
-        ["image_features", DEEPSTACK_OUTPUT],
-        {
-            "pixel_values": {0: base.PATCHES},
-            "image_grid_thw": {0: base.IMAGES},
-            "image_features": {0: qwen2_vl.IMAGE_TOKENS},
-            DEEPSTACK_OUTPUT: {1: qwen2_vl.IMAGE_TOKENS},
-        },
-        role="vision",
-    )
-    m["vision"]["attention"] = qwen2_vl.attention_facts(vision, vcfg)
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy(), "image_grid_thw": grid.numpy()})
-    del vision
+    qwen2_vl.export_packed_vision(pkg, VisionWrapper(model), vcfg, {DEEPSTACK_OUTPUT: 1})
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     export_decoder(pkg, model, kv, int(tcfg.hidden_size), deepstack_layers)
 
