@@ -14,6 +14,7 @@ rules (token ids below vocab_size, pipeline names listed in graphs) are in :func
 
 from __future__ import annotations
 
+import abc
 import math
 import re
 from dataclasses import dataclass, field
@@ -44,14 +45,16 @@ def _kind(value: Any) -> str:
 
 
 # ---- the schema language ------------------------------------------------------------------------
-class T:
+class T(abc.ABC):
     doc: str = ""
 
-    def check(self, value: Any, path: str) -> None:  # pragma: no cover - every type overrides it
-        raise NotImplementedError
+    @abc.abstractmethod
+    def check(self, value: Any, path: str) -> None:
+        """Raise VlmcError naming ``path`` unless ``value`` fits."""
 
-    def json(self) -> dict:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def json(self) -> dict:
+        """This type as JSON Schema."""
 
     def accepts(self, value: Any) -> bool:
         try:

@@ -24,6 +24,7 @@ The module then exports the tier's API with :func:`module_api` (``MODEL_TYPES``,
 
 from __future__ import annotations
 
+import abc
 import logging
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ class VisionTrace:
     output_axes: dict[int, str] = field(default_factory=lambda: {0: base.IMAGES})
 
 
-class Family:
+class Family(abc.ABC):
     """What a family on the generic tier states. Subclass, set the class attributes, override the hooks.
 
     Attributes:
@@ -97,11 +98,11 @@ class Family:
         return AutoModelForImageTextToText
 
     # ---- facts ----------------------------------------------------------------------------
+    @abc.abstractmethod
     def vision_facts(self, source) -> dict:
         """The manifest's ``vision`` section: at least ``image_token_id`` and ``preprocess`` (the runtime's
         preprocessing kind and settings), and either a fixed ``tokens_per_image`` or a token-count
         rule the preprocessing kind implements (``packed_features``: True, ``tokens_per_image``: None)."""
-        raise NotImplementedError
 
     def text_facts(self, source) -> dict:
         """The family's own entries of the manifest's ``text`` section (see _facts.text_facts): prompt
@@ -142,6 +143,7 @@ class Family:
 
     def after_export(self, source, pkg: Package, vision_graph) -> None:
         """Facts read off the exported vision graph (e.g. attention facts for prune); default none."""
+        return None
 
     # ---- the exporter ---------------------------------------------------------------------
     def export(self, source, pkg: Package) -> None:
