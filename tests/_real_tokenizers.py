@@ -130,27 +130,39 @@ def llama_tokenizer(legacy: bool = False, metaspace: str | None = None):
     )
 
 
-def qwen2_tokenizer():
-    """A Qwen2-style byte-level BPE with Qwen2-VL's special tokens, as Qwen2TokenizerFast."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Qwen2TokenizerFast
+# Qwen2's pre-tokenizer split (Qwen2-VL, Qwen2.5-VL, Qwen3-VL and InternVL's Qwen2 tokenizer use it).
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 
-    split = Regex(
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-        r"|\s+(?!\S)|\s+"
-    )
+
+def byte_level_bpe(split: str, vocab_size: int):
+    """A byte-level BPE (``split`` regex, then ByteLevel) trained on the corpus, as a tokenizers.Tokenizer
+    with its decoder and no special tokens yet: the model part of the Qwen- and GLM-style tokenizers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     pre = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(split, behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
     trainee = Tokenizer(models.BPE())
     trainee.pre_tokenizer = pre
-    vocab, merges = _train_bpe(trainee, 420, [], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    vocab, merges = _train_bpe(trainee, vocab_size, [], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def qwen2_tokenizer():
+    """A Qwen2-style byte-level BPE with Qwen2-VL's special tokens, as Qwen2TokenizerFast."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2TokenizerFast
+
+    tok = byte_level_bpe(QWEN_SPLIT, 420)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_SPECIALS])
     return Qwen2TokenizerFast(
         tokenizer_object=tok,

@@ -58,25 +58,10 @@ INTERNVL_CHAT_TEMPLATE = (
 
 def internvl_tokenizer():
     """Qwen2Tokenizer (the class InternVL3-hf's tokenizer_config names) with InternVL's special tokens."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    split = Regex(
-        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-        r"|\s+(?!\S)|\s+"
-    )
-    pre = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(split, behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainee = Tokenizer(models.BPE())
-    trainee.pre_tokenizer = pre
-    vocab, merges = R._train_bpe(trainee, 420, [], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre
-    tok.decoder = decoders.ByteLevel()
+    tok = R.byte_level_bpe(R.QWEN_SPLIT, 420)
     specials = QWEN25_SPECIALS + INTERNVL_SPECIALS + ["<video>"]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
     return Qwen2Tokenizer(

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from _real_tokenizers import QWEN_SPECIALS, _train_bpe
+from _real_tokenizers import QWEN_SPECIALS, QWEN_SPLIT, byte_level_bpe
 
 logger = logging.getLogger(__name__)
 
@@ -51,31 +51,16 @@ QWEN3_VL_CHAT_TEMPLATE = (
 )
 
 # Qwen2 / Qwen3 pre-tokenizer split (tokenizer.json of the Qwen checkpoints).
-_QWEN_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-    r"|\s+(?!\S)|\s+"
-)
 
 
 def qwen3_tokenizer():
     """A Qwen3-style byte-level BPE (NFC, Qwen split, ByteLevel) with Qwen3-VL's added tokens, as
     Qwen2TokenizerFast (the class Qwen3-VL's tokenizer_config names): eos <|im_end|>, pad <|endoftext|>."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import AddedToken, normalizers
     from transformers import Qwen2TokenizerFast
 
-    pre = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainee = Tokenizer(models.BPE())
-    trainee.pre_tokenizer = pre
-    vocab, merges = _train_bpe(trainee, 420, [], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok = byte_level_bpe(QWEN_SPLIT, 420)
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre
-    tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN_SPECIALS])
     tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in QWEN3_NON_SPECIAL[:2]])
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in QWEN3_EXTRA_SPECIALS])
@@ -177,21 +162,10 @@ _GLM_SPLIT = (
 def glm4_tokenizer():
     """A GLM-4-style byte-level BPE with GLM-4.1V's special tokens, as PreTrainedTokenizerFast (the class the
     checkpoint names): eos and pad <|endoftext|>, no BOS (the chat template writes [gMASK]<sop>)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
 
-    pre = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_GLM_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainee = Tokenizer(models.BPE())
-    trainee.pre_tokenizer = pre
-    vocab, merges = _train_bpe(trainee, 400, [], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre
-    tok.decoder = decoders.ByteLevel()
+    tok = byte_level_bpe(_GLM_SPLIT, 400)
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in GLM_SPECIALS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
