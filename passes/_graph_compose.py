@@ -90,48 +90,26 @@ def extract(
 ) -> ir.Graph:
     """A new graph computing ``outputs`` from ``inputs``: the nodes reached walking producers back.
 
-    The walk stops at ``inputs``; every other value it reaches without a producer must be an
-    initializer, else the cut is not closed and is refused (the result would not be a valid graph).
-    The result is a copy (``ir.GraphView.clone``): new nodes and values, ``graph`` untouched, the
-    same tensor objects for the initializers (nothing is read or copied).
+    ``onnx_ir.convenience.extract`` does the walk (it stops at ``inputs``) and copies the result
+    (``ir.GraphView.clone``: new nodes and values, ``graph`` untouched, the same tensor objects for
+    the initializers, so nothing is read or copied). A cut that needs a graph input it was not given
+    is not closed and is refused; the initializers are put back in ``graph``'s order (the library
+    collects them in a set), so the saved file does not change from run to run.
     """
-    stop = set(inputs)
-    keep: set[ir.Node] = set()
-    inits: set[ir.Value] = set()
-    missing: set[str] = set()
-    seen: set[ir.Value] = set()
-    stack = list(outputs)
-    while stack:
-        v = stack.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        if v in stop:
-            continue
-        node = v.producer()
-        if node is None:
-            if v.is_initializer():
-                inits.add(v)
-            else:
-                missing.add(v.name or "<unnamed>")
-            continue
-        if node not in keep:
-            keep.add(node)
-            stack.extend(reads(node))
-    if missing:
+    try:
+        sub = ir.convenience.extract(graph, inputs=list(inputs), outputs=list(outputs))
+    except ValueError as exc:
         raise VlmcError(
-            f"{where}: the cut needs tensors outside it ({', '.join(sorted(missing)[:4])}); "
+            f"{where}: the cut needs tensors outside it ({str(exc).rsplit(': ', 1)[-1]}); "
             "the graph does not have the expected stage structure"
-        )
-    view = ir.GraphView(
-        inputs,
-        outputs,
-        nodes=[n for n in graph if n in keep],  # the source order, which is topological
-        initializers=[v for v in graph.initializers.values() if v in inits],
-        opset_imports=dict(graph.opset_imports),
-        name=name or graph.name,
-    )
-    return view.clone()
+        ) from exc
+    rank = {n: i for i, n in enumerate(graph.initializers)}
+    ordered = sorted(sub.initializers.values(), key=lambda v: rank.get(v.name, len(rank)))
+    sub.initializers.clear()
+    for v in ordered:
+        sub.register_initializer(v)
+    sub.name = name or graph.name
+    return sub
 
 
 def model_like(graph: ir.Graph, *sources: ir.Model, producer: str | None = None) -> ir.Model:

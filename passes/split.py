@@ -167,7 +167,7 @@ def _set_type(value: ir.Value, proto_type: onnx.TypeProto) -> None:
     dims = []
     for d in tt.shape.dim:
         dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-    value.shape = ir.Shape(dims) if tt.HasField("shape") else None
+    value.shape = ir.Shape(dims)
 
 
 def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
@@ -216,7 +216,7 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
         value.name = hidden(b)
         if 0 < b < bounds[-1]:
             fact = facts.get(boundary[b].name)
-            if fact is not None and fact.tensor_type.elem_type:
+            if fact is not None and fact.tensor_type.elem_type and fact.tensor_type.HasField("shape"):
                 _set_type(value, fact)
             else:
                 compose.set_signature(value, source_entry)
