@@ -186,7 +186,9 @@ def _compose(
         for v in list(g.inputs):
             if v.is_initializer():
                 continue  # an input with a default stays an initializer
-            bound = (inside if s in decoder else {}).get(v.name) or available.get(v.name)
+            bound = inside.get(v.name) if s in decoder else None
+            if bound is None:
+                bound = available.get(v.name)
             if bound is None:
                 inputs.append(v)
                 available[v.name] = v
@@ -232,15 +234,12 @@ class _Nodes:
 
     def op(self, op_type: str, inputs: list[ir.Value], out: str, node: str, **attributes) -> ir.Value:
         n = ir.node(op_type, inputs, attributes=attributes or None, name=self.prefix + node)
-        n.outputs[0].name = out if out in _KEEP_NAMES else self.prefix + out
+        n.outputs[0].name = self.prefix + out
         self.nodes.append(n)
         return n.outputs[0]
 
     def const(self, key: str, value: np.ndarray) -> ir.Value:
         return self.op("Constant", [], key, "Constant_" + key, value=ir.tensor(value, name=self.prefix + key))
-
-
-_KEEP_NAMES = (tensor_names.INPUTS_EMBEDS,)
 
 
 def _scatter_nodes(
@@ -293,6 +292,7 @@ def _scatter_nodes(
     mixed = b.op("Where", [column, picked, flat], "mixed", "Where")
     shape = b.op("Shape", [embeds], "embeds_shape", "Shape")
     out = b.op("Reshape", [mixed, shape], tensor_names.INPUTS_EMBEDS, "Reshape_out")
+    out.name = tensor_names.INPUTS_EMBEDS  # the decoder's input, computed here
     compose.set_signature(out, emb_sig)
     return b.nodes, out
 
