@@ -70,16 +70,36 @@ def _input(name: str, dtype: ir.DataType, shape: list) -> ir.Value:
     return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
 
 
-def vision_graph() -> ir.Model:
-    """pixel_values [images, patches, PATCH_DIM] -> image_features [images * patches, HIDDEN]."""
+DEEPSTACK = {
+    "mask_input": "visual_pos_masks",
+    "embeds_input": "deepstack_visual_embeds",
+    "vision_output": "deepstack_features",
+    "layers": 1,
+    "rows_dim": "visual_tokens",
+    "vision_layers": [0],
+}
+
+
+def vision_graph(deepstack: bool = False) -> ir.Model:
+    """pixel_values [images, patches, PATCH_DIM] -> image_features [images * patches, HIDDEN].
+
+    ``deepstack`` adds a ``deepstack_features`` [1, images * patches, HIDDEN] output (Qwen3-VL's
+    intermediate vision features, which the decoder adds at the image positions).
+    """
     b = _Builder(1)
     px = _input("pixel_values", FLOAT, ["images", PATCHES, PATCH_DIM])
     h = b.op("MatMul", [px, b.weight("vision.proj", PATCH_DIM, HIDDEN)], "vision.h")
-    h = b.op("Relu", [h], "vision.act")
-    h = b.op("MatMul", [h, b.weight("vision.out", HIDDEN, HIDDEN)], "vision.o")
+    act = b.op("Relu", [h], "vision.act")
+    h = b.op("MatMul", [act, b.weight("vision.out", HIDDEN, HIDDEN)], "vision.o")
     feats = b.op("Reshape", [h, b.const("vision.rows", np.array([-1, HIDDEN], np.int64))], "image_features")
     feats.dtype, feats.shape = FLOAT, ir.Shape(["image_tokens", HIDDEN])
-    return b.model("vision_encoder", [px], [feats])
+    outputs = [feats]
+    if deepstack:
+        rows = b.const("vision.ds_rows", np.array([1, -1, HIDDEN], np.int64))
+        ds = b.op("Reshape", [act, rows], DEEPSTACK["vision_output"])
+        ds.dtype, ds.shape = FLOAT, ir.Shape([1, "image_tokens", HIDDEN])
+        outputs.append(ds)
+    return b.model("vision_encoder", [px], outputs)
 
 
 def embed_graph() -> ir.Model:
@@ -91,7 +111,10 @@ def embed_graph() -> ir.Model:
 
 
 def decoder_graph(
-    layers: int = 3, skip_from_embeds: bool = False, past_values_in_layer: int | None = None
+    layers: int = 3,
+    skip_from_embeds: bool = False,
+    past_values_in_layer: int | None = None,
+    deepstack: bool = False,
 ) -> ir.Model:
     """A decoder of ``layers`` residual layers with a contiguous KV interface.
 
@@ -102,7 +125,8 @@ def decoder_graph(
 
     ``skip_from_embeds`` adds ``inputs_embeds`` to every layer's output as well (no single tensor
     then separates two layers); ``past_values_in_layer`` makes that layer read layer 0's past
-    values (not only their shape).
+    values (not only their shape); ``deepstack`` adds the deepstack inputs (a placeholder mask and
+    feature rows) to the residual stream before layer 0.
     """
     b = _Builder(3)
     x = _input("inputs_embeds", FLOAT, ["batch", "sequence", HIDDEN])
@@ -119,6 +143,16 @@ def decoder_graph(
     valid = b.op("ReduceSum", [b.op("Cast", [mask], "mask_f", to=int(FLOAT))], "mask_sum", keepdims=0)
     mask_term = b.op("Mul", [valid, b.const("mask_scale", np.array(0.01, np.float32))], "mask_term")
     h = x
+    extra: list[ir.Value] = []
+    if deepstack:
+        ds_mask = _input(DEEPSTACK["mask_input"], INT64, ["batch", "sequence"])
+        ds_rows = _input(DEEPSTACK["embeds_input"], FLOAT, [1, DEEPSTACK["rows_dim"], HIDDEN])
+        extra = [ds_mask, ds_rows]
+        axes = b.const("ds_axes", np.array([0, 1], np.int64))
+        rows = b.op("ReduceSum", [ds_rows, axes], "ds_sum", keepdims=0)
+        at = b.op("Cast", [ds_mask], "ds_mask_f", to=int(FLOAT))
+        at = b.op("Unsqueeze", [at, b.const("last", np.array([-1], np.int64))], "ds_at")
+        h = b.op("Add", [h, b.op("Mul", [at, rows], "ds_term")], "ds_residual")
     presents = []
     axis = b.const("seq_axis", np.array([1], np.int64))
     for i in range(layers):
@@ -152,7 +186,7 @@ def decoder_graph(
     logits.dtype, logits.shape = FLOAT, ir.Shape(["batch", "sequence", VOCAB])
     for pv in presents:
         pv.dtype, pv.shape = FLOAT, ir.Shape(["batch", "total_sequence", HIDDEN])
-    inputs = [x, mask, *past.values()]
+    inputs = [x, mask, *extra, *past.values()]
     return b.model("decoder", inputs, [logits, *presents])
 
 
@@ -212,16 +246,18 @@ MANIFEST = {
 }
 
 
-def package(directory: Path, layers: int = 3, **decoder_kw) -> Package:
+def package(directory: Path, layers: int = 3, deepstack: bool = False, **decoder_kw) -> Package:
     """A package of the three hand-built graphs, saved to ``directory`` and opened from there."""
     import copy
 
     manifest = copy.deepcopy(MANIFEST)
     manifest["kv"]["layers"] = layers
+    if deepstack:
+        manifest["text"]["deepstack"] = dict(DEEPSTACK)
     pkg = Package(manifest)
-    pkg.set_graph("vision_encoder", vision_graph(), role="vision")
+    pkg.set_graph("vision_encoder", vision_graph(deepstack), role="vision")
     pkg.set_graph("embed_tokens", embed_graph(), role="embed")
-    pkg.set_graph("decoder", decoder_graph(layers, **decoder_kw), role="decoder")
+    pkg.set_graph("decoder", decoder_graph(layers, deepstack=deepstack, **decoder_kw), role="decoder")
     return Package.load(pkg.save(directory))
 
 

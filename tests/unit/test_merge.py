@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _compose_builders import (
+    DEEPSTACK,
     HIDDEN,
     IMAGE_TOKEN,
     PATCH_DIM,
@@ -44,13 +45,19 @@ def _feeds(images: int = 2, seed: int = 0) -> dict[str, np.ndarray]:
 
 def _stagewise(pkg: Package, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The unmerged package's answer: vision, embedding, placeholder rows replaced in numpy, decoder."""
-    feats = run(pkg.model("vision_encoder"), feeds)["image_features"]
+    vision = run(pkg.model("vision_encoder"), feeds)
+    feats = vision["image_features"]
     embeds = run(pkg.model("embed_tokens"), feeds)["inputs_embeds"].copy()
     flat = embeds.reshape(-1, HIDDEN)
-    slots = np.flatnonzero(feeds["input_ids"].reshape(-1) == IMAGE_TOKEN)
+    is_image = feeds["input_ids"] == IMAGE_TOKEN
+    slots = np.flatnonzero(is_image.reshape(-1))
     assert len(slots) == len(feats)
     flat[slots] = feats
-    return run(pkg.model("decoder"), {**feeds, "inputs_embeds": flat.reshape(embeds.shape)})
+    dec = {**feeds, "inputs_embeds": flat.reshape(embeds.shape)}
+    if "deepstack" in pkg.manifest["text"]:  # what the runtime feeds the decoder of a deepstack package
+        dec[DEEPSTACK["mask_input"]] = is_image.astype(np.int64)
+        dec[DEEPSTACK["embeds_input"]] = vision[DEEPSTACK["vision_output"]]
+    return run(pkg.model("decoder"), dec)
 
 
 def test_merged_graph_computes_the_stages(pkg):
@@ -140,6 +147,21 @@ def test_merge_of_decoder_ranges_joins_the_hidden_states(pkg):
     get("merge")().run(pkg)
     info = pkg.info("vlm")
     assert not any(i["name"].startswith(tensor_names.HIDDEN_PREFIX) for i in info["inputs"] + info["outputs"])
+    got = run(pkg.model("vlm"), feeds)
+    for name, ref in want.items():
+        np.testing.assert_array_equal(got[name], ref, err_msg=name)
+
+
+def test_merged_deepstack_package_computes_the_deepstack_inputs(tmp_path):
+    pkg = package(tmp_path / "pkg", layers=LAYERS, deepstack=True)
+    feeds = _feeds(seed=3)
+    want = _stagewise(pkg, feeds)
+    get("merge")().run(pkg)
+    ins = [i["name"] for i in pkg.info("vlm")["inputs"]]
+    assert DEEPSTACK["mask_input"] not in ins and DEEPSTACK["embeds_input"] not in ins
+    # the kept decode path still takes them
+    dec = [i["name"] for i in pkg.info("decoder")["inputs"]]
+    assert DEEPSTACK["mask_input"] in dec and DEEPSTACK["embeds_input"] in dec
     got = run(pkg.model("vlm"), feeds)
     for name, ref in want.items():
         np.testing.assert_array_equal(got[name], ref, err_msg=name)
