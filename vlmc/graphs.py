@@ -454,7 +454,12 @@ def tensor_hash(t) -> str:
         if key in _EXTERNAL_HASHES:
             t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
             return _EXTERNAL_HASHES[key]
+    # A file-backed weight mapped in only to be hashed is unmapped again, so fingerprinting a graph
+    # holds one weight's pages at a time (its mapped pages count as resident while the map is open).
+    unmap = isinstance(t, ir.ExternalTensor) and t.raw is None
     digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    if unmap:
+        t.release()
     t.meta[_HASH_KEY] = digest
     if key is not None:
         _EXTERNAL_HASHES[key] = digest
