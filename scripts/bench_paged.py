@@ -73,7 +73,7 @@ def _export(cfg: dict, tmp: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vlmc import manifest as M
+    from vlmc import manifest
     from vlmc.exporters import base
     from vlmc.package import Package
 
@@ -91,7 +91,7 @@ def _export(cfg: dict, tmp: Path):
             for mod0, mod in zip(first.modules(), later.modules()):
                 for name, p in list(mod0.named_parameters(recurse=False)):
                     setattr(mod, name, p)
-    pkg = Package(M.new("bench", "LlamaForCausalLM", "bench", "none"))
+    pkg = Package(manifest.new("bench", "LlamaForCausalLM", "bench", "none"))
     pkg.use_scratch(tmp / "export")  # the exported file (weights streamed to it) stays for the sessions
     heads = cfg["num_attention_heads"]
     head_dim = cfg["hidden_size"] // heads
