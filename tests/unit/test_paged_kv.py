@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 import onnxruntime
 import pytest
 
@@ -200,6 +201,10 @@ def test_rewrite_keeps_the_decoder_and_adds_the_paged_interface():
     assert len([n for n in nodes if n.op_type == "Gather"]) == 2 * 2 + 1
     assert "ScatterND" not in {n.op_type for n in nodes}
     graphs.check(model, "decoder")  # onnx.checker (full) and strict shape inference
+    # Placed in order and nothing left dangling: onnx-ir's own sort and dead-node removal change nothing.
+    assert not ir.passes.common.TopologicalSortPass()(model).modified
+    assert not ir.passes.common.RemoveUnusedNodesPass()(model).modified
+    assert list(model.graph) == nodes
 
 
 def test_fixed_pool_size_and_kv_heads_go_into_the_pool_shape():
@@ -370,11 +375,13 @@ def test_rewrite_reads_no_weight_of_a_memory_mapped_decoder(big_decoder):
     grew = _peak_rss() - base
     assert _mapped(weights) == []
     assert grew < weight_bytes // 4, f"peak RSS grew by {grew / 2**20:.1f} MiB"
-    # The checks see a read: touching every weight maps it in and makes its pages resident.
+    # The checks see a read: reading the weights into memory maps every one in and grows the peak
+    # by their size (copied: mapped file pages alone may be reclaimed on a loaded machine).
     base = _reset_peak_rss()
-    total = sum(float(t.numpy().sum()) for t in weights)
-    assert np.isfinite(total) and len(_mapped(weights)) == len(weights)
+    copies = [np.array(t.numpy()) for t in weights]
+    assert len(_mapped(weights)) == len(weights)
     assert _peak_rss() - base > weight_bytes // 2
+    del copies
     graphs.release(weights)
 
 
