@@ -207,6 +207,16 @@ def test_rewrite_keeps_the_decoder_and_adds_the_paged_interface():
     assert list(model.graph) == nodes
 
 
+@pytest.mark.parametrize("block_size", [128, 512])
+def test_default_and_largest_block_sizes_pass_the_graph_check(block_size):
+    # From block_size 128 the block offsets (int64) reach the 1 KiB external-data size; the manager's
+    # check (checker + shape inference with data propagation) must still see their values.
+    model = _decoder(layers=1)
+    paged_kv.rewrite(model, block_size, None, kv_heads=2, head_dim=4)
+    assert model.graph.initializers[paged_kv.PREFIX + "offsets"].const_value.nbytes == 8 * block_size
+    graphs.check(model, "decoder")
+
+
 def test_fixed_pool_size_and_kv_heads_go_into_the_pool_shape():
     model = _decoder(layers=1, heads=2, head_dim=4)
     paged_kv.rewrite(model, 32, 7, kv_heads=2, head_dim=4)
