@@ -298,6 +298,7 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         from vlmc.runtime import collective
         from vlmc.runtime.tensor_parallel import RankGroup
 
+        RankGroup.preflight(package, group_executor)  # a missing torch / torch_npu / pyACL: one line, first
         size = pkg.manifest["tensor_parallel"]["size"]
         backend = collective.for_executor(group_executor or "ort").backend
         what = f", each on the {group_executor} executor" if group_executor else ""

@@ -188,7 +188,9 @@ class Hccl(Collective):
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         if x.dtype.name not in HCCL_DTYPES:
-            raise VlmcError(f"HcclAllReduce of a {x.dtype} tensor: vlmc reduces only {', '.join(HCCL_DTYPES)}")
+            raise VlmcError(
+                f"HcclAllReduce of a {x.dtype} tensor: vlmc reduces only {', '.join(HCCL_DTYPES)}"
+            )
         t = self._torch.from_numpy(np.ascontiguousarray(x)).to(f"npu:{self.device_id}")
         self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
         return t.cpu().numpy()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 import traceback
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from vlmc.runtime.collective import COLLECTIVE_TIMEOUT_S, NEEDS_TORCH, require_t
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 300
+# After one rank failed, how long the others get to report before the group is stopped.
+_GRACE_S = 10.0
 
 
 def facts(manifest: dict) -> dict | None:
@@ -64,7 +67,9 @@ class RankDecoder:
             raise VlmcError(f"rank {rank} is outside the package's {tp['size']} ranks")
         if plan is not None:
             keys = ("step", "graphs", "input", "output")
-            if [tuple(s.get(k) for k in keys) for s in plan] != [tuple(s.get(k) for k in keys) for s in tp["plan"]]:
+            if [tuple(s.get(k) for k in keys) for s in plan] != [
+                tuple(s.get(k) for k in keys) for s in tp["plan"]
+            ]:
                 raise VlmcError(
                     "compile.json's tensor_parallel.plan does not match the runtime package's; "
                     "re-run `vlmc compile`"
@@ -74,6 +79,10 @@ class RankDecoder:
         self.rank = rank
         self.all_reduce = all_reduce
         self.collectives = 0  # all-reduces run so far (the benchmark and tests read it)
+
+    def graphs(self) -> list[str]:
+        """This rank's segment graphs, in plan order."""
+        return [s["graphs"][self.rank] for s in self.tp["plan"] if s["step"] == "segment"]
 
     def kv_facts(self, kv: dict) -> dict:
         """The KV facts this rank's state uses: its share of the heads."""
@@ -127,11 +136,15 @@ class _Target:
             summary, pkg = runner.read_build(self.path)
             self.executor = executor or "reference"
             if self.executor not in runner.EXECUTORS:
-                raise VlmcError(f"unknown executor {self.executor!r}; choose one of {', '.join(runner.EXECUTORS)}")
+                raise VlmcError(
+                    f"unknown executor {self.executor!r}; choose one of {', '.join(runner.EXECUTORS)}"
+                )
             self.manifest = pkg.manifest
             self.plan = (summary.get("tensor_parallel") or {}).get("plan")
             if facts(self.manifest) is not None and self.plan is None:
-                raise VlmcError(f"{path}: compile.json has no tensor_parallel host plan; re-run `vlmc compile`")
+                raise VlmcError(
+                    f"{path}: compile.json has no tensor_parallel host plan; re-run `vlmc compile`"
+                )
         else:
             if executor is not None:
                 raise VlmcError(f"--executor applies to a compile output; {path} is a package")
@@ -158,7 +171,8 @@ class _Target:
         if self.executor == "acl" and absent:
             raise VlmcError(
                 f"--executor acl on a tensor-parallel build runs each rank's .om files through pyACL and joins "
-                f"the ranks with torch_npu's hccl backend, but {', '.join(absent)} does not import here: install "
+                f"the ranks with torch_npu's hccl backend, but {' and '.join(absent)} "
+                f"{'does' if len(absent) == 1 else 'do'} not import here: install "
                 "CANN (source set_env.sh) and the matching torch_npu (Ascend/pytorch), or run --executor reference"
             )
         collective.check()
@@ -260,9 +274,8 @@ class RankGroup:
         """
         import multiprocessing as mp
 
-        target = _Target(package, executor)
+        target = self.preflight(package, executor)
         self.collective = collective_mod.for_executor(target.executor)
-        target.check(self.collective)
         self.path, self.size, self.executor = target.path, target.size, target.executor
         if threads is None:  # the ranks share the machine's cores
             threads = max(1, (os.cpu_count() or 1) // self.size)
@@ -288,27 +301,53 @@ class RankGroup:
             self.close()
             raise
 
+    @staticmethod
+    def preflight(package: str | Path, executor: str | None = None) -> _Target:
+        """Read what the ranks would run and check that its collective and executor import here, without
+        starting anything; raises a one-line VlmcError naming what is missing."""
+        target = _Target(package, executor)
+        target.check(collective_mod.for_executor(target.executor))
+        return target
+
     def _collect(self, what: str, timeout: float | None = None) -> list:
-        results, errors = [], []
-        for rank, conn in enumerate(self._conns):
-            if timeout is not None and not conn.poll(timeout):
-                errors.append(f"rank {rank} did not answer within {timeout:.0f} s")
-                continue
-            try:
-                status, value = conn.recv()
-            except EOFError:
-                errors.append(f"rank {rank} exited (code {self._procs[rank].exitcode})")
-                continue
-            if status == "error":
-                errors.append(f"rank {rank}: {value}")
-            results.append(value)
+        """Every rank's answer, rank 0 first. When one rank fails, the others may be blocked in a
+        collective waiting for it: they get :data:`_GRACE_S` to answer (a bad prompt fails on every rank
+        alike), then the group is stopped instead of waiting out the collective's timeout."""
+        from multiprocessing.connection import wait
+
+        pending = dict(enumerate(self._conns))
+        results: dict[int, object] = {}
+        errors: dict[int, str] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while pending:
+            limit = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if errors:
+                limit = _GRACE_S if limit is None else min(limit, _GRACE_S)
+            ready = wait(list(pending.values()), timeout=limit)
+            if not ready:
+                if not errors:
+                    errors.update({r: f"rank {r} did not answer within {timeout:.0f} s" for r in pending})
+                break
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, value = conn.recv()
+                except EOFError:
+                    errors[rank] = f"rank {rank} exited (code {self._procs[rank].exitcode})"
+                    continue
+                if status == "error":
+                    errors[rank] = f"rank {rank}: {value}"
+                else:
+                    results[rank] = value
         if errors:
             self.close()
-            first = errors[0].split(": ", 1)[-1]
-            if all(e.split(": ", 1)[-1] == first for e in errors) and len(errors) == self.size:
+            messages = [errors[r] for r in sorted(errors)]
+            first = messages[0].split(": ", 1)[-1]
+            if len(errors) == self.size and all(m.split(": ", 1)[-1] == first for m in messages):
                 raise VlmcError(first)  # every rank refused the same way (e.g. a bad prompt)
-            raise VlmcError(f"tensor-parallel {what} failed: {'; '.join(errors)}")
-        return results
+            raise VlmcError(f"tensor-parallel {what} failed: {'; '.join(messages)}")
+        return [results[r] for r in range(self.size)]
 
     def call(self, method: str, *args, **kwargs) -> list:
         """Call ``Pipeline.<method>`` on every rank; returns each rank's result, rank 0 first."""

@@ -463,14 +463,18 @@ def rank_devices(build_dir: str | Path, size: int) -> list[int]:
     summary, _ = read_build(root)
     name = (summary.get("tensor_parallel") or {}).get("rank_table")
     if not name:
-        raise VlmcError(f"{root} is not a tensor-parallel build (compile.json has no tensor_parallel.rank_table)")
+        raise VlmcError(
+            f"{root} is not a tensor-parallel build (compile.json has no tensor_parallel.rank_table)"
+        )
     path = paths.regular_file(root, name, "the rank table", f"{root}/compile.json")
     try:
         table = json.loads(path.read_text())
         entries = [d for server in table["server_list"] for d in server["device"]]
         devices = {int(d["rank_id"]): int(d["device_id"]) for d in entries}
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
-        raise VlmcError(f"{path} is not a rank table (server_list[].device[].rank_id/device_id): {exc}") from None
+        raise VlmcError(
+            f"{path} is not a rank table (server_list[].device[].rank_id/device_id): {exc}"
+        ) from None
     if sorted(devices) != list(range(size)) or len(entries) != size:
         raise VlmcError(f"{path} gives ranks {sorted(devices)}, the build has {size} (one device per rank)")
     return [devices[r] for r in range(size)]
