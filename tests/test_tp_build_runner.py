@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -274,3 +275,25 @@ def test_rank_follows_compile_json_plan_only_if_it_matches_the_package(built):
     swapped[0]["graphs"] = swapped[0]["graphs"][::-1]
     with pytest.raises(VlmcError, match="does not match the runtime package's"):
         RankDecoder(pkg.manifest, 1, None, plan=swapped)
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_mid_step_stops_the_group_in_one_line(built, tmp_path):
+    """Rank 1 cannot load its second attention segment; rank 0 is then blocked in the all-reduce after
+    its own. The group reports rank 1's error and stops, instead of waiting out the collective's timeout."""
+    build = tmp_path / "build"
+    shutil.copytree(built["plain"]["tp"][1], build)
+    summary = json.loads((build / "compile.json").read_text())
+    broken = next(b for b in summary["builds"] if b["name"] == "decoder.rank1.2_prefill")
+    (build / broken["file"]).write_bytes(b"not an onnx file")
+    group = RankGroup(build, executor="reference")
+    try:
+        start = time.monotonic()
+        with pytest.raises(VlmcError) as err:
+            group.generate(PROMPTS, IMAGES, TOKENS)
+        took = time.monotonic() - start
+    finally:
+        group.close()
+    message = str(err.value)
+    assert message.startswith("tensor-parallel generate failed: rank 1:") and "\n" not in message, message
+    assert took < 60, took  # the collective's own timeout is 300 s

@@ -191,7 +191,8 @@ class Hccl(Collective):
             raise VlmcError(
                 f"HcclAllReduce of a {x.dtype} tensor: vlmc reduces only {', '.join(HCCL_DTYPES)}"
             )
-        t = self._torch.from_numpy(np.ascontiguousarray(x)).to(f"npu:{self.device_id}")
+        host = np.require(x, requirements=["C", "W"])  # torch.from_numpy wants a writable array
+        t = self._torch.from_numpy(host).to(f"npu:{self.device_id}")
         self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
         return t.cpu().numpy()
 
