@@ -297,3 +297,17 @@ def test_a_rank_that_fails_mid_step_stops_the_group_in_one_line(built, tmp_path)
     message = str(err.value)
     assert message.startswith("tensor-parallel generate failed: rank 1:") and "\n" not in message, message
     assert took < 60, took  # the collective's own timeout is 300 s
+
+
+def test_a_plan_naming_other_builds_than_the_build_list_is_refused(built, tmp_path):
+    from vlmc.runtime.tensor_parallel import _Target
+
+    build = tmp_path / "build"
+    shutil.copytree(built["plain"]["tp"][1], build)
+    decoder, pipe = _Target(build, "reference").open(1, None, None)  # what rank 1's process opens
+    assert decoder.graphs()[0] == "decoder.rank1.0" and pipe.executor.builds.keys() >= set(decoder.graphs())
+    summary = json.loads((build / "compile.json").read_text())
+    summary["tensor_parallel"]["plan"][0]["builds"][1] = {"prefill": "decoder.rank0.0_prefill"}
+    (build / "compile.json").write_text(json.dumps(summary))
+    with pytest.raises(VlmcError, match=r"names builds \['decoder.rank0.0_prefill'\] for decoder.rank1.0"):
+        _Target(build, "reference").open(1, None, None)

@@ -188,6 +188,16 @@ class _Target:
             device = self.devices[rank] if self.devices[rank] is not None else 0
             pkg, executor = runner.open_build(self.path, self.executor, device, rank=rank)
             decoder = RankDecoder(pkg.manifest, rank, all_reduce, plan=self.plan)
+            for step in self.plan:  # each segment step names exactly the builds the executor picks from
+                if step["step"] != "segment":
+                    continue
+                graph, named = step["graphs"][rank], set(step["builds"][rank].values())
+                held = {b.name for b in executor.builds.get(graph, [])}
+                if named != held:
+                    raise VlmcError(
+                        f"compile.json: the host plan names builds {sorted(named)} for {graph}, the build list "
+                        f"has {sorted(held)}; re-run `vlmc compile`"
+                    )
             return decoder, Pipeline(pkg, executor=executor, decoder=decoder)
         from vlmc.package import Package
 
