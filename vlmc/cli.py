@@ -240,7 +240,11 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     "reference (the lowered graphs on CPU, strict gear shapes and dtypes).",
 )
 @click.option(
-    "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
+    "--device-id",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="NPU to run on (acl; a tensor-parallel build takes each rank's from its rank_table.json).",
 )
 @click.option(
     "--against",
@@ -254,8 +258,10 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
     through --executor, in the same generation loop. With several prompts, images are shared out in
-    order, one per placeholder. A tensor-parallel package (the tensor_parallel pass) runs as one process
-    per rank joined by torch.distributed with gloo, which needs torch (the export extra).
+    order, one per placeholder. A tensor-parallel package (the tensor_parallel pass), or a compile output
+    of one, runs as one process per rank joined by torch.distributed: gloo on CPU (onnxruntime or
+    --executor reference; needs torch, the export extra), torch_npu's hccl with --executor acl (each rank
+    on the card its rank_table.json names).
 
     Example:
 
