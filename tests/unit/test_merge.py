@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _compose_builders import (
+
+from vlmc import graphs, tensor_names
+from vlmc.package import Package
+from vlmc.pass_api import get
+
+from ._compose_builders import (
     DEEPSTACK,
     HIDDEN,
     IMAGE_TOKEN,
@@ -17,10 +22,6 @@ from _compose_builders import (
     run,
     weight_reads,
 )
-
-from vlmc import graphs, tensor_names
-from vlmc.package import Package
-from vlmc.pass_api import get
 
 LAYERS = 2
 

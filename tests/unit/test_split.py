@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _compose_builders import decoder_feeds, external_tensors, package, run, weight_reads
 
 from vlmc import graphs, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.pass_api import get
+
+from ._compose_builders import decoder_feeds, external_tensors, package, run, weight_reads
 
 LAYERS = 3
 
