@@ -162,12 +162,14 @@ def _shape_facts(model: ir.Model, values: list[ir.Value]) -> dict[str, onnx.Type
 
 
 def _set_type(value: ir.Value, proto_type: onnx.TypeProto) -> None:
+    """Take what shape inference knows of a value: its dtype, and its shape where it has one."""
     tt = proto_type.tensor_type
-    value.dtype = ir.DataType(tt.elem_type)
-    dims = []
-    for d in tt.shape.dim:
-        dims.append(d.dim_value if d.HasField("dim_value") else (d.dim_param or None))
-    value.shape = ir.Shape(dims)
+    if tt.elem_type:
+        value.dtype = ir.DataType(tt.elem_type)
+    if tt.HasField("shape"):
+        value.shape = ir.Shape(
+            [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        )
 
 
 def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
@@ -215,11 +217,10 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
         # A cut tensor's inferred type, else the decoder input's (the residual stream keeps its shape).
         value.name = hidden(b)
         if 0 < b < bounds[-1]:
+            compose.set_signature(value, source_entry)
             fact = facts.get(boundary[b].name)
-            if fact is not None and fact.tensor_type.elem_type and fact.tensor_type.HasField("shape"):
+            if fact is not None:
                 _set_type(value, fact)
-            else:
-                compose.set_signature(value, source_entry)
 
     names = []
     graphs = []
