@@ -66,6 +66,8 @@ SIZES = {
             "num_key_value_heads": 32,
             "vocab_size": 32064,
             "image_token_index": 32000,
+            # llava-1.5-7b-hf's context: 576 image tokens and a prompt do not fit the tiny config's 512
+            "max_position_embeddings": 4096,
         },
     ),
     "2b": (
@@ -84,6 +86,7 @@ SIZES = {
             "num_attention_heads": 32,
             "num_key_value_heads": 4,
             "vocab_size": 48000,
+            "max_position_embeddings": 4096,  # room for the 576 image tokens at 336 px
         },
     ),
 }
