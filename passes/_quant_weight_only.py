@@ -237,6 +237,8 @@ class _Segment:
                 v.type = ir.TensorType(ir.DataType.from_numpy(a.dtype))
             v.shape = ir.Shape([None] * a.ndim)  # lengths vary between samples
         sess = ortsession.from_model(self.model)
+        for v in self.model.graph.initializers.values():
+            _release(v.const_value)  # the session holds its own copy; drop the memory map's pages
         try:
             return [sess.run(self.output_names, {v.name: f[v.name] for v in self.inputs}) for f in feeds]
         finally:

@@ -558,7 +558,20 @@ def main() -> None:
     ap.add_argument(
         "--rss-limit-gib", type=float, default=16.0, help="kill a scale-row step whose RSS goes over this"
     )
+    ap.add_argument(
+        "--only-scale",
+        action="store_true",
+        help="run only the 512 M scale row (floor, bare export, vlmc export, vlmc build side by side) "
+        "and print its table and JSON row; docs/benchmarks.md is not rewritten",
+    )
     args = ap.parse_args()
+    if args.only_scale:
+        with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+            rows = scale_rows(Path(tmp), False, None, int(args.rss_limit_gib * 2**30), True)
+        print("\n".join(scale_section(rows)))
+        load = os.getloadavg()
+        print(f"\nload average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (1, 5, 15 min)")
+        return
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
