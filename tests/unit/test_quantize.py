@@ -246,7 +246,7 @@ _CHILD = textwrap.dedent(
     path, mode, scratch = sys.argv[1:4]
     model = graphs.load_ir(path)
     width = model.graph.inputs[0].shape[2]
-    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 8, width)).astype(np.float32)} for i in range(2)]
+    feeds = [{"x": np.random.default_rng(i).standard_normal((1, 64, width)).astype(np.float32)} for i in range(4)]
     def status(key):  # VmHWM, not ru_maxrss: a forked child inherits its parent's ru_maxrss
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
@@ -280,11 +280,16 @@ def _peak_growth(tmp_path: Path, mode: str, layers: int, width: int) -> int:
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp16", "awq"])
 def test_peak_memory_does_not_grow_with_the_number_of_weights(tmp_path, mode):
-    width = 1024  # each layer: two 8 MiB float32 weights, memory-mapped from the file
+    """Peak RSS over the start, for 2 and for 10 layers of memory-mapped weights (16 MiB a layer).
+
+    Measured when this was written (extra = 128 MiB): streamed fp16 +1.5 MiB, layer-wise AWQ +12 MiB.
+    The previous forms fail the same bound: fp16 through the whole-graph proto grew by about 480 MiB
+    already at 1 -> 6 layers, whole-graph AWQ calibration alone by 65 MiB at 2 -> 10 layers.
+    """
+    width = 1024
     layer_bytes = 2 * (width * 2 * width * 4)
-    few, many = 1, 6
+    few, many = 2, 10
     small = _peak_growth(tmp_path, mode, few, width)
     large = _peak_growth(tmp_path, mode, many, width)
-    # Holding every weight (or every layer's activations/session) would add (many - few) layers' bytes.
     extra = (many - few) * layer_bytes
-    assert large - small < 0.35 * extra, (small, large, extra)
+    assert large - small < 0.25 * extra, (small, large, extra)
