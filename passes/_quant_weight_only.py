@@ -185,7 +185,9 @@ class _Segment:
     the graph's own tensors (nothing is read until its session is made).
     """
 
-    def __init__(self, model: ir.Model, nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]):
+    def __init__(
+        self, model: ir.Model, nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]
+    ):
         vmap: dict[ir.Value, ir.Value] = {}
         self.inputs = []
         for v in inputs:
@@ -263,7 +265,9 @@ def layerwise_inputs(
     graph = model.graph
     order = list(graph)
     if not wanted or any(
-        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for n in order for a in n.attributes.values()
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for n in order
+        for a in n.attributes.values()
     ):
         yield from collect_inputs(model, names, feeds, rows, seed).items()
         return

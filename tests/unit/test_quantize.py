@@ -55,7 +55,9 @@ def _layers_model(layers: int, width: int, seed: int = 0, outliers: bool = False
         norm = ir.node("Mul", [cur, _init(inits, f"l{i}.norm", nw)], name=f"/layers.{i}/norm/Mul")
         up = ir.node("MatMul", [norm.outputs[0], _init(inits, f"l{i}.w1", w1)], name=f"/layers.{i}/up/MatMul")
         act = ir.node("Relu", [up.outputs[0]], name=f"/layers.{i}/Relu")
-        down = ir.node("MatMul", [act.outputs[0], _init(inits, f"l{i}.w2", w2)], name=f"/layers.{i}/down/MatMul")
+        down = ir.node(
+            "MatMul", [act.outputs[0], _init(inits, f"l{i}.w2", w2)], name=f"/layers.{i}/down/MatMul"
+        )
         res = ir.node("Add", [cur, down.outputs[0]], name=f"/layers.{i}/Add")
         for n in (norm, up, act, down, res):
             n.outputs[0].name = f"{n.name}_output_0"
@@ -65,7 +67,9 @@ def _layers_model(layers: int, width: int, seed: int = 0, outliers: bool = False
     head = ir.node("MatMul", [cur, _init(inits, "w_out", wo)], name="/head/MatMul")
     head.outputs[0].name = "y"
     nodes.append(head)
-    graph = ir.Graph([x], [head.outputs[0]], nodes=nodes, initializers=inits, opset_imports={"": 17}, name="g")
+    graph = ir.Graph(
+        [x], [head.outputs[0]], nodes=nodes, initializers=inits, opset_imports={"": 17}, name="g"
+    )
     return ir.Model(graph, ir_version=8)
 
 
@@ -80,7 +84,9 @@ def _fp16_model() -> ir.Model:
     table = _init(inits, "table", rng.standard_normal((16, 48)).astype(np.float32))  # 3 KiB: held back
     idx = _init(inits, "idx", np.array([0, 1], np.int64))
     mm = ir.node("MatMul", [x, _init(inits, "w", w)], name="mm")
-    add = ir.node("Add", [mm.outputs[0], _init(inits, "b", rng.standard_normal(48).astype(np.float32))], name="add")
+    add = ir.node(
+        "Add", [mm.outputs[0], _init(inits, "b", rng.standard_normal(48).astype(np.float32))], name="add"
+    )
     ln_w, ln_b = rng.uniform(0.5, 1.5, 48).astype(np.float32), np.zeros(48, np.float32)
     ln = ir.node(
         "LayerNormalization",
@@ -227,7 +233,10 @@ def test_layerwise_awq_equals_whole_graph_awq(weights, monkeypatch):
     assert [n.name for n in layered.graph] == [n.name for n in previous.graph]
     for name, v in previous.graph.initializers.items():
         np.testing.assert_allclose(
-            layered.graph.initializers[name].const_value.numpy(), v.const_value.numpy(), rtol=1e-6, err_msg=name
+            layered.graph.initializers[name].const_value.numpy(),
+            v.const_value.numpy(),
+            rtol=1e-6,
+            err_msg=name,
         )
     alphas = [f["awq_alpha"] for f in f1["weights"]["nodes"].values()]
     assert any(a > 0 for a in alphas)  # the outlier channels made AWQ scale something
