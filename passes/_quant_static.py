@@ -437,6 +437,9 @@ def _restore_fp16(result, held: dict[str, ir.Value], like: ir.Model, store) -> i
         else:
             v.const_value = src
         v.dtype, v.shape = v.const_value.dtype, ir.Shape(v.const_value.shape)
+        for use in v.uses():  # the Casts the converter put before float32 readers copied the stub's shape
+            if use.node.op_type == "Cast":
+                use.node.outputs[0].shape = ir.Shape(v.const_value.shape)
     rank = {n: i for i, n in enumerate(like.graph.initializers)}
     order = sorted(g.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
     g.initializers.clear()

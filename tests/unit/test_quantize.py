@@ -165,6 +165,8 @@ def test_streamed_fp16_equals_the_converter_on_the_whole_graph(tmp_path, monkeyp
     assert float(got["w"].numpy()[0, 0]) == 65504.0  # the converter's clamp, applied to the streamed weight
     assert got["ln_w"].dtype == ir.DataType.FLOAT  # read only by the kept LayerNormalization
     assert got["table"].dtype == ir.DataType.FLOAT16  # read by a kept and a converted node: cast for the kept
+    cast = next(u.node for u in out.graph.initializers["table"].uses() if u.node.op_type == "Cast")
+    assert list(cast.outputs[0].shape) == [16, 48]  # the real shape, not the stub's
     assert [n.op_type for n in out.graph].count("Cast") == [n.op_type for n in ref_model.graph].count("Cast")
 
     feed = {"x": np.random.default_rng(1).standard_normal((2, 32)).astype(np.float32)}
