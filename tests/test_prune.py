@@ -287,6 +287,8 @@ def test_cli_optimize_run_verify_inspect(exported, tmp_path, name, options):
     for row in (v for v in fid.values() if isinstance(v, dict)):
         assert row["kl"] >= 0 and -1 <= row["cosine"] <= 1 and 0 <= row["top5"] <= 1
         assert row["visual_tokens"] == m["vision"]["tokens_per_image"]
+    # the reference is the unpruned package (the pass must not have pruned the snapshot's graph)
+    assert fid["reference_visual_tokens"] > m["vision"]["tokens_per_image"]
     assert rep["savings"]["visual_tokens_after"] < rep["savings"]["visual_tokens_before"]
     assert 0 < rep["savings"]["prefill_flops_saved"] < 1
     assert (out / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
