@@ -123,9 +123,7 @@ class _Builder:
         return self.one("Slice", [x, self.const([start]), self.const([end]), self.const([axis])])
 
 
-def _attention(
-    b: _Builder, tensors: dict, att: dict, method: str, recompute: bool
-) -> tuple[ir.Value, str]:
+def _attention(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[ir.Value, str]:
     """[batch, heads, keys] attention for scoring, and where it came from ('graph' or 'recomputed')."""
     probs = tensors.get(att.get("probs") or "")
     if probs is not None and not recompute:
