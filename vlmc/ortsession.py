@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import tempfile
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
@@ -96,12 +98,78 @@ def from_model(
             providers=["CPUExecutionProvider"],
             disabled_optimizers=_disabled(precision),
         )
-    with tempfile.TemporaryDirectory() as tmp:
+    if isinstance(model, ir.Model):
+        return _from_linked(model, suffix, threads, precision)
+    with tempfile.TemporaryDirectory(prefix="vlmc-session-") as tmp:
         p = os.path.join(tmp, "m.onnx")
         graphs.save(model, p)
         with open(p, "ab") as f:
             f.write(suffix)
         return from_path(p, threads, precision)
+
+
+def _from_linked(model: ir.Model, suffix: bytes, threads, precision) -> ort.InferenceSession:
+    """A session on a large IR graph with nothing written to disk and no weight copied by vlmc.
+
+    Weights that live in files (the package's data files, a pass's TensorStore) stay external: the
+    graph proto names each data file by a short alias, and onnxruntime is given a read-only memory
+    map of the real file under that alias (``add_external_initializers_from_files_in_memory``; it
+    copies what it needs while the session is created, then the maps are closed). Weights held in
+    memory are handed over the same way, as their own buffers. Before, the whole graph was written
+    to a temporary file first (26 GB of disk and write time for a 7B FP32 decoder). Symbolic links
+    of the data files beside a temporary model do not work: onnxruntime 1.32 resolves them and
+    refuses a target outside the model's directory; hard links make onnx-ir refuse the package's
+    own data file (``st_nlink > 1``) while they exist.
+    """
+    aliases: dict[str, str] = {}
+    buffers: list = []
+    maps: list[mmap.mmap] = []
+    swaps: list[tuple[ir.Value, object]] = []
+    try:
+        for g in model.graphs():
+            for v in g.initializers.values():
+                t = v.const_value
+                if t is None:
+                    continue
+                if isinstance(t, ir.ExternalTensor):
+                    target = os.path.realpath(t.path)
+                    alias = aliases.get(target)
+                    if alias is None:
+                        alias = aliases[target] = f"vlmc-data-{len(aliases)}.bin"
+                        with open(target, "rb") as f:
+                            if os.fstat(f.fileno()).st_size:
+                                maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+                                buffers.append((alias, maps[-1]))
+                    new = ir.ExternalTensor(alias, t.offset, t.length, t.dtype, shape=t.shape, name=t.name)
+                elif t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+                    alias = f"vlmc-memory-{len(buffers)}.bin"
+                    raw = np.ascontiguousarray(t.numpy()).view(np.uint8).reshape(-1)
+                    buffers.append((alias, raw))
+                    new = ir.ExternalTensor(alias, 0, raw.nbytes, t.dtype, shape=t.shape, name=t.name)
+                else:
+                    continue
+                swaps.append((v, t))
+                v.const_value = new
+        proto = ir.to_proto(model)
+    finally:
+        for v, t in swaps:
+            v.const_value = t
+    graphs.drop_initializer_infos(proto, model)
+    so = options(threads, precision)
+    try:
+        if buffers:
+            so.add_external_initializers_from_files_in_memory(
+                [n for n, _ in buffers], [b for _, b in buffers], [len(b) for _, b in buffers]
+            )
+        return ort.InferenceSession(
+            proto.SerializeToString() + suffix,
+            so,
+            providers=["CPUExecutionProvider"],
+            disabled_optimizers=_disabled(precision),
+        )
+    finally:
+        for m in maps:
+            m.close()
 
 
 def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:
