@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
@@ -225,7 +226,7 @@ def _assert_obeys_rules(out: Path, summary: dict) -> None:
         assert "input_shape_range" not in opts and all(f in atc.FLAGS for f in opts)
         model_path = (out / b["workdir"] / opts["model"]).resolve()
         model = onnx.load(str(model_path), load_external_data=False)
-        assert precheck.check_ops(model, b["name"], lowered=True) == []
+        assert precheck.check_ops(ir.load(str(model_path)), b["name"], lowered=True) == []
         assert all(ops.supported(n.op_type, n.domain, {"": OPSET}) for n in model.graph.node)
         declared = dict(atc.parse_input_shape(opts["input_shape"]))
         inits = {t.name for t in model.graph.initializer}
@@ -366,7 +367,7 @@ def test_layer_normalization_only_at_17_and_18(opset, ok):
         [nh.from_array(np.ones(4, np.float32), "g")],
         opset=opset,
     )
-    found = precheck.check_ops(model, "g", lowered=True)
+    found = precheck.check_ops(ir.from_proto(model), "g", lowered=True)
     assert (found == []) is ok
     if not ok:
         assert "'ln'" in str(found[0]) and "opset 17" in found[0].message
@@ -379,8 +380,8 @@ def test_portable_qdq_is_left_to_lowering_but_not_allowed_after():
         [_vi("y", [2], T.UINT8)],
         [nh.from_array(np.float32(0.1), "s")],
     )
-    assert precheck.check_ops(q, "g", lowered=False) == []
-    assert "run the quantize lowering" in str(precheck.check_ops(q, "g", lowered=True)[0])
+    assert precheck.check_ops(ir.from_proto(q), "g", lowered=False) == []
+    assert "run the quantize lowering" in str(precheck.check_ops(ir.from_proto(q), "g", lowered=True)[0])
 
 
 def test_int8_package_lowers_and_obeys_quantized_rules(tmp_path):
@@ -614,7 +615,7 @@ def test_every_recipe_compiles_for_ascend(recipe_path, exported, tmp_path):
 
 def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_path):
     """The real quantize pass (int8 static decoder, int8 weight-only vision) -> lowering -> references."""
-    from vlmc import manager, recipe, samples
+    from vlmc import interop, manager, recipe, samples
     from vlmc.backends.ascend import lower, reference
 
     steps = recipe.parse(
@@ -627,19 +628,17 @@ def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_p
     so.log_severity_level = 3
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     for name, kind in (("decoder", "quantized_layers"), ("vision_encoder", "weight_only_layers")):
-        model = pkg.graph(name)
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        low, report = lower.lower(copy, name, pkg.info(name))
-        assert getattr(report, kind), f"{name}: nothing was lowered"
+        model = pkg.model(name)
         feeds = samples.inputs_for(pkg, name)
         expected = ort.InferenceSession(
-            model.SerializeToString(), so, providers=["CPUExecutionProvider"]
+            interop.session_bytes(model), so, providers=["CPUExecutionProvider"]
         ).run(None, feeds)
+        low, report = lower.lower(model.clone(), name, pkg.info(name))
+        assert getattr(report, kind), f"{name}: nothing was lowered"
         got = reference.run(low, feeds, fp16=False)
         # weight-only antiquant scales are float16 on the NPU (the type of x): 2^-11 relative per weight
         tol = 1e-4 if kind == "quantized_layers" else 2e-3
-        for out, e in zip(low.graph.output, expected):
+        for out, e in zip(low.graph.outputs, expected):
             np.testing.assert_allclose(
                 got[out.name], e, rtol=tol, atol=tol * max(1.0, float(np.abs(e).max()))
             )

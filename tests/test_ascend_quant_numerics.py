@@ -81,9 +81,9 @@ def _plan(opts: dict, target: str = "ascend") -> P.GraphPlan:
 
 
 def _lower(model: onnx.ModelProto, facts: dict, int4_weights: str = "int8"):
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    return lower.lower(copy, "mlp", {"quantization": facts}, int4_weights=int4_weights)
+    """The lowering on the IR of ``model``; the result back as a proto for inspection."""
+    low, report = lower.lower(ir.from_proto(model), "mlp", {"quantization": facts}, int4_weights=int4_weights)
+    return ir.to_proto(low), report
 
 
 def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -170,7 +170,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-3 * np.abs(expected).max())
         on_npu = reference.run(low, feed)["y"]
         np.testing.assert_allclose(on_npu, expected, rtol=0, atol=1e-2 * np.abs(expected).max())
-    assert precheck.check_ops(low, "mlp", lowered=True) == []
+    assert precheck.check_ops(ir.from_proto(low), "mlp", lowered=True) == []
 
 
 def test_group_as_large_as_k_becomes_per_channel():

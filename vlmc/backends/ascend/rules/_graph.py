@@ -10,6 +10,7 @@ weight it is working on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -197,8 +198,16 @@ def attr(node: ir.Node, name: str, default=None):
 
 
 def release(*values: ir.Value | None) -> None:
-    """Drop the memory maps of weights a rule has read (their pages count as resident while mapped)."""
-    graphs.release(v.const_value for v in values if v is not None and v.const_value is not None)
+    """Drop the memory maps of weights a rule has read (their pages count as resident while mapped).
+
+    Best effort: a tensor someone else still holds a numpy view of keeps its map (closing it would
+    pull the memory from under that view; mmap refuses with BufferError).
+    """
+    for v in values:
+        t = v.const_value if v is not None else None
+        if isinstance(t, ir.ExternalTensor):
+            with contextlib.suppress(BufferError):
+                t.release()
 
 
 def input_at(node: ir.Node, i: int) -> ir.Value | None:
