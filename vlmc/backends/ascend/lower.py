@@ -211,7 +211,9 @@ def _feed_empty(gr: Graph, inp: ir.Value, name: str) -> None:
         nodes = [
             ir.node("Shape", [embeds], outputs=[shp], name=gr.unique(f"{out}_Shape")),
             ir.node("Slice", [shp, start, end], outputs=[bat], name=gr.unique(f"{out}_Slice")),
-            ir.node("Concat", [before, bat, after], {"axis": 0}, outputs=[full], name=gr.unique(f"{out}_Concat")),
+            ir.node(
+                "Concat", [before, bat, after], {"axis": 0}, outputs=[full], name=gr.unique(f"{out}_Concat")
+            ),
             ir.node("ConstantOfShape", [full], fill, outputs=[empty], name=gr.unique(f"{out}_empty")),
         ]
     first = next(iter(gr.g), None)

@@ -16,7 +16,6 @@ from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools, soc
 from vlmc.backends.ascend import tensor_parallel as tp_builds
 from vlmc.backends.ascend.options import NAME
-from vlmc.errors import VlmcError
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)

@@ -65,7 +65,10 @@ def _rewrite(ctx: Context, m: LeftoverMatch) -> None:
         info = np.iinfo(params.zero_point.dtype)
         lo, hi = np.float32(s * (info.min - zp)), np.float32(s * (info.max - zp))
         if gr.opset() >= 11:
-            bounds = [gr.add_init(f"{dq.name}_min", np.array(lo)), gr.add_init(f"{dq.name}_max", np.array(hi))]
+            bounds = [
+                gr.add_init(f"{dq.name}_min", np.array(lo)),
+                gr.add_init(f"{dq.name}_max", np.array(hi)),
+            ]
             clip = ir.node("Clip", [m.q.inputs[0], *bounds], outputs=[out], name=dq.name)
         else:
             clip = ir.node(

@@ -177,7 +177,11 @@ def dequant(ctx: Context, m: QdqMatch, acc: ir.Value) -> tuple[ir.Node, ir.Value
     deq = gr.add_init(f"{m.node.name}_deq_scale", reference.pack_deq_scale(m.s_deq))
     out = ir.Value(name=m.out.name)
     node = ir.node(
-        "AscendDequant", [acc, deq], {"dtype": 0}, outputs=[out], name=gr.unique(f"{m.node.name}_AscendDequant")
+        "AscendDequant",
+        [acc, deq],
+        {"dtype": 0},
+        outputs=[out],
+        name=gr.unique(f"{m.node.name}_AscendDequant"),
     )
     return node, out
 

@@ -52,7 +52,9 @@ def _rewrite(ctx: Context, m: _qdq_common.QdqMatch) -> None:
     inputs = [xq, weight]
     if m.bias_f is not None:
         inputs.append(gr.add_init(f"{node.name}_bias_int32", m.bias_i.astype(np.int32)))
-    core = ir.Node("", "Conv", inputs, attributes=list(node.attributes.values()), outputs=[acc], name=node.name)
+    core = ir.Node(
+        "", "Conv", inputs, attributes=list(node.attributes.values()), outputs=[acc], name=node.name
+    )
     deq, out = _qdq_common.dequant(ctx, m, acc)
     gr.replace(node, [core, deq], m.drop, [(m.out, out)])
     ctx.report.quantized_layers.append(node.name)

@@ -124,10 +124,13 @@ def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     if f.get("axis", 1) != 1:
         return f"the recorded weight axis is {f.get('axis')}; only axis 1 (of [k, n]) is lowered"
     if q.dtype == np.uint8 and f.get("storage") == "packed":
-        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8
-        lo = (q & 0x0F).astype(np.int16) - 8
-        hi = (q >> 4).astype(np.int16) - 8
-        q = np.stack([lo, hi], axis=1).reshape(q.shape[0] * 2, q.shape[1]).astype(np.int8)
+        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8.
+        # Unpacked straight into the int8 result, so the working set is that plus one half of it.
+        packed = q
+        q = np.empty((packed.shape[0] * 2, *packed.shape[1:]), np.int8)
+        np.subtract((packed & 0x0F).view(np.int8), 8, out=q[0::2])
+        np.subtract((packed >> 4).view(np.int8), 8, out=q[1::2])
+        del packed
     elif q.dtype != np.int8:
         return f"the recorded weight {f['weight']} is {q.dtype}, not int8 or packed int4"
     if q.ndim != 2:
@@ -145,9 +148,7 @@ def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
 def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     """Fallback for graphs without facts: fold the weight with onnxruntime and fit q, scale, offset."""
     node = m.node
-    ints = [
-        a for v in m.leaves if np.issubdtype((a := v.const_value.numpy()).dtype, np.integer)
-    ]
+    ints = [a for v in m.leaves if np.issubdtype((a := v.const_value.numpy()).dtype, np.integer)]
     try:
         w = np.asarray(ortsession.from_model(_weight_model(ctx.graph, m)).run(None, {})[0], dtype=np.float32)
     except Exception as exc:  # onnxruntime raises its own types; a weight it cannot fold is left alone
@@ -195,7 +196,9 @@ def _weight_model(gr: Graph, m: WeightOnlyMatch) -> ir.Model:
         nodes.append(copy)
     out = mapped[m.node.inputs[1]]
     out.type = ir.TensorType(ir.DataType.FLOAT)
-    graph = ir.Graph([], [out], nodes=nodes, initializers=inits, opset_imports=dict(gr.g.opset_imports), name="w")
+    graph = ir.Graph(
+        [], [out], nodes=nodes, initializers=inits, opset_imports=dict(gr.g.opset_imports), name="w"
+    )
     return ir.Model(graph, ir_version=gr.model.ir_version)
 
 
@@ -304,7 +307,11 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
     low.q8 = None
     release(*m.leaves)
     # antiquant_scale/offset have the type of x (float16 on the NPU: ATC runs x in fp16).
-    inputs = [node.inputs[0], weight, gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16))]
+    inputs = [
+        node.inputs[0],
+        weight,
+        gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16)),
+    ]
     if low.offset is not None and np.any(low.offset != 0):
         inputs.append(gr.add_init(f"{node.name}_antiquant_offset", low.offset.astype(np.float16)))
     out = ir.Value(name=node.outputs[0].name)
