@@ -15,14 +15,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
-from onnx import TensorProto as T
-from onnx import helper as h
-from onnx import numpy_helper as nh
+from onnx import TensorProto, helper, numpy_helper
 
-from passes import _quant_calib as C
-from passes import _quant_plan as P
-from passes import _quant_static as S
-from passes import _quant_weight_only as W
+from passes import _quant_calib, _quant_plan, _quant_static, _quant_weight_only
 from vlmc.backends.ascend import lower, ops, precheck, reference
 from vlmc.errors import VlmcError
 
@@ -31,13 +26,13 @@ K, HID, N = 256, 256, 64
 
 def _weight_only(model: onnx.ModelProto, plan, feeds):
     """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = W.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    m, facts = _quant_weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
     return ir.to_proto(m), facts
 
 
 def _int8(model: onnx.ModelProto, reader, plan):
     """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = S.quantize_int8(ir.from_proto(model), reader, plan)
+    m, facts = _quant_static.quantize_int8(ir.from_proto(model), reader, plan)
     return ir.to_proto(m), facts
 
 
@@ -47,19 +42,23 @@ def _mlp(seed: int = 0, K: int = K, HID: int = HID) -> onnx.ModelProto:  # noqa:
     w1 = (rng.standard_normal((K, HID)) / np.sqrt(K)).astype(np.float32)
     b1 = (rng.standard_normal(HID) * 0.1).astype(np.float32)
     w2 = (rng.standard_normal((HID, N)) / np.sqrt(HID)).astype(np.float32)
-    g = h.make_graph(
+    g = helper.make_graph(
         [
-            h.make_node("MatMul", ["x", "w1"], ["m1"], name="fc1"),
-            h.make_node("Add", ["m1", "b1"], ["a1"], name="fc1_bias"),
-            h.make_node("Relu", ["a1"], ["r1"], name="relu"),
-            h.make_node("MatMul", ["r1", "w2"], ["y"], name="fc2"),
+            helper.make_node("MatMul", ["x", "w1"], ["m1"], name="fc1"),
+            helper.make_node("Add", ["m1", "b1"], ["a1"], name="fc1_bias"),
+            helper.make_node("Relu", ["a1"], ["r1"], name="relu"),
+            helper.make_node("MatMul", ["r1", "w2"], ["y"], name="fc2"),
         ],
         "mlp",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 4, K])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, 4, N])],
-        [nh.from_array(w1, "w1"), nh.from_array(b1, "b1"), nh.from_array(w2, "w2")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, N])],
+        [
+            numpy_helper.from_array(w1, "w1"),
+            numpy_helper.from_array(b1, "b1"),
+            numpy_helper.from_array(w2, "w2"),
+        ],
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
@@ -76,8 +75,10 @@ def _ort(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return sess.run(None, feeds)[0]
 
 
-def _plan(opts: dict, target: str = "ascend") -> P.GraphPlan:
-    return P.parse_graph("mlp", opts, "quantize", P.Calibration(), P.KeepFp32(), target)
+def _plan(opts: dict, target: str = "ascend") -> _quant_plan.GraphPlan:
+    return _quant_plan.parse_graph(
+        "mlp", opts, "quantize", _quant_plan.Calibration(), _quant_plan.KeepFp32(), target
+    )
 
 
 def _lower(model: onnx.ModelProto, facts: dict, int4_weights: str = "int8"):
@@ -87,13 +88,13 @@ def _lower(model: onnx.ModelProto, facts: dict, int4_weights: str = "int8"):
 
 
 def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return {t.name: nh.to_array(t) for t in model.graph.initializer}
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
 def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
     plan = _plan({"weights": "int8", "activations": "int8"})
     assert plan.activation_symmetric  # the default for target ascend
-    q, facts = _int8(_mlp(), C.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), _quant_calib.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is True and facts["target"] == "ascend"
     assert all(e["granularity"] == "per_tensor" for e in facts["weights"]["nodes"].values())
     assert all(t["zero_point"] == 0 for t in facts["activations"]["tensors"].values())
@@ -103,7 +104,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
     inits = _inits(low)
     for n in low.graph.node:
         if n.op_type == "AscendQuant":
-            assert {a.name: h.get_attribute_value(a) for a in n.attribute}["offset"] == 0.0
+            assert {a.name: helper.get_attribute_value(a) for a in n.attribute}["offset"] == 0.0
         if n.op_type == "AscendDequant":
             assert inits[n.input[1]].shape == (1,)  # one deq_scale value behind each MatMul
     assert reference.ge_offset_correction(low)[1] == 0
@@ -114,7 +115,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
         expected = _ort(q, feed)
         got = reference.run(low, feed, fp16=False)["y"]
         step = s_x2 * float(
-            np.abs(nh.to_array(next(t for t in _mlp().graph.initializer if t.name == "w2"))).max()
+            np.abs(numpy_helper.to_array(next(t for t in _mlp().graph.initializer if t.name == "w2"))).max()
         )
         np.testing.assert_allclose(got, expected, rtol=0, atol=2 * step)
         # almost every value is exact: the int32 accumulation equals the float sum of dequantized terms
@@ -126,7 +127,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
 @pytest.mark.parametrize("storage", ["packed", "int8"])
 def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weights):
     model = _mlp()
-    w1 = nh.to_array(model.graph.initializer[0])
+    w1 = numpy_helper.to_array(model.graph.initializer[0])
     plan = _plan({"weights": "int4", "group_size": group, "int4_storage": storage})
     q, facts = _weight_only(model, plan, None)
     facts.pop("_weight_bytes")
@@ -145,7 +146,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
     mm = [n for n in low.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"]
     assert [n.name for n in mm] == ["fc1", "fc2"]
     for n in mm:
-        attrs = {a.name: h.get_attribute_value(a) for a in n.attribute}
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["antiquant_group_size"] == group
         wq, scale = inits[n.input[1]], inits[n.input[2]]
         k = wq.shape[0]
@@ -155,12 +156,12 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
         assert scale.dtype == np.float16 and scale.shape == (k // group, wq.shape[1])
         assert len(n.input) == 3  # symmetric: no antiquant_offset
     # INT4 numerics: the lowered (weight, scale) are the quantize pass's RTN values for fc1
-    q1, s1 = W.quant_int4_group(w1, group)
+    q1, s1 = _quant_weight_only.quant_int4_group(w1, group)
     np.testing.assert_array_equal(inits[mm[0].input[1]].astype(np.int8), q1)
     np.testing.assert_array_equal(inits[mm[0].input[2]], s1.astype(np.float16))
     np.testing.assert_allclose(
         reference.dequant_weight(inits[mm[0].input[1]], inits[mm[0].input[2]], None, group),
-        W.dequant_int4(q1, s1, group),
+        _quant_weight_only.dequant_int4(q1, s1, group),
         rtol=2**-10,
     )
     for feed in _feeds(2, seed=5):
@@ -181,7 +182,7 @@ def test_group_as_large_as_k_becomes_per_channel():
     mm = [n for n in low.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"]
     assert len(mm) == 2
     for n in mm:
-        assert {a.name: h.get_attribute_value(a) for a in n.attribute}["antiquant_group_size"] == 0
+        assert {a.name: helper.get_attribute_value(a) for a in n.attribute}["antiquant_group_size"] == 0
         assert _inits(low)[n.input[2]].shape == (_inits(low)[n.input[1]].shape[1],)
 
 
@@ -219,11 +220,11 @@ def test_cli_refuses_an_illegal_group_size_in_one_line(tiny_llava, tmp_path):
 
 def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     plan = _plan({"weights": "int8", "activations": "int8", "activation_symmetric": False})
-    q, facts = _int8(_mlp(), C.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), _quant_calib.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is False
     low, report = _lower(q, facts)
     offsets = [
-        {a.name: h.get_attribute_value(a) for a in n.attribute}["offset"]
+        {a.name: helper.get_attribute_value(a) for a in n.attribute}["offset"]
         for n in low.graph.node
         if n.op_type == "AscendQuant"
     ]
@@ -233,7 +234,7 @@ def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     inits = _inits(low)
     add = next(n for n in low.graph.node if n.op_type == "Add" and n.name.startswith("fc1"))
     s_deq = reference.unpack_deq_scale(inits["fc1_deq_scale"])
-    b1 = nh.to_array(_mlp().graph.initializer[1]).astype(np.float64)
+    b1 = numpy_helper.to_array(_mlp().graph.initializer[1]).astype(np.float64)
     np.testing.assert_array_equal(
         inits[add.input[1]], np.rint(b1 / s_deq.astype(np.float64)).astype(np.int32)
     )
@@ -280,16 +281,16 @@ def test_conv_stays_per_channel_and_matches_onnxruntime():
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
     b = (rng.standard_normal(8) * 0.1).astype(np.float32)
-    g = h.make_graph(
-        [h.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, 8, 8, 8])],
-        [nh.from_array(w, "w"), nh.from_array(b, "b")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
     )
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
-    q, facts = _int8(model, C.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
+    q, facts = _int8(model, _quant_calib.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
     assert facts["weights"]["nodes"]["conv"]["granularity"] == "per_channel"
     assert facts["weights"]["nodes"]["conv"]["axis"] == 0
     low, report = _lower(q, facts)
