@@ -659,3 +659,108 @@ def test_buckets_above_max_positions_are_reported_once_per_compile(tmp_path, cap
     ]
     assert [w for w in summary["warnings"] if "are capped" in w] == said
     assert len(summary["builds"]) > 1  # several builds, and still one message
+
+
+# ---- memory: compile streams the weights --------------------------------------------------------
+
+_STREAM_LAYERS, _STREAM_K, _STREAM_GROUP = 8, 2048, 128  # each lowered int8 weight is 4 MiB
+
+_COMPILE_PEAK = """
+import sys
+from pathlib import Path
+from vlmc.backends import ascend
+from vlmc.package import Package
+
+def status(key):  # kB -> bytes
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+pkg = Package.load(sys.argv[1])
+# this process's own peak from here: ru_maxrss would carry the parent's across exec
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+summary = ascend.compile(pkg, Path(sys.argv[2]), {"soc": "Ascend910B4"})
+layers = len(summary["graphs"]["decoder"]["lowering"]["weight_only_layers"])
+print(status("VmHWM") - before, layers)
+"""
+
+
+def _int4_decoder(layers: int, k: int, group: int) -> tuple[onnx.ModelProto, dict]:
+    """The decoder with ``layers`` int4 weight-only [k, k] MatMuls in quantize's packed form (uint8
+    [k/2, k], row 2i in the low nibble, stored q+8) between an up and a down projection."""
+    model = _decoder()
+    g = model.graph
+    g.node.remove(next(n for n in g.node if n.name == "lm_head_mm"))
+    rng = np.random.default_rng(0)
+    g.initializer.extend(
+        numpy_helper.from_array(a, n)
+        for n, a in (
+            ("up", rng.standard_normal((HIDDEN, k)).astype(np.float32) * 0.1),
+            ("down", rng.standard_normal((k, VOCAB)).astype(np.float32) * 0.01),
+            ("mask", np.uint8(0x0F)),
+            ("four", np.uint8(4)),
+            ("ax1", np.array([1], np.int64)),
+            ("kk", np.array([k, k], np.int64)),
+            ("eight", np.float32(8)),
+            ("gshape", np.array([k // group, group, k], np.int64)),
+        )
+    )
+    nodes = [helper.make_node("MatMul", ["inputs_embeds", "up"], ["h0"], name="up_mm")]
+    facts = {}
+    for i in range(layers):
+        p = f"w{i}_packed"
+        g.initializer.extend(
+            [
+                numpy_helper.from_array(rng.integers(0, 256, (k // 2, k), dtype=np.uint8), p),
+                numpy_helper.from_array(np.full((k // group, 1, k), 0.01, np.float32), f"w{i}_scale"),
+            ]
+        )
+        nodes += [
+            helper.make_node("BitwiseAnd", [p, "mask"], [f"lo{i}"], name=f"lo{i}"),
+            helper.make_node("BitShift", [p, "four"], [f"hi{i}"], name=f"hi{i}", direction="RIGHT"),
+            helper.make_node("Unsqueeze", [f"lo{i}", "ax1"], [f"lo1_{i}"], name=f"lo1_{i}"),
+            helper.make_node("Unsqueeze", [f"hi{i}", "ax1"], [f"hi1_{i}"], name=f"hi1_{i}"),
+            helper.make_node("Concat", [f"lo1_{i}", f"hi1_{i}"], [f"pair{i}"], name=f"pair{i}", axis=1),
+            helper.make_node("Reshape", [f"pair{i}", "kk"], [f"rows{i}"], name=f"rows{i}"),
+            helper.make_node("Cast", [f"rows{i}"], [f"f{i}"], name=f"cast{i}", to=TensorProto.FLOAT),
+            helper.make_node("Sub", [f"f{i}", "eight"], [f"c{i}"], name=f"center{i}"),
+            helper.make_node("Reshape", [f"c{i}", "gshape"], [f"g{i}"], name=f"group{i}"),
+            helper.make_node("Mul", [f"g{i}", f"w{i}_scale"], [f"m{i}"], name=f"scale{i}"),
+            helper.make_node("Reshape", [f"m{i}", "kk"], [f"w{i}"], name=f"ungroup{i}"),
+            helper.make_node("MatMul", [f"h{i}", f"w{i}"], [f"h{i + 1}"], name=f"mm{i}"),
+        ]
+        facts[f"mm{i}"] = {"axis": 1, "weight": p, "scale": f"w{i}_scale", "storage": "packed"}
+    nodes.append(helper.make_node("MatMul", [f"h{layers}", "down"], ["logits"], name="lm_head_mm"))
+    g.node.extend(nodes)
+    model.opset_import[0].version = 18  # BitwiseAnd
+    return model, {"weights": {"dtype": "int4", "group_size": group, "nodes": facts}}
+
+
+def test_compile_holds_about_one_deploy_weight_whatever_the_layer_count(tmp_path):
+    """A package of eight int4 layers on disk: compile (precheck, lowering, write) grows the peak RSS by
+    about one layer's working set. Holding the graph's weights, as compile did on ModelProto, grew it
+    by 2.9x all the deploy weights (188.8 MiB for 16 such layers, against 8.9 MiB now)."""
+    import subprocess
+    import sys
+
+    decoder, facts = _int4_decoder(_STREAM_LAYERS, _STREAM_K, _STREAM_GROUP)
+    pkg = _package("llava", decoder, precision="int4_weight_only")
+    pkg.manifest["graphs"]["decoder"]["quantization"] = facts
+    pkg.save(tmp_path / "pkg")
+    del pkg, decoder
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_PEAK, str(tmp_path / "pkg"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    growth, layers = map(int, res.stdout.split())
+    weight = _STREAM_K * _STREAM_K  # one lowered int8 weight
+    assert layers == _STREAM_LAYERS
+    assert growth < 3.5 * weight, f"compile grew the peak RSS by {growth / 2**20:.1f} MiB"
+    data = tmp_path / "b" / "graphs" / "decoder.onnx.data"
+    assert data.stat().st_size >= _STREAM_LAYERS * weight  # and the weights were all written
