@@ -148,7 +148,12 @@ def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
 def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     """Fallback for graphs without facts: fold the weight with onnxruntime and fit q, scale, offset."""
     node = m.node
-    ints = [a for v in m.leaves if np.issubdtype((a := v.const_value.numpy()).dtype, np.integer)]
+    # Only 8-bit integer leaves can be the weight (as is, or two int4 per byte): without one there is
+    # nothing to fit, and the weight is not folded (an fp16 weight behind a Cast is read for nothing).
+    small_ints = (ir.DataType.INT8, ir.DataType.UINT8)
+    ints = [v.const_value.numpy() for v in m.leaves if v.const_value.dtype in small_ints]
+    if not ints:
+        return None
     try:
         w = np.asarray(ortsession.from_model(_weight_model(ctx.graph, m)).run(None, {})[0], dtype=np.float32)
     except Exception as exc:  # onnxruntime raises its own types; a weight it cannot fold is left alone
@@ -157,7 +162,7 @@ def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     if w.ndim != 2:
         return None
     k, n = w.shape
-    big = [c for q in ints if q.dtype in (np.int8, np.uint8) for c in _int_candidates(q, k * n)]
+    big = [c for q in ints for c in _int_candidates(q, k * n)]
     if not big:
         return None
     for q in big:
