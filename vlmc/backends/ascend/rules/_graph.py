@@ -50,8 +50,12 @@ class Graph:
         self.g = model.graph
         self.store = store
         # Rules identify nodes by name in messages and in the quantize pass's facts, so every node
-        # gets a unique name.
+        # gets a unique name. NameFixPass also names unnamed values; an omitted optional output
+        # ("") must stay omitted, so those keep their empty name.
+        omitted = [o for n in self.g.all_nodes() for o in n.outputs if not o.name]
         NameFixPass(_IndexedNames(self.g))(model)
+        for o in omitted:
+            o.name = ""
         self._names = self._live_names()
 
     def _live_names(self) -> set[str]:
