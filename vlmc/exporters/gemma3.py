@@ -19,7 +19,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, zoo
+from vlmc.exporters import base, generic, streaming, zoo
 from vlmc.exporters._facts import image_processor_config
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,18 @@ class Gemma3(generic.Family):
 
     def tokens_per_image(self, config) -> int:
         return int(config.mm_tokens_per_image)
+
+    def stream_depths(self, config) -> dict:
+        """The layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the SigLIP tower, whose
+        ``last_hidden_state`` (after its post-layernorm) reads only the last layer: two layers.
+
+        The decoder is not cut: Gemma3's RMSNorm multiplies by ``1 + weight``, which torch's exporter
+        folds into an unnamed constant per norm, so a layer's graph holds values that are no checkpoint
+        tensor and the stitcher cannot bind a copied layer to its weights (it refuses such a layer).
+        It loads whole (the sliding / full ``layer_types`` themselves would stitch: one traced layer of
+        each kind, see streaming.Cut.kinds).
+        """
+        return streaming.uniform_depth(config, "vision_config", "num_hidden_layers", streaming.TRACED_LAYERS)
 
     def vision_facts(self, source) -> dict:
         cfg = source.config
