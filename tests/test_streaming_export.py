@@ -343,10 +343,11 @@ def test_every_family_streams_the_graphs_of_its_whole_export(family, tmp_path, c
 H = 4
 
 
-def _chain(traced: int, skip_from: int | None = None) -> onnx.ModelProto:
+def _chain(traced: int, skip_from: int | None = None, kinds=None) -> onnx.ModelProto:
     """x -> [layers.i: relu(h @ W_i + b_i) + h] * traced -> head (Mul by 2) -> y, named as torch names
     them (weights are graph inputs ``layers.i.w``; nodes are scoped ``/layers.i/``). ``skip_from``:
-    the last layer also adds layer ``skip_from``'s output (a skip across layers)."""
+    the last layer also adds layer ``skip_from``'s output (a skip across layers). ``kinds``: layers
+    of kind "sig" squash with Sigmoid instead of Relu."""
     from onnx import TensorProto, helper
 
     f = TensorProto.FLOAT
@@ -364,7 +365,12 @@ def _chain(traced: int, skip_from: int | None = None) -> onnx.ModelProto:
             helper.make_node(
                 "Add", [f"{s}MatMul_output_0", f"layers.{i}.b"], [f"{s}Add_output_0"], name=f"{s}Add"
             ),
-            helper.make_node("Relu", [f"{s}Add_output_0"], [f"{s}Relu_output_0"], name=f"{s}Relu"),
+            helper.make_node(
+                "Sigmoid" if kinds is not None and kinds[i] == "sig" else "Relu",
+                [f"{s}Add_output_0"],
+                [f"{s}Relu_output_0"],
+                name=f"{s}Relu",
+            ),
             helper.make_node("Add", [f"{s}Relu_output_0", h], [f"{s}Add_1_output_0"], name=f"{s}Add_1"),
         ]
         if skip_from is not None and i == traced - 1:
@@ -397,12 +403,12 @@ def _weights(depth: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stack(tmp_path, weights, depth) -> streaming.Stack:
+def _stack(tmp_path, weights, depth, kinds=None) -> streaming.Stack:
     from safetensors.torch import save_file
 
     save_file(weights, str(tmp_path / "model.safetensors"))
     ckpt = streaming.Checkpoint(tmp_path, {k: ("model.safetensors", k) for k in weights})
-    return streaming.Stack(prefix="layers", depth=depth, checkpoint=ckpt)
+    return streaming.Stack(prefix="layers", depth=depth, checkpoint=ckpt, kinds=kinds)
 
 
 def test_stitch_grows_a_chain_to_full_depth(tmp_path):
@@ -431,3 +437,47 @@ def test_stitch_refuses_a_skip_across_layers(tmp_path):
     model = _chain(3, skip_from=0)
     with pytest.raises(streaming.StitchError, match="depends on other layers' weights"):
         streaming.stitch(model, "layers", _stack(tmp_path, weights, 4), traced=3)
+
+
+def test_stitch_copies_each_layer_from_the_template_of_its_kind(tmp_path):
+    import onnxruntime as ort
+
+    kinds = ("relu", "relu", "sig") * 2  # traced: layers 0..2; templates: 1 (relu) and 2 (sig)
+    depth = len(kinds)
+    traced = streaming.traced_depth(kinds, streaming.TRACED_LAYERS)
+    assert traced == 3
+    weights = _weights(depth)
+    model = _chain(traced, kinds=kinds)
+    copies = streaming.stitch(model, "layers", _stack(tmp_path, weights, depth, kinds), traced=traced)
+    assert [c.template for c in copies] == [f"layers.{t}.{k}" for t in (1, 1, 2) for k in ("w", "b")]
+    large = {k: v for k, v in weights.items() if int(k.split(".")[1]) < traced}
+    base._write_with_weights(model, large, tmp_path / "g.onnx", copies)
+    x = np.random.default_rng(0).standard_normal((3, H)).astype(np.float32)
+    (y,) = ort.InferenceSession(str(tmp_path / "g.onnx")).run(None, {"x": x})
+    h = torch.from_numpy(x)
+    for i in range(depth):
+        squash = torch.sigmoid if kinds[i] == "sig" else torch.relu
+        h = squash(h @ weights[f"layers.{i}.w"] + weights[f"layers.{i}.b"]) + h
+    np.testing.assert_allclose(y, (2 * h).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_stitch_refuses_a_kind_it_has_no_template_for(tmp_path):
+    kinds = ("relu", "relu", "relu", "sig")  # cut at 3: no traced "sig" layer
+    weights = _weights(4)
+    with pytest.raises(streaming.StitchError, match="no traced layer of kind"):
+        streaming.stitch(_chain(3, kinds=kinds), "layers", _stack(tmp_path, weights, 4, kinds), traced=3)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "fixed", "depth"),
+    [
+        (["sliding"] * 5 + ["full"], 0, 6),  # Gemma3's 5 : 1 pattern, 36 layers: layers 0..5
+        ((["window"] * 7 + ["full"]) * 4, 0, 8),  # Qwen2.5-VL's ViT: full attention every 8th of 32
+        (["cross", "self"] * 6, 0, 3),  # BLIP-2's Q-Former at cross_attention_frequency 2
+        (["layer"] * 36, 3, 5),  # Qwen3-VL: deepstack into layers 0..2, then two plain layers
+    ],
+)
+def test_traced_depth_holds_one_template_per_kind(kinds, fixed, depth):
+    kinds = kinds * 6 if len(kinds) == 6 else kinds
+    assert streaming.traced_depth(tuple(kinds), streaming.TRACED_LAYERS, fixed) == depth
+    assert streaming.traced_depth(tuple(kinds[:depth]), streaming.TRACED_LAYERS, fixed) is None
