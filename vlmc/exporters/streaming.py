@@ -5,21 +5,22 @@ in a stage graph needs every weight resident at once: its repeated layers (``mod
 ``encoder.layers.N``) are one subgraph with different weights. So:
 
 1. :func:`load_reduced` builds the transformers model with each repeated layer stack cut to the
-   depth tracing needs (two live layers), loads only those weights (transformers' own
-   ``from_pretrained``, so renamed legacy checkpoint keys, tied weights and computed buffers are
+   depth tracing needs (the family's ``stream_depths`` states a :class:`Cut`: two live layers, or
+   one traced layer of each kind, after any layers wired in by index), loads only those weights
+   (transformers' own ``from_pretrained``, so renamed legacy checkpoint keys, tied weights and computed buffers are
    handled as usual) and marks each cut :class:`torch.nn.ModuleList` with a :class:`Stack`: where
    its weights are in the checkpoint and how deep it really is. The full model is only ever built
    on the meta device (no storage), to learn its key names and shapes.
 2. The stage exporter (:func:`vlmc.exporters.base.export_graph`) traces the reduced model and
-   hands the graph to :func:`stitch`, which instantiates the last traced layer's subgraph once per
-   missing layer, each copy bound to that layer's weights by name.
+   hands the graph to :func:`stitch`, which instantiates the last traced layer of each kind once per
+   missing layer of that kind, each copy bound to that layer's weights by name.
 3. The writer streams each copy's weights from the memory-mapped safetensors shard to the graph's
    data file, one tensor at a time, converted to the graph's dtype (FP32) a block of rows at a time.
 
-Peak memory is the reduced model (embeddings, head, two layers per stack) plus one tensor in
-flight, whatever the depth. The stitched graph is the graph the full-depth trace gives, node for
-node (tests/test_streaming_export.py compares both on onnxruntime). Where the structure does not
-allow it (layers that differ, a skip connection across layers, a checkpoint whose layer weights
+Peak memory is the reduced model (embeddings, head, the traced layers per stack) plus one tensor
+in flight, whatever the depth. The stitched graph computes what the full-depth trace does, weight
+for weight (tests/test_streaming_export.py compares both on onnxruntime for every family). Where the
+structure does not allow it (layers that differ beyond their stated kinds, a skip connection across layers, a checkpoint whose layer weights
 transformers converts rather than renames), :class:`StitchError` is raised and the exporter falls
 back to loading the whole model (vlmc/exporters/__init__.py).
 """
