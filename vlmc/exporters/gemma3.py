@@ -112,14 +112,14 @@ class Gemma3(generic.Family):
         positions belong to no block, which is exact for a prefill from an empty cache and for decode steps
         (their token is text, so no query is in a block).
         """
-        from transformers.models.gemma3 import modeling_gemma3 as G
+        from transformers.models.gemma3 import modeling_gemma3
 
         q_len, kv_len = inputs_embeds.shape[1], attention_mask.shape[1]
         past = kv_len - q_len
         q = torch.arange(q_len).unsqueeze(1) + past  # [Q, 1]
         k = torch.arange(kv_len).unsqueeze(0)  # [1, K]
         causal = (k <= q).unsqueeze(0)  # [1, Q, K]
-        blocks = G.get_block_sequence_ids_for_mask(token_type_ids)  # [B, Q]
+        blocks = modeling_gemma3.get_block_sequence_ids_for_mask(token_type_ids)  # [B, Q]
         kv_blocks = torch.cat([torch.full_like(attention_mask[:, :past], -1), blocks], dim=1)  # [B, K]
         same = (blocks.unsqueeze(2) == kv_blocks.unsqueeze(1)) & (blocks.unsqueeze(2) >= 0)  # [B, Q, K]
         padding = attention_mask.bool().unsqueeze(1)  # [B, 1, K]
