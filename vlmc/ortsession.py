@@ -269,7 +269,7 @@ def dequantized(model: ir.Model, threads: int | None = None) -> ort.InferenceSes
                     offset = -out.tell() % 64 + out.tell()
                     out.seek(offset)
                     raw = np.ascontiguousarray(arr)
-                    out.write(raw.tobytes())
+                    out.write(raw.reshape(-1).view(np.uint8).data)  # no bytes copy of the weight
                     t = onnx.TensorProto(name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(raw.dtype))
                     t.dims.extend(raw.shape)
                     t.data_location = onnx.TensorProto.EXTERNAL
