@@ -21,7 +21,11 @@ class Sessions(OrtExecutor):
     that phase the slowest of the build (688 s of a 512 M-parameter build's quantize step).
     """
 
-    def session(self, name: str):
+    def session(self, name: str, alone: bool = False):
+        """The session of graph ``name``; ``alone`` first drops the others (each holds its weights)."""
+        if alone:
+            for other in [k for k in self.sessions if k != name]:
+                del self.sessions[other]
         if name not in self.sessions:
             if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
                 self.sessions[name] = ortsession.dequantized(self.pkg.model(name), self.threads)
@@ -36,7 +40,9 @@ def graph_fidelity(
     """Worst cosine and max |Δ| per float output of a graph over the recorded (feeds, FP32 outputs)."""
     if not refs:
         return {}
-    sess = (sessions or Sessions(pkg)).session(name)
+    # Per-graph fidelity runs one graph at a time: the previous graph's session (and its weights)
+    # need not stay resident beside this one's (end-to-end reopens what it needs).
+    sess = (sessions or Sessions(pkg)).session(name, alone=True)
     names = [o.name for o in sess.get_outputs()]
     out: dict[str, dict] = {}
     for feed, ref in zip(feeds, refs):
