@@ -129,12 +129,12 @@ def run(rows: list, quick: bool = False) -> list:
         for _ in range(repeats):  # interleaved, so machine load hits every variant alike
             for v, s in sessions.items():
                 lat[v].append(_latency(s, feeds, 1))
-        base_bytes = G.initializer_bytes(pkgs["fp32"].graph("vision_encoder"))
+        base_bytes = G.initializer_bytes(pkgs["fp32"].model("vision_encoder"))
         base_lat = statistics.median(lat["fp32"])
         widths = "quick widths" if quick else "CLIP ViT-L/14-336 widths"
         setting = f"vision encoder, {widths}, {vision['num_hidden_layers']} layers, {{}}"
         for v, p in pkgs.items():
-            b = G.initializer_bytes(p.graph("vision_encoder"))
+            b = G.initializer_bytes(p.model("vision_encoder"))
             out = sessions[v].run(None, feeds)[0]
             ms = statistics.median(lat[v])
             rows.append(

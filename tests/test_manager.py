@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 import pytest
-from onnx import helper
 
 from vlmc import manager
 from vlmc.errors import CheckFailed, PassFailed
@@ -30,7 +29,7 @@ class Noop(Pass):
     summary = "does nothing"
 
     def run(self, package):
-        package.graph("decoder")  # loading a graph is not a change
+        package.model("decoder")  # loading a graph is not a change
         return PassResult(package, False, {"looked": True})
 
 
@@ -39,8 +38,8 @@ class Liar(Pass):
     summary = "changes a graph but says it did not"
 
     def run(self, package):
-        model = package.graph("embed_tokens")
-        model.graph.node[0].name = "renamed"
+        model = package.model("embed_tokens")
+        next(iter(model.graph)).name = "renamed"
         return PassResult(package, False)
 
 
@@ -65,8 +64,9 @@ class Breaker(Pass):
     summary = "writes an invalid graph"
 
     def run(self, package):
-        model = package.graph("embed_tokens")
-        model.graph.node.append(helper.make_node("Relu", ["does_not_exist"], ["dangling"]))
+        model = package.model("embed_tokens")
+        # a node reading a value that nothing produces and the graph does not take in
+        model.graph.append(ir.node("Relu", [ir.Value(name="does_not_exist")], name="dangling"))
         package.set_graph("embed_tokens", model)
         return PassResult(package, True)
 
@@ -80,10 +80,10 @@ class ScaleEmbeddings(Pass):
     options = (Option("factor", float, 1.0, "scale factor"),)
 
     def run(self, package):
-        model = package.graph("embed_tokens")
-        init = model.graph.initializer[0]
-        arr = onnx.numpy_helper.to_array(init) * self.opts["factor"]
-        init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
+        model = package.model("embed_tokens").clone()  # the snapshot a lossy pass is judged on keeps the original
+        weight = next(iter(model.graph.initializers.values()))
+        arr = weight.const_value.numpy() * self.opts["factor"]
+        weight.const_value = ir.tensor(arr.astype(np.float32), name=weight.name)
         package.set_graph("embed_tokens", model)
         return PassResult(package)  # modified left to the manager
 
@@ -188,8 +188,8 @@ class Lossy(Pass):
         return ScaleEmbeddings(factor=3.0).run(package)
 
     def evaluate(self, before, after, result):
-        old = onnx.numpy_helper.to_array(before.graph("embed_tokens").graph.initializer[0])
-        new = onnx.numpy_helper.to_array(after.graph("embed_tokens").graph.initializer[0])
+        old = next(iter(before.model("embed_tokens").graph.initializers.values())).const_value.numpy()
+        new = next(iter(after.model("embed_tokens").graph.initializers.values())).const_value.numpy()
         return {"ratio": float(np.abs(new).sum() / np.abs(old).sum())}
 
 

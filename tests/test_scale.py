@@ -233,11 +233,11 @@ def test_build_frees_the_source_model_and_leaves_no_scratch(tmp_path, monkeypatc
 
 
 def test_graph_read_before_a_pass_and_unchanged_is_not_a_change(tiny_llava):
-    """A library caller may read graphs (as protos) first; a pass that then changes nothing reports so."""
+    """A library caller may read graphs first; a pass that then changes nothing reports so."""
     pkg = Package.load(tiny_llava)
     before = pkg.state()
     for name in pkg.graph_names:
-        pkg.graph(name)
+        pkg.model(name)
     assert pkg.state() == before
     out = manager.run(pkg, R.parse("passes: [{simplify: {graphs: [embed_tokens]}}]").steps)
     assert out.manifest["history"][-1]["modified"] is False

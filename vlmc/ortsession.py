@@ -110,4 +110,4 @@ def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSessio
     precision = pkg.info(name).get("precision")
     if path is not None:
         return from_path(path, threads, precision)
-    return from_model(pkg.current(name), threads, precision=precision)
+    return from_model(pkg.model(name), threads, precision=precision)
