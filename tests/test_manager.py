@@ -80,7 +80,8 @@ class ScaleEmbeddings(Pass):
     options = (Option("factor", float, 1.0, "scale factor"),)
 
     def run(self, package):
-        model = package.model("embed_tokens").clone()  # the snapshot a lossy pass is judged on keeps the original
+        # a lossy pass is judged against the snapshot, which shares the original model: edit a clone
+        model = package.model("embed_tokens").clone()
         weight = next(iter(model.graph.initializers.values()))
         arr = weight.const_value.numpy() * self.opts["factor"]
         weight.const_value = ir.tensor(arr.astype(np.float32), name=weight.name)

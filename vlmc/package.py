@@ -18,7 +18,6 @@ import tempfile
 import weakref
 from pathlib import Path
 
-import onnx
 import onnx_ir as ir
 
 from vlmc import graphs as G
