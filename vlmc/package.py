@@ -321,9 +321,7 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
     catching these here keeps them from surfacing later as onnxruntime errors mid-run.
     """
     path = root / info["file"]
-    model = G.load(path, load_weights=False)
-    G.check_external_data(model, path.parent)
-    actual = G.signature(model)
+    actual = G.signature(G.open_checked(path))
     for io in ("inputs", "outputs"):
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]
