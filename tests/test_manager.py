@@ -28,7 +28,7 @@ class Noop(Pass):
     name = "noop"
     summary = "does nothing"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         package.model("decoder")  # loading a graph is not a change
         return PassResult(package, False, {"looked": True})
 
@@ -37,7 +37,7 @@ class Liar(Pass):
     name = "liar"
     summary = "changes a graph but says it did not"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         model = package.model("embed_tokens")
         next(iter(model.graph)).name = "renamed"
         return PassResult(package, False)
@@ -47,7 +47,7 @@ class Boaster(Pass):
     name = "boaster"
     summary = "says it changed something but did not"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         return PassResult(package, True)
 
 
@@ -55,7 +55,7 @@ class Crash(Pass):
     name = "crash"
     summary = "raises"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         raise RuntimeError("boom")
 
 
@@ -63,7 +63,7 @@ class Breaker(Pass):
     name = "breaker"
     summary = "writes an invalid graph"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         model = package.model("embed_tokens")
         # a node reading a value that nothing produces and the graph does not take in
         model.graph.append(ir.node("Relu", [ir.Value(name="does_not_exist")], name="dangling"))
@@ -79,7 +79,7 @@ class ScaleEmbeddings(Pass):
     preserves_numerics = True
     options = (Option("factor", float, 1.0, "scale factor"),)
 
-    def run(self, package):
+    def run(self, package, plan=None):
         # a lossy pass is judged against the snapshot, which shares the original model: edit a clone
         model = package.model("embed_tokens").clone()
         weight = next(iter(model.graph.initializers.values()))
