@@ -151,14 +151,13 @@ def test_simplify_twice_reaches_a_fixed_point(tiny_llava, tmp_path):
 
 
 def test_pass_raising_mid_build_leaves_no_output(tiny_llava, tmp_path):
-    from vlmc import build as B
-    from vlmc import recipe
+    from vlmc import build, recipe
 
     r = recipe.parse("model: tiny-llava\npasses: [simplify]")
     r.steps.append(_Step(Crash, 2))
     out = tmp_path / "out"
     with pytest.raises(PassFailed):
-        B.build(r, out)
+        build.build(r, out)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
 

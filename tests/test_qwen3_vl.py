@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _tokenizers_qwen3 as T
+import _tokenizers_qwen3
 import numpy as np
 import onnx
 import pytest
@@ -160,7 +160,7 @@ def test_text_only_prompt_feeds_an_empty_deepstack(builtin):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("qwen3_vl"), T.qwen3_vl_dir)
+    return Family(tmp_path_factory.mktemp("qwen3_vl"), _tokenizers_qwen3.qwen3_vl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -309,12 +309,12 @@ def test_ascend_compile_sizes_the_deepstack_rows_per_variant(exported, tmp_path)
 
 
 def test_plan_bounds_tokens_per_image_by_the_processor_pixels(qwen3):
-    from vlmc import plan as P
+    from vlmc import plan
 
-    spec = P.spec_from_package(qwen3.pkg)
+    spec = plan.spec_from_package(qwen3.pkg)
     assert spec.tokens_per_image == 64  # max_pixels 64 * 32 * 32 of the saved processor
     for hw in [(120, 90), (64, 160), (250, 180), (10, 300)]:  # --image-size: the processor's own count
         want = qwen3.proc.image_processor.get_number_of_image_patches(*hw, {}) // 4
-        assert P.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
-    cfg = P.load_spec(qwen3.src / "config.json")
+        assert plan.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
+    cfg = plan.load_spec(qwen3.src / "config.json")
     assert cfg.tokens_per_image == 16384 and {g.role for g in cfg.graphs} == {"vision", "embed", "decoder"}

@@ -11,8 +11,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from vlmc import build as B
-from vlmc import exporters, manager
+from vlmc import build, exporters, manager
 from vlmc import graphs as G
 from vlmc import recipe as R
 from vlmc.package import Package
@@ -212,7 +211,7 @@ def test_build_frees_the_source_model_and_leaves_no_scratch(tmp_path, monkeypatc
     monkeypatch.setattr(exporters, "export", export)
     monkeypatch.setattr(manager, "run", run)
     recipe = R.from_dict({"model": "tiny-llava", "passes": ["fold_constants"], "target": {"backend": "ort"}})
-    result = B.build(recipe, tmp_path / "out")
+    result = build.build(recipe, tmp_path / "out")
     assert refs["alive_during_passes"] is False
     assert refs["resident"] == []  # exported graphs are files until a pass reads them
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no scratch or temp directory left
