@@ -34,7 +34,7 @@ def test_graphs_and_facts(builtin):
     assert v["position_embedding"] == {"table": 16, "interpolation": "bicubic", "align_corners": False}
     assert v["image_start_token_id"] != v["image_end_token_id"]
     assert m["text"]["position"] == "mrope" and m["text"]["add_bos"] is False
-    ops = {n.op_type for n in builtin.graph("vision_encoder").graph.node}
+    ops = {n.op_type for n in builtin.model("vision_encoder").graph}
     assert not ops & {"GridSample", "Conv", "NonZero", "Loop"}  # taps are Gathers, both convs MatMuls
 
 

@@ -60,7 +60,7 @@ def _atc_ops() -> set[str]:
 
 def test_vision_graph_uses_only_static_shape_ops_atc_parses(builtin):
     _, pkg = builtin
-    ops = {n.op_type for n in pkg.graph("vision_encoder").graph.node} - {"Constant"}
+    ops = {n.op_type for n in pkg.model("vision_encoder").graph} - {"Constant"}
     assert not ops & {"NonZero", "Compress", "Unique", "Loop", "If", "SequenceConstruct"}
     assert ops <= _atc_ops(), ops - _atc_ops()
     assert "Conv" not in ops  # the patch embedding is exported as a MatMul

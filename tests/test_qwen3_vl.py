@@ -57,7 +57,7 @@ def test_graphs_declare_the_deepstack_interface(builtin):
     assert dec["visual_pos_masks"]["dtype"] == "int64"
     assert dec["deepstack_visual_embeds"]["shape"] == [2, "visual_tokens", 64]
     assert dec["position_ids"]["shape"] == [3, "batch", "sequence"]
-    nodes = builtin.graph("decoder").graph.node
+    nodes = list(builtin.model("decoder").graph)
     assert not {n.op_type for n in nodes} & {"NonZero", "Compress"}  # visual positions are a Gather
     # the only scatters are transformers' interleaved M-RoPE recomposition (static slices, ATC parses them)
     assert all("rotary_emb" in n.name for n in nodes if n.op_type == "ScatterND")
