@@ -138,10 +138,14 @@ def make_model_dir(size: str, root: Path) -> tuple[Path, int]:
     return path, params
 
 
-def measure(cmd: list[str], rss_limit: int | None = None, check: bool = True) -> dict:
+def measure(
+    cmd: list[str], rss_limit: int | None = None, check: bool = True, log: Path | None = None
+) -> dict:
+    """Run ``cmd`` under scripts/_measure.py: seconds, peak RSS, and per-step figures from its progress notes."""
     limit = ["--rss-limit", str(rss_limit)] if rss_limit else []
+    logs = ["--log", str(log)] if log else []
     out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "_measure.py"), *limit, *cmd],
+        [sys.executable, str(SCRIPTS / "_measure.py"), *limit, *logs, *cmd],
         capture_output=True,
         text=True,
         check=True,
@@ -237,41 +241,107 @@ def _floor(checkpoint: Path, root: Path) -> dict:
 
 
 def _scale_build(
-    name: str, checkpoint: Path, params: int, recipe_text: str, root: Path, rss_limit: int, bare: bool
+    name: str,
+    checkpoint: Path,
+    params: int,
+    recipe_text: str,
+    root: Path,
+    rss_limit: int,
+    bare: bool,
+    export_row: bool = True,
 ) -> dict:
-    """One scale row: disk floor, bare torch.onnx.export (``bare``) or `vlmc export`, and `vlmc build`."""
+    """One scale row: disk floor, bare torch.onnx.export (``bare``), `vlmc export` (``export_row``),
+    and `vlmc build`, each under the RSS watchdog. The build's per-step figures come from its
+    report.json when it finishes, else from its progress notes (scripts/_measure.py), which also
+    name the step it failed or was killed in."""
     vlmc = str(Path(sys.executable).parent / "vlmc")
     recipe = root / f"{name}.yaml"
     recipe.write_text(f"model: {checkpoint}\n" + recipe_text)
     out = root / f"out-{name}"
     row: dict = {"name": name, "params": params, "fp32_weight_bytes": params * 4, "rss_limit": rss_limit}
+    row["load_average"] = _load_average()
     row["floor_seconds"] = _floor(checkpoint, root)["seconds"]
     if bare:
         b = measure([sys.executable, str(SCRIPTS / "bare_export.py"), str(checkpoint)], rss_limit)
         row["bare_seconds"], row["bare_peak_rss"] = b["seconds"], b["peak_rss_bytes"]
-    e = measure(
-        [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"], rss_limit
-    )
     import shutil
 
-    shutil.rmtree(root / f"pkg-{name}", ignore_errors=True)
-    row["export_seconds"], row["export_peak_rss"] = e["seconds"], e["peak_rss_bytes"]
-    r = measure([vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"], rss_limit, check=False)
+    if export_row:
+        e = measure(
+            [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"], rss_limit
+        )
+        _remove_outputs(root, f"pkg-{name}")
+        row["export_seconds"], row["export_peak_rss"] = e["seconds"], e["peak_rss_bytes"]
+    log = root / f"{name}-build.log"
+    r = measure(
+        [vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"], rss_limit, check=False, log=log
+    )
     row["build_seconds"], row["build_peak_rss"] = r["seconds"], r["peak_rss_bytes"]
     row["build_ok"] = r["returncode"] == 0
     row["killed_over_rss"] = r.get("killed_over_rss", False)
     row["build_last_line"] = r.get("last_line", "")
+    row["notes"] = r.get("steps", [])  # per progress note: seconds and sampled peak RSS
+    row["failed_step"] = None if row["build_ok"] else (r.get("last_step") or "before its first step")
     report = out / "package" / "report.json"
     row["steps"] = _steps(report) if row["build_ok"] and report.is_file() else {}
-    shutil.rmtree(out, ignore_errors=True)
+    row["load_average_after"] = _load_average()
+    if LOG_DIR is not None:  # --keep-logs: the whole stderr of the build, to read after a failure
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, LOG_DIR / log.name)
+    _remove_outputs(root, f"out-{name}")
     print(json.dumps(row), flush=True)
     return row
 
 
+LOG_DIR: Path | None = None  # --keep-logs
+
+
+def _remove_outputs(root: Path, name: str) -> None:
+    """Remove an output and what a killed `vlmc` left of it (its ``.<name>.tmp-*`` staging directory)."""
+    import shutil
+
+    shutil.rmtree(root / name, ignore_errors=True)
+    for leftover in root.glob(f".{name}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+# Free disk the 7B row needs besides its checkpoint (14 GB of bf16): the scratch graphs (26 GB FP32
+# at export), the package written from them, the floor's FP32 file and the build directory.
+SEVEN_B_DISK = 31 << 30
+SEVEN_B_CHECKPOINT = 15 << 30
+
+
+def _check_disk(root: Path, need: int, what: str) -> None:
+    import shutil
+
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(
+            f"bench: {what} needs about {need / 2**30:.0f} GiB of free disk under {root}; "
+            f"{free / 2**30:.0f} GiB are free (pass --scratch DIR on a larger disk)"
+        )
+
+
 def scale_rows(
-    root: Path, seven_b: bool, seven_b_dir: Path | None, rss_limit: int, with_512m: bool = True
+    root: Path,
+    seven_b: bool,
+    seven_b_dir: Path | None,
+    rss_limit: int,
+    with_512m: bool = True,
+    export_row: bool = True,
 ) -> list[dict]:
-    """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards)."""
+    """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards).
+
+    ``seven_b_dir``: a checkpoint directory to use, or to write the 7B checkpoint into and keep (so
+    the row can be measured again without writing 14 GB again).
+    """
     import shutil
 
     rows = []
@@ -279,7 +349,14 @@ def scale_rows(
         model_dir, params = make_model_dir("llava-1.5", root)
         rows.append(
             _scale_build(
-                "llava-1.5 quantized", model_dir, params, QUANT_PASSES + SCALE_TARGET, root, rss_limit, True
+                "llava-1.5 quantized",
+                model_dir,
+                params,
+                QUANT_PASSES + SCALE_TARGET,
+                root,
+                rss_limit,
+                True,
+                export_row,
             )
         )
         shutil.rmtree(model_dir, ignore_errors=True)
@@ -288,37 +365,51 @@ def scale_rows(
         import make_checkpoint
 
         ckpt = seven_b_dir or (root / "llava-1.5-7b")
-        if not (ckpt / "model.safetensors.index.json").is_file():
-            make_checkpoint.write(make_checkpoint.llava_15_7b_config(), ckpt)
-        rows.append(
-            _scale_build(
-                "llava-1.5-7b",
-                ckpt,
-                _params_in(ckpt),
-                QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
-                root,
-                rss_limit,
-                False,
+        have = (ckpt / "model.safetensors.index.json").is_file()
+        if seven_b_dir is not None:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        _check_disk(root, SEVEN_B_DISK, "the 7B build")
+        if not have:
+            _check_disk(
+                ckpt if ckpt.exists() else root, SEVEN_B_CHECKPOINT + SEVEN_B_DISK, "the 7B checkpoint"
             )
-        )
-        if seven_b_dir is None:
-            shutil.rmtree(ckpt, ignore_errors=True)
+            make_checkpoint.write(make_checkpoint.llava_15_7b_config(), ckpt)
+        try:
+            rows.append(
+                _scale_build(
+                    "llava-1.5-7b",
+                    ckpt,
+                    _params_in(ckpt),
+                    QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
+                    root,
+                    rss_limit,
+                    False,
+                    export_row,
+                )
+            )
+        finally:
+            if seven_b_dir is None:
+                shutil.rmtree(ckpt, ignore_errors=True)
     return rows
 
 
-def scale_section(rows: list[dict]) -> list[str]:
+SCALE_HEADING = "## Scale: the quantized Ascend recipe at 512 M and a full 7B"
+
+
+def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
     lines = [
         "",
-        "## Scale: the quantized Ascend recipe at 512 M and a full 7B",
+        SCALE_HEADING,
         "",
         "Recipe: `fold_constants, simplify, quantize (vision_encoder int8 static, calibration count 4; "
         "decoder int4 group 128)`, Ascend910B4 target; the 7B row adds `paged_kv (block 128)`. The "
         "disk floor is scripts/disk_floor.py in the same run: read the checkpoint once and write it once "
         "as FP32, one tensor at a time. The 7B is llava-1.5-7b-hf's config with random weights written as "
         "bf16 safetensors shards with an index (scripts/make_checkpoint.py). A step that goes over the "
-        "RSS limit is killed (scripts/_measure.py) so the benchmark cannot take a shared machine down.",
+        "RSS limit is killed (scripts/_measure.py) so the benchmark cannot take a shared machine down. "
+        "Targets (issue 20): peak RSS ≤ 0.30× FP32 weight bytes, build time ≤ 4× the disk floor.",
         "",
-        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor | export time / floor |",
+        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor | load average (1, 5, 15 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -326,33 +417,69 @@ def scale_section(rows: list[dict]) -> list[str]:
         if r["build_ok"]:
             status = ""
         elif r["killed_over_rss"]:
-            status = " (killed over the RSS limit)"
+            status = f" (killed over the {_gib(r['rss_limit'])} RSS limit in {r.get('failed_step')})"
         elif "interrupted" in r.get("build_last_line", ""):
-            status = " (interrupted, unfinished)"
+            status = f" (interrupted in {r.get('failed_step')})"
         else:
-            status = " (failed)"
+            status = f" (failed in {r.get('failed_step')})"
         ratio = f"**{r['build_seconds'] / r['floor_seconds']:.2f}×**" if r["build_ok"] else "–"
         bare = f"{r['bare_seconds']:.1f}" if "bare_seconds" in r else "–"
+        export = (
+            f"{r['export_seconds']:.1f} ({_gib(r['export_peak_rss'])}, {r['export_peak_rss'] / fp32:.2f}×)"
+            if "export_seconds" in r
+            else "–"
+        )
+        load = ", ".join(f"{x:.1f}" for x in r.get("load_average", []))
         lines.append(
             f"| {r['name']} | {r['params'] / 1e9:.2f} B | {_gib(fp32)} | {r['floor_seconds']:.1f} | {bare} | "
-            f"{r['export_seconds']:.1f} ({_gib(r['export_peak_rss'])}, {r['export_peak_rss'] / fp32:.2f}×) | "
-            f"{r['build_seconds']:.1f}{status} | {_gib(r['build_peak_rss'])} | **{r['build_peak_rss'] / fp32:.2f}×** | "
-            f"{ratio} | {r['export_seconds'] / r['floor_seconds']:.2f}× |"
+            f"{export} | {r['build_seconds']:.1f}{status} | {_gib(r['build_peak_rss'])} | "
+            f"**{r['build_peak_rss'] / fp32:.2f}×** | {ratio} | {load} |"
         )
     for r in rows:
+        fp32 = r["fp32_weight_bytes"]
         lines += ["", f"Per step of `vlmc build`, {r['name']}:", ""]
-        if not r["steps"]:
-            lines.append(
-                f"No per-step figures: the build did not finish (last line it printed: `{r['build_last_line']}`)."
-            )
-            continue
-        lines += ["| step | seconds | peak RSS | peak RSS / FP32 weights |", "|---|---|---|---|"]
-        for name, st in r["steps"].items():
-            peak = st["peak_rss_bytes"] or 0
-            lines.append(
-                f"| {name} | {st['seconds']:.2f} | {_gib(peak)} | {peak / r['fp32_weight_bytes']:.2f}× |"
-            )
+        lines += [
+            "| step | seconds | seconds / floor | peak RSS | peak RSS / FP32 weights |",
+            "|---|---|---|---|---|",
+        ]
+        if r["steps"]:  # the build's own report.json (per phase; the passes inside "passes")
+            for name, st in r["steps"].items():
+                peak = st["peak_rss_bytes"] or 0
+                lines.append(
+                    f"| {name} | {st['seconds']:.2f} | {st['seconds'] / r['floor_seconds']:.2f}× | "
+                    f"{_gib(peak)} | {peak / fp32:.2f}× |"
+                )
+        else:  # unfinished: the progress notes' timings and the watchdog's RSS samples
+            for i, st in enumerate(r.get("notes", [])):
+                last = i == len(r["notes"]) - 1
+                mark = " **← failed here**" if last and not r["build_ok"] else ""
+                lines.append(
+                    f"| {st['step']}{mark} | {st['seconds']:.2f} | {st['seconds'] / r['floor_seconds']:.2f}× | "
+                    f"{_gib(st['peak_rss_bytes'])} | {st['peak_rss_bytes'] / fp32:.2f}× |"
+                )
+            lines += [
+                "",
+                f"The build did not finish: {r.get('failed_step')!s} "
+                + ("went over the RSS limit and was killed" if r["killed_over_rss"] else "failed")
+                + f" (last line it printed: `{r['build_last_line'][:300]}`). Figures from its progress notes "
+                "(seconds from one note to the next; RSS sampled every 0.2 s by scripts/_measure.py).",
+            ]
+    if command:
+        lines += ["", f"Measured with `{command}`."]
     return lines
+
+
+def splice_section(text: str, heading: str, section: list[str]) -> str:
+    """``text`` with the section under ``heading`` (up to the next ``## `` heading) replaced, or appended."""
+    lines = text.splitlines()
+    body = "\n".join(section).strip("\n").splitlines()
+    if heading in lines:
+        start = lines.index(heading)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = body + [""]
+    else:
+        lines += [""] + body
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _steps(report_json: Path) -> dict:
@@ -499,7 +626,7 @@ def render(
     ]
     lines += targets(cost)
     if scale:
-        lines += scale_section(list(scale))
+        lines += scale_section(list(scale), " ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
     lines += ["", "## What the passes buy", ""]
     if pass_rows:
         lines += ["| benchmark | setting | metric | value | ratio | notes |", "|---|---|---|---|---|---|"]
@@ -518,6 +645,8 @@ def render(
         "```",
         "make bench                      # tiny and small: 5 runs; llava-1.5 and 2b: 3 runs; the 512 M quantized row",
         "make bench BENCH_7B=1           # also the full LLaVA-1.5-7B row (needs about 45 GB of free disk)",
+        "make bench BENCH_7B=1 BENCH_7B_DIR=/big/llava7b   # keep (or reuse) the 14 GB 7B checkpoint there",
+        "python scripts/bench.py --only-7b --7b-dir /big/llava7b   # just the 7B row, into the scale section",
         "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
         "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)",
         "```",
@@ -555,17 +684,54 @@ def main() -> None:
     ap.add_argument(
         "--rss-limit-gib", type=float, default=16.0, help="kill a scale-row step whose RSS goes over this"
     )
+    ap.add_argument(
+        "--only-7b",
+        action="store_true",
+        help="run only the 7B row (no other sizes, 512 M row or pass benchmarks) and replace only the "
+        "scale section of --out",
+    )
+    ap.add_argument(
+        "--no-export-row",
+        dest="export_row",
+        action="store_false",
+        help="scale rows: do not measure `vlmc export` apart (the build's export step is still reported)",
+    )
+    ap.add_argument("--keep-logs", type=Path, help="copy each scale build's whole stderr into this directory")
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
+    if args.only_7b:
+        args.sizes, args.with_512m, args.skip_passes, args.skip_scale, args.seven_b = (
+            [],
+            False,
+            True,
+            False,
+            True,
+        )
+    global LOG_DIR
+    LOG_DIR = args.keep_logs
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scale: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         cost = pipeline_cost(args.sizes, args.runs, Path(tmp), args.large_runs) if args.sizes else []
         if not args.skip_scale:
             scale = scale_rows(
-                Path(tmp), args.seven_b, args.seven_b_dir, int(args.rss_limit_gib * 2**30), args.with_512m
+                Path(tmp),
+                args.seven_b,
+                args.seven_b_dir,
+                int(args.rss_limit_gib * 2**30),
+                args.with_512m,
+                args.export_row,
             )
+    command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
+    if args.only_7b:
+        previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
+        args.out.write_text(splice_section(previous, SCALE_HEADING, scale_section(scale, command)))
+        results = args.out.parent / "bench" / "results-7b.json"
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps({"machine": machine(), "scale": scale}, indent=2, default=str) + "\n")
+        print(f"wrote the scale section of {args.out}")
+        return
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)

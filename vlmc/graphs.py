@@ -454,11 +454,38 @@ def tensor_hash(t) -> str:
         if key in _EXTERNAL_HASHES:
             t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
             return _EXTERNAL_HASHES[key]
-    digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    if isinstance(t, ir.ExternalTensor):
+        digest = _external_digest(t)
+    else:
+        digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
     t.meta[_HASH_KEY] = digest
     if key is not None:
         _EXTERNAL_HASHES[key] = digest
     return digest
+
+
+def _external_digest(t: ir.ExternalTensor) -> str:
+    """:func:`_digest` of a tensor stored in a file, hashed in place from its memory map.
+
+    ``tobytes()`` would copy the tensor, and the map onnx-ir opens (the whole data file) would stay
+    open with every page hashed still resident: after fingerprinting a package, its process would
+    hold all its weights. A tensor that was not mapped before is released again at once, so hashing
+    costs at most the tensor being hashed.
+    """
+    if t.nbytes == 0:
+        return _digest(int(t.dtype), list(t.shape.numpy()), b"")
+    mapped = t.raw is not None
+    if not mapped:
+        t.numpy()  # onnx-ir maps the file (checking the path is inside the base directory)
+    try:
+        h = digest_start(int(t.dtype), list(t.shape.numpy()))
+        offset = t.offset or 0
+        with memoryview(t.raw) as view, view[offset : offset + (t.length or t.nbytes)] as data:
+            h.update(data)
+        return h.hexdigest()
+    finally:
+        if not mapped:
+            t.release()
 
 
 def digest_start(dtype: int, dims: list[int]):
