@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+import onnx_ir as ir
 
 from vlmc import samples, tensor_names
 from vlmc.errors import VlmcError
@@ -18,11 +18,7 @@ logger = logging.getLogger(__name__)
 ROLES = ("decoder", "vlm")
 NUM_BLOCKS_DIM = "num_blocks"
 MAX_BLOCKS_DIM = "max_blocks"
-PAST_RE = tensor_names.PAST_RE
-PRESENT_RE = tensor_names.PRESENT_RE
-CACHE_IN = {k: p + "{}" for k, p in tensor_names.CACHE_PREFIX.items()}
 # Interface v2 (docs/architecture.md): the graph returns this step's rows; whoever runs it writes them.
-NEW_OUT = {k: p + "{}" for k, p in tensor_names.NEW_PREFIX.items()}
 NEW_INPUTS = tensor_names.PAGED_INPUTS
 # Documented in docs/paged_kv.md: a negative slot marks a padding position, masked and never stored.
 PADDING_RULE = "slot < 0 marks padding: masked for every query, and its row is not written to the pool"
@@ -31,7 +27,17 @@ CONTEXT_LENS_RULE = (
     "tokens stored for the sequence after this step, this step's real (slot >= 0) tokens included; "
     "the past read from the pool is the first context_lens - (real tokens in the step) slots"
 )
-_P = "paged_kv/"  # prefix of every tensor and node this pass adds, so names never clash with the decoder's
+PREFIX = (
+    "paged_kv/"  # prefix of every tensor and node this pass adds, so names never clash with the decoder's
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``check_package`` found: the graphs to rewrite, or why there is nothing to do."""
+
+    graphs: tuple[str, ...]
+    skipped: str | None = None
 
 
 @register
@@ -71,35 +77,46 @@ class PagedKV(Pass):
         ),
     )
 
-    def run(self, package):
+    def check_package(self, package) -> Plan:
+        """The decoder graphs with the contiguous KV interface; refuses one whose interface is broken."""
         kv = package.manifest["kv"]
         if kv.get("layout") == "paged":
-            logger.warning("paged_kv: the package's KV layout is already paged; nothing to do")
-            return PassResult(package, False, {"skipped": "already paged"})
-        names = [
-            n
-            for n in package.graph_names
-            if package.info(n)["role"] in ROLES
-            and any(PAST_RE.match(i["name"]) for i in package.info(n)["inputs"])
-        ]
+            return Plan((), "already paged")
+        names = tuple(
+            name
+            for name in package.graph_names
+            if package.info(name)["role"] in ROLES
+            and any(tensor_names.PAST_RE.match(i["name"]) for i in package.info(name)["inputs"])
+        )
         if not names:
-            logger.warning("paged_kv: no decoder graph has past_key_values inputs; nothing to do")
-            return PassResult(package, False, {"skipped": "no graph with a contiguous KV interface"})
-        bs, nb = self.opts["block_size"], self.opts["num_blocks"]
-        report = {"block_size": bs, "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM, "graphs": {}}
+            return Plan((), "no graph with a contiguous KV interface")
+        for name in names:
+            info = package.info(name)
+            check_interface([i["name"] for i in info["inputs"]], [o["name"] for o in info["outputs"]], name)
+        return Plan(names)
+
+    def run(self, package, plan: Plan | None = None) -> PassResult:
+        plan = plan if plan is not None else self.check_package(package)
+        if plan.skipped is not None:
+            logger.warning("paged_kv: %s; nothing to do", plan.skipped)
+            return PassResult(package, False, {"skipped": plan.skipped})
+        kv = package.manifest["kv"]
+        block_size, num_blocks = self.opts["block_size"], self.opts["num_blocks"]
+        pool_dim = num_blocks if num_blocks is not None else NUM_BLOCKS_DIM
+        report = {"block_size": block_size, "num_blocks": pool_dim, "graphs": {}}
         # A tensor-parallel package's rank-local graphs hold the rank's share of the KV heads.
         heads = int((package.manifest.get("tensor_parallel") or {}).get("kv_heads_per_rank", kv["kv_heads"]))
-        for name in names:
-            model = package.graph(name)
-            layers = rewrite(model, bs, nb, heads, int(kv["head_dim"]), where=name)
+        for name in plan.graphs:
+            model = package.model(name)  # edited in place; its weights are never read
+            layers = rewrite(model, block_size, num_blocks, heads, int(kv["head_dim"]), where=name)
             package.set_graph(name, model)
-            samples.store(package, name, sample_feeds(package, name, bs))
-            report["graphs"][name] = {"layers": layers, "nodes": len(model.graph.node)}
+            samples.store(package, name, sample_feeds(package, name, block_size))
+            report["graphs"][name] = {"layers": layers, "nodes": len(model.graph)}
         kv.update(
             {
                 "layout": "paged",
-                "block_size": bs,
-                "num_blocks": nb if nb is not None else NUM_BLOCKS_DIM,
+                "block_size": block_size,
+                "num_blocks": pool_dim,
                 "padding_slot": PADDING_RULE,
                 "context_lens": CONTEXT_LENS_RULE,
             }
@@ -107,8 +124,33 @@ class PagedKV(Pass):
         return PassResult(package, True, report)
 
 
+def check_interface(inputs: list[str], outputs: list[str], where: str) -> None:
+    """Refuse a graph that does not have the contiguous decoder KV interface (one-line VlmcError)."""
+    past = {(int(m[1]), m[2]) for name in inputs if (m := tensor_names.PAST_RE.match(name))}
+    present = {(int(m[1]), m[2]) for name in outputs if (m := tensor_names.PRESENT_RE.match(name))}
+    if "attention_mask" not in inputs:
+        raise VlmcError(
+            f"paged_kv: graph {where} has past_key_values inputs but no attention_mask input; "
+            "it does not have the contiguous decoder interface"
+        )
+    if past != present:
+        raise VlmcError(
+            f"paged_kv: graph {where}: past_key_values inputs and present outputs do not pair up "
+            f"({len(past)} inputs, {len(present)} outputs)"
+        )
+    taken = [
+        *NEW_INPUTS,
+        *(tensor_names.cache(i, kind) for i, kind in sorted(past)),
+        *(tensor_names.new_rows(i, kind) for i, kind in sorted(past)),
+    ]
+    existing = set(inputs) | set(outputs)
+    for name in taken:
+        if name in existing:
+            raise VlmcError(f"paged_kv: graph {where} already has a tensor named {name!r}")
+
+
 def rewrite(
-    model: onnx.ModelProto,
+    model: ir.Model,
     block_size: int,
     num_blocks: int | None,
     kv_heads: int,
@@ -117,172 +159,169 @@ def rewrite(
 ) -> list[int]:
     """Rewrite one graph in place from the contiguous to the paged KV interface; return its layer ids.
 
-    The proto is edited directly rather than through onnx-graphsurgeon: the change is a prefix and
-    a suffix around an untouched graph, and re-exporting every weight through GS would only cost time.
+    The decoder's own nodes and weights are not touched (no weight is read): the change is a
+    prefix that produces the former ``attention_mask`` and ``past_key_values.*`` inputs (the same
+    IR values, so every use in the decoder stays as it is) and a suffix that takes this step's rows
+    out of each former ``present.*`` output. The prefix only depends on graph inputs and its own
+    constants and goes before the first node, the suffix after the last, so the node order stays
+    topological without a sort.
 
     Raises:
         VlmcError: the graph does not have the contiguous decoder interface.
     """
-    g = model.graph
-    inputs = {i.name: i for i in g.input}
-    outputs = {o.name: o for o in g.output}
-    past = {(int(m[1]), m[2]): n for n in inputs if (m := PAST_RE.match(n))}
-    present = {(int(m[1]), m[2]): n for n in outputs if (m := PRESENT_RE.match(n))}
-    if "attention_mask" not in inputs:
-        raise VlmcError(
-            f"paged_kv: graph {where} has past_key_values inputs but no attention_mask input; "
-            "it does not have the contiguous decoder interface"
-        )
-    if set(past) != set(present):
-        raise VlmcError(
-            f"paged_kv: graph {where}: past_key_values inputs and present outputs do not pair up "
-            f"({len(past)} inputs, {len(present)} outputs)"
-        )
-    taken = [*NEW_INPUTS, *(CACHE_IN[k].format(i) for i, k in past), *(NEW_OUT[k].format(i) for i, k in past)]
-    for name in taken:
-        if name in inputs or name in outputs:
-            raise VlmcError(f"paged_kv: graph {where} already has a tensor named {name!r}")
+    graph = model.graph
+    check_interface([v.name for v in graph.inputs], [v.name for v in graph.outputs], where)
+    inputs = {v.name: v for v in graph.inputs}
+    past = {(int(m[1]), m[2]): v for name, v in inputs.items() if (m := tensor_names.PAST_RE.match(name))}
+    present = {
+        (int(m[1]), m[2]): v for v in graph.outputs if (m := tensor_names.PRESENT_RE.match(v.name or ""))
+    }
     layers = sorted({i for i, _ in past})
-    kv_type = inputs[past[(layers[0], "key")]].type.tensor_type.elem_type
-    mask_type = inputs["attention_mask"].type.tensor_type.elem_type
-    batch = _dim(inputs["inputs_embeds"], 0) if "inputs_embeds" in inputs else "batch"
-    seq = _dim(inputs["inputs_embeds"], 1) if "inputs_embeds" in inputs else "sequence"
-    nb_dim = num_blocks if num_blocks is not None else NUM_BLOCKS_DIM
+    mask = inputs["attention_mask"]
+    kv_type = past[(layers[0], "key")].dtype
+    embeds = inputs.get("inputs_embeds")
+    batch = _dim(embeds, 0, "batch")
+    seq = _dim(embeds, 1, "sequence")
+    pool_dim = num_blocks if num_blocks is not None else NUM_BLOCKS_DIM
 
-    prefix: list[onnx.NodeProto] = []
-    suffix: list[onnx.NodeProto] = []
-    inits = [
-        _const("bs", np.array([block_size], np.int64)),
-        _const("zero", np.array(0, np.int64)),
-        _const("one", np.array(1, np.int64)),
-        _const("axis1", np.array([1], np.int64)),
-        _const("big", np.array([np.iinfo(np.int64).max], np.int64)),
-        _const("axis2", np.array([2], np.int64)),
-        _const("flat_bp", np.array([0, -1], np.int64)),
-        _const("rows_shape", np.array([-1, head_dim], np.int64)),
-        _const("offsets", np.arange(block_size, dtype=np.int64)),
-        _const("heads", np.array([kv_heads], np.int64)),
-        _const("head_ids", np.arange(kv_heads, dtype=np.int64).reshape(1, kv_heads, 1)),
-    ]
-    n = _Namer()
+    # The former inputs become values the prefix computes; the former present outputs stay as the
+    # decoder's internal values. Their recorded shapes describe the contiguous interface, so they go.
+    former = {id(v) for v in (mask, *past.values(), *present.values())}
+    kept_inputs = [v for v in graph.inputs if id(v) not in former]
+    kept_outputs = [v for v in graph.outputs if id(v) not in former]
+    graph.inputs.clear()
+    graph.outputs.clear()
+    for value in (mask, *past.values(), *present.values()):
+        value.shape = None
+
+    build = _Builder(graph)
+    block_tables = ir.val("block_tables", ir.DataType.INT32, [batch, MAX_BLOCKS_DIM])
+    slot_mapping = ir.val("slot_mapping", ir.DataType.INT32, [batch, seq])
+    context_lens = ir.val("context_lens", ir.DataType.INT32, [batch])
+    bs = build.const("bs", np.array([block_size], np.int64))
+    zero = build.const("zero", np.array(0, np.int64))
+    one = build.const("one", np.array(1, np.int64))
+    axis1 = build.const("axis1", np.array([1], np.int64))
+    big = build.const("big", np.array([np.iinfo(np.int64).max], np.int64))
+    axis2 = build.const("axis2", np.array([2], np.int64))
+    flat_bp = build.const("flat_bp", np.array([0, -1], np.int64))
+    rows_shape = build.const("rows_shape", np.array([-1, head_dim], np.int64))
+    offsets = build.const("offsets", np.arange(block_size, dtype=np.int64))
+    heads = build.const("heads", np.array([kv_heads], np.int64))
+    head_ids = build.const("head_ids", np.arange(kv_heads, dtype=np.int64).reshape(1, kv_heads, 1))
+
     # Shared: gathered past length P = max_blocks * block_size.
-    prefix += [
-        n.node("Shape", ["block_tables"], ["bt_shape"]),
-        n.node("Gather", ["bt_shape", _P + "axis1"], ["max_blocks"], axis=0),
-        n.node("Mul", ["max_blocks", _P + "bs"], ["past_len1d"]),  # [1] int64
-        n.node("Squeeze", ["past_len1d"], ["past_len"]),
-        # Real (non-padding) new tokens and each sequence's past length: context_lens counts the
-        # tokens stored after this step, this step's real ones included (CONTEXT_LENS_RULE).
-        n.node("Cast", ["slot_mapping"], ["slots64"], to=TensorProto.INT64),
-        n.node("GreaterOrEqual", ["slots64", _P + "zero"], ["is_new"]),
-        n.node("Cast", ["is_new"], ["is_new64"], to=TensorProto.INT64),
-        n.node("ReduceSum", ["is_new64", _P + "axis1"], ["n_new"], keepdims=1),  # [B, 1]
-        n.node("Cast", ["context_lens"], ["ctx64"], to=TensorProto.INT64),
-        n.node("Unsqueeze", ["ctx64", _P + "axis1"], ["ctx_col"]),
-        n.node("Sub", ["ctx_col", "n_new"], ["past_real"]),  # [B, 1]
-        n.node("Range", [_P + "zero", "past_len", _P + "one"], ["past_pos"]),  # [P]
-        # The gathered past is the sequence's positions 0..P-1 in order; the first past_real are
-        # stored rows, the rest (this step's slots, not yet written, and unused blocks) are masked.
-        n.node("Less", ["past_pos", "past_real"], ["past_valid"]),  # [B, P]
-        n.node("Cast", ["past_valid"], ["past_mask"], to=mask_type),
-        # A padding position (left-padded prompt, finished batch row) is masked for every query,
-        # as the contiguous runtime's attention_mask does; the decoder adds causality itself.
-        n.node("Cast", ["is_new"], ["new_mask"], to=mask_type),
-        n.node("Concat", ["past_mask", "new_mask"], ["attention_mask"], axis=1, raw=True),
-        # Row index of every gathered K/V row, in the decoder's past layout [B, kv_heads, P]: the pool
-        # viewed as [num_blocks*block_size*kv_heads, head_dim] has row (slot*kv_heads + head), and
-        # slot = block_tables[b, j // block_size]*block_size + j % block_size. One Gather per pool
-        # then yields past_key_values directly: no gathered copy to transpose (3x faster on ORT CPU
-        # than Gather+Transpose at LLaVA widths), and the index is built once per step for all pools.
-        n.node("Cast", ["block_tables"], ["bt64"], to=TensorProto.INT64),
-        n.node("Unsqueeze", ["bt64", _P + "axis2"], ["bt3"]),  # [B, MB, 1]
-        n.node("Mul", ["bt3", _P + "bs"], ["block_base"]),
-        n.node("Add", ["block_base", _P + "offsets"], ["slots3"]),  # [B, MB, bs]
-        n.node("Reshape", ["slots3", _P + "flat_bp"], ["past_slots"]),  # [B, P]
-        n.node("Unsqueeze", ["past_slots", _P + "axis1"], ["past_slots3"]),  # [B, 1, P]
-        n.node("Mul", ["past_slots3", _P + "heads"], ["row_base"]),
-        n.node("Add", ["row_base", _P + "head_ids"], ["row_idx"]),  # [B, H, P]
-    ]
-    new_inputs = [
-        helper.make_tensor_value_info("block_tables", TensorProto.INT32, [batch, MAX_BLOCKS_DIM]),
-        helper.make_tensor_value_info("slot_mapping", TensorProto.INT32, [batch, seq]),
-        helper.make_tensor_value_info("context_lens", TensorProto.INT32, [batch]),
-    ]
-    pool_inputs, row_outputs = [], []
+    bt_shape = build.op("Shape", [block_tables], "bt_shape")
+    max_blocks = build.op("Gather", [bt_shape, axis1], "max_blocks", axis=0)
+    past_len1d = build.op("Mul", [max_blocks, bs], "past_len1d")  # [1] int64
+    past_len = build.op("Squeeze", [past_len1d], "past_len")
+    # Real (non-padding) new tokens and each sequence's past length: context_lens counts the
+    # tokens stored after this step, this step's real ones included (CONTEXT_LENS_RULE).
+    slots64 = build.op("Cast", [slot_mapping], "slots64", to=ir.DataType.INT64)
+    is_new = build.op("GreaterOrEqual", [slots64, zero], "is_new")
+    is_new64 = build.op("Cast", [is_new], "is_new64", to=ir.DataType.INT64)
+    n_new = build.op("ReduceSum", [is_new64, axis1], "n_new", keepdims=1)  # [B, 1]
+    ctx64 = build.op("Cast", [context_lens], "ctx64", to=ir.DataType.INT64)
+    ctx_col = build.op("Unsqueeze", [ctx64, axis1], "ctx_col")
+    past_real = build.op("Sub", [ctx_col, n_new], "past_real")  # [B, 1]
+    past_pos = build.op("Range", [zero, past_len, one], "past_pos")  # [P]
+    # The gathered past is the sequence's positions 0..P-1 in order; the first past_real are
+    # stored rows, the rest (this step's slots, not yet written, and unused blocks) are masked.
+    past_valid = build.op("Less", [past_pos, past_real], "past_valid")  # [B, P]
+    past_mask = build.op("Cast", [past_valid], "past_mask", to=mask.dtype)
+    # A padding position (left-padded prompt, finished batch row) is masked for every query,
+    # as the contiguous runtime's attention_mask does; the decoder adds causality itself.
+    new_mask = build.op("Cast", [is_new], "new_mask", to=mask.dtype)
+    build.op("Concat", [past_mask, new_mask], output=mask, axis=1)
+    # Row index of every gathered K/V row, in the decoder's past layout [B, kv_heads, P]: the pool
+    # viewed as [num_blocks*block_size*kv_heads, head_dim] has row (slot*kv_heads + head), and
+    # slot = block_tables[b, j // block_size]*block_size + j % block_size. One Gather per pool
+    # then yields past_key_values directly: no gathered copy to transpose (3x faster on ORT CPU
+    # than Gather+Transpose at LLaVA widths), and the index is built once per step for all pools.
+    bt64 = build.op("Cast", [block_tables], "bt64", to=ir.DataType.INT64)
+    bt3 = build.op("Unsqueeze", [bt64, axis2], "bt3")  # [B, MB, 1]
+    block_base = build.op("Mul", [bt3, bs], "block_base")
+    slots3 = build.op("Add", [block_base, offsets], "slots3")  # [B, MB, bs]
+    past_slots = build.op("Reshape", [slots3, flat_bp], "past_slots")  # [B, P]
+    past_slots3 = build.op("Unsqueeze", [past_slots, axis1], "past_slots3")  # [B, 1, P]
+    row_base = build.op("Mul", [past_slots3, heads], "row_base")
+    row_idx = build.op("Add", [row_base, head_ids], "row_idx")  # [B, H, P]
+
+    pools, rows_out = [], []
     for i in layers:
-        for k in ("key", "value"):
-            pool, rows = CACHE_IN[k].format(i), NEW_OUT[k].format(i)
-            t = f"{k}{i}_"
-            prefix += [
-                # A view, not a copy: onnxruntime's Reshape aliases its input (the tests check that
-                # no pool is copied), so only the gathered rows are read.
-                n.node("Reshape", [pool, _P + "rows_shape"], [t + "rows"]),  # [NB*bs*H, D]
-                n.node(
-                    "Gather", [t + "rows", _P + "row_idx"], [past[(i, k)]], axis=0, raw=True
-                ),  # [B, H, P, D]
-            ]
+        for kind in tensor_names.KV_KINDS:
+            pool = ir.val(tensor_names.cache(i, kind), kv_type, [pool_dim, block_size, kv_heads, head_dim])
+            label = f"{kind}{i}_"
+            # A view, not a copy: onnxruntime's Reshape aliases its input (the tests check that
+            # no pool is copied), so only the gathered rows are read.
+            rows = build.op("Reshape", [pool, rows_shape], label + "rows")  # [NB*bs*H, D]
+            build.op("Gather", [rows, row_idx], output=past[(i, kind)], axis=0)  # [B, H, P, D]
+            pools.append(pool)
             # present = past ++ this step's rows along the sequence axis: the rows are its last seq
             # positions, keys already rotated; they leave the graph in the pool's row layout.
-            suffix += [
-                n.node("Slice", [present[(i, k)], "past_len1d", _P + "big", _P + "axis2"], [t + "new"]),
-                n.node("Transpose", [t + "new"], [rows], perm=[0, 2, 1, 3], raw=True),  # [B, S, H, D]
-            ]
-            pool_inputs.append(
-                helper.make_tensor_value_info(pool, kv_type, [nb_dim, block_size, kv_heads, head_dim])
-            )
-            row_outputs.append(helper.make_tensor_value_info(rows, kv_type, [batch, seq, kv_heads, head_dim]))
+            new = build.op("Slice", [present[(i, kind)], past_len1d, big, axis2], label + "new", after=True)
+            out = ir.val(tensor_names.new_rows(i, kind), kv_type, [batch, seq, kv_heads, head_dim])
+            build.op("Transpose", [new], output=out, perm=[0, 2, 1, 3], after=True)  # [B, S, H, D]
+            rows_out.append(out)
 
-    keep_in = [i for i in g.input if i.name != "attention_mask" and not PAST_RE.match(i.name)]
-    keep_out = [o for o in g.output if not PRESENT_RE.match(o.name)]
+    first = next(iter(graph), None)
+    if first is None:
+        graph.extend(build.prefix.nodes)
+    else:
+        graph.insert_before(first, build.prefix.nodes)
+    graph.extend(build.suffix.nodes)
     # Cache inputs follow the other inputs, in layer order, as the architecture doc lists them.
-    del g.input[:]
-    g.input.extend(keep_in + pool_inputs + new_inputs)
-    del g.output[:]
-    g.output.extend(keep_out + row_outputs)
-    body = list(g.node)
-    del g.node[:]
-    g.node.extend(prefix + body + suffix)
-    g.initializer.extend(inits)
-    # Intermediate shapes recorded for the old inputs/outputs would now be wrong or duplicated.
-    stale = {"attention_mask", *past.values(), *present.values()}
-    keep_vi = [v for v in g.value_info if v.name not in stale]
-    del g.value_info[:]
-    g.value_info.extend(keep_vi)
+    graph.inputs.extend([*kept_inputs, *pools, block_tables, slot_mapping, context_lens])
+    graph.outputs.extend([*kept_outputs, *rows_out])
     return layers
 
 
-def _dim(vi: onnx.ValueInfoProto, axis: int) -> int | str:
-    d = vi.type.tensor_type.shape.dim[axis]
-    return d.dim_value if d.HasField("dim_value") else (d.dim_param or f"d{axis}")
+def _dim(value: ir.Value | None, axis: int, default: str) -> int | str:
+    """A dimension of a graph input for the new IO's shapes: its size, its symbol, or ``default``."""
+    if value is None or value.shape is None or len(value.shape) <= axis:
+        return default
+    dim = value.shape[axis]
+    if isinstance(dim, int):
+        return dim
+    return dim.value or f"d{axis}"
 
 
-def _const(name: str, value: np.ndarray) -> onnx.TensorProto:
-    return numpy_helper.from_array(value, _P + name)
+class _Builder:
+    """Records the nodes and constants this pass adds, each named with :data:`PREFIX`.
 
+    Nodes go to one of two tapes, ``prefix`` (before the decoder) and ``suffix`` (after it), not
+    yet in the graph, so the caller places them; constants are registered as initializers at once.
+    """
 
-class _Namer:
-    """Makes nodes whose tensor names carry the pass prefix, except names the decoder already uses."""
-
-    def __init__(self) -> None:
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.prefix = ir.tape.Tape()
+        self.suffix = ir.tape.Tape()
         self.count = 0
 
-    def node(self, op: str, ins: list[str], outs: list[str], raw: bool = False, **attrs) -> onnx.NodeProto:
+    def const(self, name: str, array: np.ndarray) -> ir.Value:
+        value = ir.val(PREFIX + name, const_value=ir.tensor(array, name=PREFIX + name))
+        self.graph.register_initializer(value)
+        return value
+
+    def op(
+        self,
+        op_type: str,
+        inputs: list[ir.Value],
+        name: str | None = None,
+        output: ir.Value | None = None,
+        after: bool = False,
+        **attributes,
+    ) -> ir.Value:
+        """One node (in ``suffix`` if ``after``); its output is ``output``, or a new value ``PREFIX + name``."""
         self.count += 1
-        ins = [x if _external(x) else _P + x for x in ins]
-        outs = [x if (raw or _external(x)) else _P + x for x in outs]
-        return helper.make_node(op, ins, outs, name=f"{_P}{op}_{self.count}", **attrs)
-
-
-def _external(name: str) -> bool:
-    """Graph IO and decoder tensors keep their own names; everything else this pass makes is prefixed."""
-    return (
-        name.startswith(_P)
-        or name in NEW_INPUTS
-        or name == "attention_mask"
-        or bool(PAST_RE.match(name))
-        or bool(PRESENT_RE.match(name))
-        or tensor_names.is_paged_io(name)
-    )
+        tape = self.suffix if after else self.prefix
+        value = tape.op(
+            op_type, inputs, attributes or None, name=f"{PREFIX}{op_type}_{self.count}", output=output
+        )
+        if output is None:
+            value.name = PREFIX + name
+        return value
 
 
 def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -294,7 +333,7 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
     specs = {i["name"]: i for i in package.info(name)["inputs"]}
     batch, seq, past, real = 2, 3, [5, 2], [3, 2]  # row 1 is left-padded by one position
     max_blocks = max(-(-(p + seq) // block_size) for p in past)
-    pool_dim = specs[CACHE_IN["key"].format(min(_layers(specs)))]["shape"][0]
+    pool_dim = specs[tensor_names.cache(min(tensor_names.cache_layers(specs)), "key")]["shape"][0]
     nb = pool_dim if isinstance(pool_dim, int) else 2 * batch * max_blocks + 1
     order = rng.permutation(np.arange(1, nb))  # block 0 stays unowned, as the runtime's null block
     tables = np.zeros((batch, max_blocks), np.int32)
@@ -319,7 +358,3 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
         else:
             feeds[n] = np.zeros(shape, spec["dtype"])
     return feeds
-
-
-def _layers(specs: dict) -> list[int]:
-    return tensor_names.cache_layers(specs)

@@ -73,7 +73,7 @@ def _export(cfg: dict, tmp: Path):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from vlmc import manifest as M
+    from vlmc import manifest
     from vlmc.exporters import base
     from vlmc.package import Package
 
@@ -91,7 +91,7 @@ def _export(cfg: dict, tmp: Path):
             for mod0, mod in zip(first.modules(), later.modules()):
                 for name, p in list(mod0.named_parameters(recurse=False)):
                     setattr(mod, name, p)
-    pkg = Package(M.new("bench", "LlamaForCausalLM", "bench", "none"))
+    pkg = Package(manifest.new("bench", "LlamaForCausalLM", "bench", "none"))
     pkg.use_scratch(tmp / "export")  # the exported file (weights streamed to it) stays for the sessions
     heads = cfg["num_attention_heads"]
     head_dim = cfg["hidden_size"] // heads
@@ -111,30 +111,31 @@ def _export(cfg: dict, tmp: Path):
 
 def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
     """Contiguous and paged sessions over one in-memory copy of the weights."""
-    import onnx
+    import onnx_ir as ir
     import onnxruntime as ort
 
-    from vlmc import graphs as G
-    from vlmc import ortsession
+    from vlmc import graphs, ortsession
     from vlmc.passes.paged_kv import rewrite
 
-    # ``contiguous`` is the exported decoder's file; the paged graph goes beside it, sharing its data file.
+    # ``contiguous`` is the exported decoder's file; the paged graph goes beside it, sharing its data
+    # file: the rewrite reads no weight, and the IR writes its external tensors as references.
     folder = contiguous.parent
-    weightless = G.load(contiguous, load_weights=False)
-    paged, _ = G.weightless_copy(weightless)  # the external-data entries stay: both name one file
+    paged = graphs.load_ir(contiguous)
     rewrite(paged, cfg["block_size"], None, cfg["num_key_value_heads"], head_dim)
-    (folder / "paged.onnx").write_bytes(paged.SerializeToString())
+    proto = ir.to_proto(paged)
+    graphs.drop_initializer_infos(proto, paged)
+    (folder / "paged.onnx").write_bytes(proto.SerializeToString())
+    del proto
     # The weights once, as numpy read straight from the data file; each session takes them as shared
     # initializers instead of reading the file again (an OrtValue over a numpy array does not copy it).
     weights = {}
-    for t in weightless.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
+    for name, value in graphs.load_ir(contiguous).graph.initializers.items():
+        t = value.const_value
+        if not isinstance(t, ir.ExternalTensor):
             continue
-        info = {e.key: e.value for e in t.external_data}
-        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(t.data_type))
-        count = int(info["length"]) // dtype.itemsize
-        arr = np.fromfile(folder / info["location"], dtype, count, offset=int(info.get("offset", 0)))
-        weights[t.name] = arr.reshape(tuple(t.dims))
+        dtype = np.dtype(t.dtype.numpy())
+        arr = np.fromfile(t.path, dtype, t.nbytes // dtype.itemsize, offset=t.offset or 0)
+        weights[name] = arr.reshape(tuple(t.shape.numpy()))
     values = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in weights.items()}
     out = []
     for name in ("contiguous", "paged"):

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 import pytest
 
-from vlmc import exporters, manager, ortsession, pass_api
+from vlmc import exporters, graphs, manager, ortsession, pass_api, tensor_names
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
@@ -306,13 +306,13 @@ def test_graph_interface_matches_contiguous_decoder(builtin, exported):
 
 def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     path = exported("tiny-llava")
-    before = Package.load(path).graph("decoder")
-    old_ops = {n.op_type for n in before.graph.node}
+    before = Package.load(path).model("decoder")
+    old_ops = {n.op_type for n in before.graph}
     pkg, result = _paged(path)
     assert result.modified and result.report["graphs"]["decoder"]["layers"] == [0, 1]
-    model = pkg.graph("decoder")
-    onnx.checker.check_model(model, full_check=True)
-    added = [n.op_type for n in model.graph.node if n.name.startswith("paged_kv/")]
+    model = pkg.model("decoder")
+    graphs.check(model, "decoder")  # onnx.checker (full) and strict shape inference
+    added = [n.op_type for n in model.graph if n.name.startswith("paged_kv/")]
     layers = pkg.manifest["kv"]["layers"]
     # Exactly: per K/V pool a Reshape+Gather read and a Slice+Transpose for this step's rows.
     assert added.count("Gather") == 2 * layers + 1 and added.count("Slice") == 2 * layers
@@ -337,14 +337,15 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     }
     # The graph never writes the pool: a pool's only consumer is a Reshape to rows (a view), whose only
     # consumer is the row Gather; no graph output is pool-sized.
-    pools = {f"{k}_cache.{i}" for i in range(layers) for k in ("key", "value")}
-    readers = [n for n in model.graph.node if pools & set(n.input)]
-    assert len(readers) == 2 * layers and {n.op_type for n in readers} == {"Reshape"}
-    for r in readers:
-        (use,) = [n for n in model.graph.node if r.output[0] in n.input]
-        assert use.op_type == "Gather" and list(use.input).index(r.output[0]) == 0
-    assert "ScatterND" not in {n.op_type for n in model.graph.node}
-    assert len(model.graph.node) == len(before.graph.node) + len(added)
+    pools = [v for v in model.graph.inputs if tensor_names.is_cache(v.name)]
+    assert len(pools) == 2 * layers
+    for pool in pools:
+        ((reader, _),) = pool.uses()
+        assert reader.op_type == "Reshape"
+        ((use, index),) = reader.outputs[0].uses()
+        assert use.op_type == "Gather" and index == 0
+    assert "ScatterND" not in {n.op_type for n in model.graph}
+    assert len(model.graph) == len(before.graph) + len(added)
     with open(REPO / "vlmc/backends/ascend/data/onnx_ops.tsv") as f:
         atc = {row[0] for row in csv.reader((ln for ln in f if not ln.startswith("#")), delimiter="\t")}
     # Constant nodes are converted by the ATC parser itself at any opset (onnx_ops.tsv header).
@@ -430,11 +431,12 @@ def test_unknown_option_and_bad_num_blocks():
 
 def test_graph_without_attention_mask_is_refused(exported):
     pkg = Package.load(exported("tiny-llava"))
-    model = pkg.graph("decoder")
-    # Make attention_mask an internal constant-like tensor: the graph no longer has the decoder interface.
-    mask_in = next(i for i in model.graph.input if i.name == "attention_mask")
-    model.graph.input.remove(mask_in)
-    model.graph.node.insert(0, onnx.helper.make_node("Identity", ["inputs_embeds"], ["attention_mask"]))
+    model = pkg.model("decoder")
+    # Make attention_mask an internal tensor: the graph no longer has the decoder interface.
+    inputs = {v.name: v for v in model.graph.inputs}
+    model.graph.inputs.remove(inputs["attention_mask"])
+    identity = ir.node("Identity", [inputs["inputs_embeds"]], outputs=[inputs["attention_mask"]])
+    model.graph.insert_before(model.graph.node(0), identity)
     pkg.set_graph("decoder", model)
     with pytest.raises(PassFailed, match="no attention_mask input"):
         manager.run(pkg, [Step("paged_kv", {}, 1)])
@@ -574,10 +576,10 @@ def test_ascend_builds_take_read_only_pools_and_say_how_rows_are_written(exporte
     on_disk = json.loads((tmp_path / "build" / "compile.json").read_text())
     assert on_disk["paged_kv"] == info
     # The decoder file both builds read returns rows, never a pool, and writes nothing.
-    model = onnx.load(str(tmp_path / "build" / "graphs" / "decoder.onnx"), load_external_data=False)
-    outs = [o.name for o in model.graph.output]
+    model = graphs.load_ir(tmp_path / "build" / "graphs" / "decoder.onnx")
+    outs = [o.name for o in model.graph.outputs]
     assert outs[0] == "logits" and all(o.startswith(("new_key.", "new_value.")) for o in outs[1:])
-    assert "ScatterND" not in {n.op_type for n in model.graph.node}
+    assert "ScatterND" not in {n.op_type for n in model.graph}
     contiguous = ascend.compile(
         Package.load(exported("tiny-llava")),
         tmp_path / "c",

@@ -1,8 +1,12 @@
-"""Finding one attention layer's probabilities, queries and keys in an exported (eager) ONNX graph.
+"""Finding one attention layer's probabilities, queries and keys in an exported (eager) graph.
 
 Exporters call :func:`locate` once, with the Softmax node of the layer a family cares about, and
 write the result into the manifest (``vision.attention``); passes such as ``prune_visual_tokens``
 then read tensor names from the manifest instead of matching node names themselves.
+
+The graph is an onnx-ir model (an exporter's weightless ModelProto goes through
+:func:`vlmc.graphs.as_ir`); the walk follows ``value.producer()``, and only one-element
+constants (scale factors) are read, never a weight.
 """
 
 from __future__ import annotations
@@ -10,9 +14,7 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
-import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 
 from vlmc.errors import VlmcError
 
@@ -22,32 +24,41 @@ logger = logging.getLogger(__name__)
 _BETWEEN = ("Mul", "Div", "Add", "Cast", "Where")
 
 
-def _constants(model: onnx.ModelProto) -> tuple[set[str], dict[str, np.ndarray]]:
-    """Names of the graph's constant tensors, and the values of the one-element ones.
-
-    Only one-element values are needed (scale factors); converting every initializer to numpy would
-    copy all the weights.
-    """
-    names: set[str] = set()
-    scalars: dict[str, np.ndarray] = {}
-    for node in model.graph.node:
-        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
-            names.add(node.output[0])
-            if math.prod(node.attribute[0].t.dims) == 1:
-                scalars[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
-    for t in model.graph.initializer:
-        names.add(t.name)
-        if math.prod(t.dims) == 1 and (t.data_location != onnx.TensorProto.EXTERNAL or t.raw_data):
-            scalars[t.name] = numpy_helper.to_array(t)
-    return names, scalars
+def _is_constant(value: ir.Value | None) -> bool:
+    """An initializer, or the output of a Constant node."""
+    if value is None:
+        return False
+    if value.is_initializer() or value.const_value is not None:
+        return True
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Constant"
 
 
-def softmax_nodes(model: onnx.ModelProto, scope: str | None = None) -> list[onnx.NodeProto]:
+def _scalar(value: ir.Value) -> float | None:
+    """The value of a one-element constant, else None (a larger constant's bytes are never read)."""
+    tensor = value.const_value
+    if tensor is None:
+        producer = value.producer()
+        attribute = producer.attributes.get("value") if producer is not None else None
+        tensor = (
+            attribute.value if attribute is not None and attribute.type == ir.AttributeType.TENSOR else None
+        )
+    # A file-backed tensor is a weight, never a scale factor (those are stored inline).
+    if tensor is None or isinstance(tensor, ir.ExternalTensor) or math.prod(tensor.shape.numpy()) != 1:
+        return None
+    return float(tensor.numpy().reshape(()))
+
+
+def softmax_nodes(model: ir.Model, scope: str | None = None) -> list[ir.Node]:
     """Softmax nodes in graph order, optionally only those whose name contains ``scope``."""
-    return [n for n in model.graph.node if n.op_type == "Softmax" and (scope is None or scope in n.name)]
+    return [
+        node
+        for node in model.graph
+        if node.op_type == "Softmax" and (scope is None or scope in (node.name or ""))
+    ]
 
 
-def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
+def locate(model: ir.Model, softmax: ir.Node) -> dict:
     """Describe one attention from its Softmax: probs tensor, Q, Kᵀ, scale, and whether a mask is added.
 
     Walks back from the Softmax input through scale/mask ops to the ``MatMul(Q, Kᵀ)``. Q is
@@ -57,45 +68,46 @@ def locate(model: onnx.ModelProto, softmax: onnx.NodeProto) -> dict:
     Raises:
         VlmcError: the Softmax is not fed by a Q·Kᵀ MatMul (e.g. a fused attention kernel).
     """
-    producers = {o: n for n in model.graph.node for o in n.output}
-    consts, scalars = _constants(model)
+    if softmax.graph is not model.graph:
+        raise VlmcError(f"Softmax {softmax.name!r} is not a node of the graph given")
     scale, masked = 1.0, False
-    tensor = softmax.input[0]
+    value = softmax.inputs[0]
     for _ in range(8):
-        node = producers.get(tensor)
+        node = value.producer() if value is not None else None
         if node is None:
             break
         if node.op_type == "MatMul":
             return {
-                "probs": softmax.output[0],
-                "query": node.input[0],
-                "key_t": node.input[1],
+                "probs": softmax.outputs[0].name,
+                "query": node.inputs[0].name,
+                "key_t": node.inputs[1].name,
                 "scale": float(scale),
                 "masked": masked,
             }
         if node.op_type not in _BETWEEN:
             break
-        dynamic = [i for i in node.input if i and i not in consts]
-        const = [scalars.get(i) for i in node.input if i in consts]
-        if node.op_type in ("Mul", "Div") and len(const) == 1 and const[0] is not None:
-            factor = float(const[0].reshape(()))
-            scale = scale * factor if node.op_type == "Mul" else scale / factor
+        dynamic = [v for v in node.inputs if v is not None and not _is_constant(v)]
+        constants = [_scalar(v) for v in node.inputs if _is_constant(v)]
+        if node.op_type in ("Mul", "Div") and len(constants) == 1 and constants[0] is not None:
+            scale = scale * constants[0] if node.op_type == "Mul" else scale / constants[0]
         elif node.op_type in ("Add", "Where"):
             masked = True
             # The scores come from the MatMul side; the mask (or condition) from elsewhere.
-            values = (
-                dynamic if node.op_type == "Add" else [i for i in node.input[1:] if i and i not in consts]
+            candidates = (
+                dynamic
+                if node.op_type == "Add"
+                else [v for v in node.inputs[1:] if v is not None and not _is_constant(v)]
             )
             dynamic = [
-                i
-                for i in values
-                if producers.get(i) is not None and producers[i].op_type in ("MatMul", "Mul", "Div", "Cast")
+                v
+                for v in candidates
+                if v.producer() is not None and v.producer().op_type in ("MatMul", "Mul", "Div", "Cast")
             ][:1]
         elif node.op_type != "Cast":
             break
         if len(dynamic) != 1:
             break
-        tensor = dynamic[0]
+        value = dynamic[0]
     raise VlmcError(
         f"Softmax {softmax.name!r} is not fed by a Q·Kᵀ MatMul; cannot locate its attention inputs"
     )

@@ -454,6 +454,7 @@ def tensor_hash(t) -> str:
         if key in _EXTERNAL_HASHES:
             t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
             return _EXTERNAL_HASHES[key]
+    # A file-backed weight mapped in only to be hashed is unmapped again (see _external_digest).
     if isinstance(t, ir.ExternalTensor):
         digest = _external_digest(t)
     else:
@@ -534,12 +535,19 @@ def fingerprint(model: onnx.ModelProto | ir.Model) -> str:
 # ---- checks --------------------------------------------------------------------------------------
 
 
+# int64 initializers up to this size stay inline in :func:`check`: shape inference's data
+# propagation reads int64 constants (shape arithmetic, e.g. paged_kv's block offsets, 1 KiB at
+# block_size 128) and fails on external ones. Weights (float, int8/int4, int32 biases) never are.
+CHECK_INLINE_INT64_BYTES = 1 << 16
+
+
 def check(model: onnx.ModelProto | ir.Model, name: str = "graph") -> None:
     """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
 
     The graph is written without its weights: every large initializer points into a sparse file of
     the right size (the checker and shape inference need only dtypes and shapes), so this works for
-    models over the protobuf limit and reads no weight bytes.
+    models over the protobuf limit and reads no weight bytes. int64 tensors of at most
+    :data:`CHECK_INLINE_INT64_BYTES` (shape data, not weights) are kept inline.
     """
     m = as_ir(model)
     with tempfile.TemporaryDirectory() as tmp:
@@ -549,6 +557,10 @@ def check(model: onnx.ModelProto | ir.Model, name: str = "graph") -> None:
             for v in _large_initializers(m):
                 t = v.const_value
                 swaps.append((v, t))
+                if t.dtype == ir.DataType.INT64 and t.nbytes <= CHECK_INLINE_INT64_BYTES:
+                    # Shape arithmetic: data propagation needs the values (they are small, and read).
+                    v.const_value = ir.tensor(np.array(t.numpy()), name=t.name)
+                    continue
                 v.const_value = ir.ExternalTensor(
                     "weights", size, t.nbytes, t.dtype, shape=t.shape, name=t.name, base_dir=tmp
                 )

@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from vlmc import attention, samples
+from vlmc import attention, graphs, samples
 from vlmc.exporters import base, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -309,6 +309,7 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
     layer = max(full) if full else blocks - 1
     # The attention math is a free function in VisionWrapper, so its nodes carry no block scope; the
     # graph has exactly one Softmax per block, in block order.
+    vision_graph = graphs.as_ir(vision_graph)  # the exported graph without its weights
     nodes = attention.softmax_nodes(vision_graph)
     if len(nodes) != blocks:
         logger.warning(
