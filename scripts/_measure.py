@@ -1,11 +1,13 @@
 """Run one command as a child process and print its wall time and peak RSS as JSON (used by bench.py).
 
-    python scripts/_measure.py [--rss-limit BYTES] [--log FILE] COMMAND...
+    python scripts/_measure.py [--rss-limit BYTES] [--min-free BYTES:DIR] [--log FILE] COMMAND...
 
 With ``--rss-limit`` the child is killed (with every process it started) as soon as its resident
 set exceeds the limit (checked every 0.2 s), so a benchmark of a step that does not fit cannot
-take a shared machine down; the JSON then says ``killed_over_rss``. ``--log`` keeps the child's
-whole stderr in FILE.
+take a shared machine down; the JSON then says ``killed_over_rss``. ``--min-free`` does the same
+for disk: the child is killed when the filesystem holding DIR has fewer than BYTES free
+(``killed_low_disk``), so a step that writes more than the disk holds cannot fill a shared disk.
+``--log`` keeps the child's whole stderr in FILE.
 
 Steps: every stderr line ending in `` ...`` is a progress note that starts a step (vlmc prints one
 per build phase and per pass: ``exporting ...``, ``pass 2/4: simplify ...``, ``saving package ...``).
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -71,10 +74,13 @@ def step_figures(notes: list[tuple[float, str]], samples: list[tuple[float, int]
 
 def main() -> None:
     argv = sys.argv[1:]
-    limit = log = None
-    while argv[:1] in (["--rss-limit"], ["--log"]):
+    limit = log = disk = None
+    while argv[:1] in (["--rss-limit"], ["--log"], ["--min-free"]):
         if argv[0] == "--rss-limit":
             limit = int(argv[1])
+        elif argv[0] == "--min-free":
+            need, where = argv[1].split(":", 1)
+            disk = (int(need), where)
         else:
             log = argv[1]
         argv = argv[2:]
@@ -97,17 +103,18 @@ def main() -> None:
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    killed = False
+    killed = low_disk = False
     samples: list[tuple[float, int]] = []
     while proc.poll() is None:
         now = _tree_rss(proc.pid)
         samples.append((time.perf_counter() - t0, now))
-        if limit is not None and now > limit:
+        killed = limit is not None and now > limit
+        low_disk = disk is not None and shutil.disk_usage(disk[1]).free < disk[0]
+        if killed or low_disk:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # the child and whatever it started
             except OSError:
                 proc.kill()
-            killed = True
             break
         time.sleep(INTERVAL)
     proc.wait()
@@ -128,6 +135,7 @@ def main() -> None:
                 "peak_rss_bytes": max(peak_kib * 1024, max((r for _, r in samples), default=0)),
                 "returncode": proc.returncode,
                 "killed_over_rss": killed,
+                "killed_low_disk": low_disk,
                 "last_line": last,
                 "last_step": steps[-1]["step"] if steps else None,
                 "steps": steps,

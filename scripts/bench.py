@@ -138,11 +138,22 @@ def make_model_dir(size: str, root: Path) -> tuple[Path, int]:
     return path, params
 
 
+MIN_FREE_DISK = 8 << 30  # scale-row steps are killed when the scratch disk gets this full (shared machine)
+
+
 def measure(
-    cmd: list[str], rss_limit: int | None = None, check: bool = True, log: Path | None = None
+    cmd: list[str],
+    rss_limit: int | None = None,
+    check: bool = True,
+    log: Path | None = None,
+    disk: Path | None = None,
 ) -> dict:
-    """Run ``cmd`` under scripts/_measure.py: seconds, peak RSS, and per-step figures from its progress notes."""
+    """Run ``cmd`` under scripts/_measure.py: seconds, peak RSS, and per-step figures from its progress notes.
+
+    With ``rss_limit`` the command is killed over that RSS; with ``disk`` when that filesystem gets
+    under :data:`MIN_FREE_DISK` free."""
     limit = ["--rss-limit", str(rss_limit)] if rss_limit else []
+    limit += ["--min-free", f"{MIN_FREE_DISK}:{disk}"] if disk else []
     logs = ["--log", str(log)] if log else []
     out = subprocess.run(
         [sys.executable, str(SCRIPTS / "_measure.py"), *limit, *logs, *cmd],
@@ -236,7 +247,11 @@ def _params_in(checkpoint: Path) -> int:
 
 def _floor(checkpoint: Path, root: Path) -> dict:
     """The disk-bound floor (scripts/disk_floor.py): read the checkpoint once, write it once as FP32."""
-    res = measure([sys.executable, str(SCRIPTS / "disk_floor.py"), str(checkpoint), str(root / "floor.bin")])
+    res = measure(
+        [sys.executable, str(SCRIPTS / "disk_floor.py"), str(checkpoint), str(root / "floor.bin")], disk=root
+    )
+    if res["returncode"] != 0:
+        raise SystemExit(f"bench: the disk floor did not finish ({res['last_line'] or 'killed: disk full'})")
     return res
 
 
@@ -268,17 +283,24 @@ def _scale_build(
 
     if export_row:
         e = measure(
-            [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"], rss_limit
+            [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"],
+            rss_limit,
+            disk=root,
         )
         _remove_outputs(root, f"pkg-{name}")
         row["export_seconds"], row["export_peak_rss"] = e["seconds"], e["peak_rss_bytes"]
     log = root / f"{name}-build.log"
     r = measure(
-        [vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"], rss_limit, check=False, log=log
+        [vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"],
+        rss_limit,
+        check=False,
+        log=log,
+        disk=root,
     )
     row["build_seconds"], row["build_peak_rss"] = r["seconds"], r["peak_rss_bytes"]
     row["build_ok"] = r["returncode"] == 0
     row["killed_over_rss"] = r.get("killed_over_rss", False)
+    row["killed_low_disk"] = r.get("killed_low_disk", False)
     row["build_last_line"] = r.get("last_line", "")
     row["notes"] = r.get("steps", [])  # per progress note: seconds and sampled peak RSS
     row["failed_step"] = None if row["build_ok"] else (r.get("last_step") or "before its first step")
@@ -418,6 +440,8 @@ def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
             status = ""
         elif r["killed_over_rss"]:
             status = f" (killed over the {_gib(r['rss_limit'])} RSS limit in {r.get('failed_step')})"
+        elif r.get("killed_low_disk"):
+            status = f" (killed in {r.get('failed_step')}: the disk was almost full)"
         elif "interrupted" in r.get("build_last_line", ""):
             status = f" (interrupted in {r.get('failed_step')})"
         else:
@@ -460,7 +484,13 @@ def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
             lines += [
                 "",
                 f"The build did not finish: {r.get('failed_step')!s} "
-                + ("went over the RSS limit and was killed" if r["killed_over_rss"] else "failed")
+                + (
+                    "went over the RSS limit and was killed"
+                    if r["killed_over_rss"]
+                    else "was killed when the disk was almost full"
+                    if r.get("killed_low_disk")
+                    else "failed"
+                )
                 + f" (last line it printed: `{r['build_last_line'][:300]}`). Figures from its progress notes "
                 "(seconds from one note to the next; RSS sampled every 0.2 s by scripts/_measure.py).",
             ]

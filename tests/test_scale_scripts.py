@@ -151,3 +151,9 @@ def test_bench_reports_the_step_a_build_failed_in():
     assert "| pass 3/4: quantize **← failed here** | 9.00 | 0.90× | 8.00 GiB |" in text
     assert "| exporting m (llava) | 20.00 | 2.00× |" in text
     assert "`python scripts/bench.py --only-7b`" in text
+
+
+def test_measure_kills_a_child_when_the_disk_gets_full(tmp_path):
+    code = "import sys, time; print('writing ...', file=sys.stderr, flush=True); time.sleep(30)"
+    res = _measured(code, "--min-free", f"{10**18}:{tmp_path}")  # more free bytes than any disk has
+    assert res["killed_low_disk"] and not res["killed_over_rss"] and res["seconds"] < 25
