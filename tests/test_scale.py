@@ -265,4 +265,3 @@ def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
     fresh = G.load_ir(tmp_path / "m.onnx")
     view = fresh.graph.initializers["w"].const_value.numpy()
     assert G.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5
-

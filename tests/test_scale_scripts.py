@@ -50,6 +50,9 @@ def test_disk_floor_reads_once_and_writes_fp32(written, tmp_path):
     res = disk_floor.floor(root / "gen", tmp_path / "floor.bin")
     assert res["read_bytes"] == 2 * n  # bf16
     assert res["written_bytes"] == 4 * n
+    # on a disk without room for the whole copy: every byte still written, the file kept small
+    bounded = disk_floor.floor(root / "gen", tmp_path / "ring.bin", max_file_bytes=200_000)
+    assert bounded["written_bytes"] == 4 * n > 200_000 >= (tmp_path / "ring.bin").stat().st_size
 
 
 def test_measure_kills_a_child_over_its_rss_limit():
