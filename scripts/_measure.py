@@ -63,6 +63,8 @@ def _tree_rss(pid: int) -> int:
 def step_figures(notes: list[tuple[float, str]], samples: list[tuple[float, int]], end: float) -> list[dict]:
     """Per step (a progress note until the next): seconds from its note and the peak RSS sampled in it."""
     steps = []
+    if notes and notes[0][0] > 0:  # interpreter start-up and whatever ran before the first note
+        notes = [(0.0, "start-up (before the first note)"), *notes]
     for i, (t, line) in enumerate(notes):
         until = notes[i + 1][0] if i + 1 < len(notes) else end
         peak = max((r for s, r in samples if t <= s <= until), default=0)
@@ -137,7 +139,7 @@ def main() -> None:
                 "killed_over_rss": killed,
                 "killed_low_disk": low_disk,
                 "last_line": last,
-                "last_step": steps[-1]["step"] if steps else None,
+                "last_step": steps[-1]["step"] if len(notes) else None,
                 "steps": steps,
                 "stderr_tail": tail,
             }

@@ -279,6 +279,7 @@ def _scale_build(
     recipe.write_text(f"model: {checkpoint}\n" + recipe_text)
     out = root / f"out-{name}"
     row: dict = {"name": name, "params": params, "fp32_weight_bytes": params * 4, "rss_limit": rss_limit}
+    row["recipe"] = recipe_text
     row["load_average"] = _load_average()
     floor = _floor(checkpoint, root)
     row["floor_seconds"], row["floor_mode"] = floor["seconds"], floor["mode"]
@@ -333,6 +334,11 @@ def _remove_outputs(root: Path, name: str) -> None:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
+def _recipe_body(path: Path) -> str:
+    """A recipe file's text without its model key (the row sets the model)."""
+    return "".join(ln for ln in path.read_text().splitlines(keepends=True) if not ln.startswith("model:"))
+
+
 def _load_average() -> list[float]:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -364,6 +370,7 @@ def scale_rows(
     rss_limit: int,
     with_512m: bool = True,
     export_row: bool = True,
+    seven_b_recipe: str | None = None,
 ) -> list[dict]:
     """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards).
 
@@ -408,7 +415,7 @@ def scale_rows(
                     "llava-1.5-7b",
                     ckpt,
                     _params_in(ckpt),
-                    QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
+                    seven_b_recipe or (QUANT_PASSES + PAGED_PASS + SCALE_TARGET),
                     root,
                     rss_limit,
                     False,
@@ -470,6 +477,18 @@ def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
     for r in rows:
         fp32 = r["fp32_weight_bytes"]
         lines += ["", f"Per step of `vlmc build`, {r['name']}:", ""]
+        if r.get("recipe") and r["recipe"] not in (
+            QUANT_PASSES + SCALE_TARGET,
+            QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
+        ):
+            lines += [
+                "Not the issue's recipe; this row ran:",
+                "",
+                "```yaml",
+                r["recipe"].rstrip("\n"),
+                "```",
+                "",
+            ]
         lines += [
             "| step | seconds | seconds / floor | peak RSS | peak RSS / FP32 weights |",
             "|---|---|---|---|---|",
@@ -482,8 +501,11 @@ def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
                     f"{_gib(peak)} | {peak / fp32:.2f}× |"
                 )
         else:  # unfinished: the progress notes' timings and the watchdog's RSS samples
-            for i, st in enumerate(r.get("notes", [])):
-                last = i == len(r["notes"]) - 1
+            notes = r.get("notes", [])
+            for i, st in enumerate(notes):
+                last = i == len(notes) - 1
+                if st["seconds"] < 0.01 and not last:
+                    continue  # a note that only opens a group of steps ("running passes")
                 mark = " **← failed here**" if last and not r["build_ok"] else ""
                 lines.append(
                     f"| {st['step']}{mark} | {st['seconds']:.2f} | {st['seconds'] / r['floor_seconds']:.2f}× | "
@@ -525,7 +547,7 @@ def _steps(report_json: Path) -> dict:
     rep = json.loads(report_json.read_text())
     out = {}
     phases = rep.get("build_phases", {})
-    for name in ("export", "passes", "save", "compile"):  # the build's order (report.json sorts keys)
+    for name in ("load", "export", "passes", "save", "compile"):  # the build's order (report.json sorts keys)
         if name not in phases:
             continue
         out[name] = phases[name]
@@ -735,6 +757,13 @@ def main() -> None:
         help="scale rows: do not measure `vlmc export` apart (the build's export step is still reported)",
     )
     ap.add_argument("--keep-logs", type=Path, help="copy each scale build's whole stderr into this directory")
+    ap.add_argument(
+        "--7b-recipe",
+        dest="seven_b_recipe",
+        type=Path,
+        help="a recipe file (passes and target; its model key is replaced) for the 7B row instead of the "
+        "issue's recipe, to measure part of the path; the row then shows the recipe it ran",
+    )
     args = ap.parse_args()
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
@@ -760,6 +789,7 @@ def main() -> None:
                 int(args.rss_limit_gib * 2**30),
                 args.with_512m,
                 args.export_row,
+                _recipe_body(args.seven_b_recipe) if args.seven_b_recipe else None,
             )
     command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
     if args.only_7b:

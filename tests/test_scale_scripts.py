@@ -96,8 +96,12 @@ def test_measure_times_each_step_from_its_progress_note(tmp_path):
         "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(0.8)\n"
     )
     res = _measured(code, "--log", str(tmp_path / "err.log"))
-    assert [s["step"] for s in res["steps"]] == ["loading", "pass 1/2: hog"]
-    load, hog = res["steps"]
+    assert [s["step"] for s in res["steps"]] == [
+        "start-up (before the first note)",
+        "loading",
+        "pass 1/2: hog",
+    ]
+    _, load, hog = res["steps"]
     assert load["seconds"] >= 0.5 and hog["seconds"] >= 0.7
     assert hog["peak_rss_bytes"] - load["peak_rss_bytes"] > 200 << 20  # the 300 MiB are in its step
     assert res["last_step"] == "pass 1/2: hog" and res["returncode"] == 0

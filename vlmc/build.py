@@ -48,14 +48,15 @@ def build(
     out = Path(output).resolve()
     model_dir = [Path(recipe.model)] if Path(recipe.model).is_dir() else []
     outdir.check(out, force, inputs=model_dir)
-    source = exporters.load_source(
-        recipe.model,
-        trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
-        allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
-        revision=recipe.export.get("revision"),
-        lazy=True,
-    )
     phases: dict[str, dict] = {}
+    with _phase(phases, "load"), ui.progress(f"loading {recipe.model}"):
+        source = exporters.load_source(
+            recipe.model,
+            trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
+            allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
+            revision=recipe.export.get("revision"),
+            lazy=True,
+        )
     with outdir.atomic(out, force, inputs=model_dir) as tmp:
         # Exported graphs are written once, into a scratch directory beside the output (same
         # filesystem), and moved into the package when it is saved; passes read their weights from
