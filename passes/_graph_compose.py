@@ -1,16 +1,21 @@
-"""Graph composition helpers shared by the merge and split passes: renaming, dedupe, extraction, cuts."""
+"""Graph composition on the IR, shared by the merge and split passes: extraction, naming, dedupe, cuts.
+
+Everything here works on ``onnx_ir`` graphs and never reads a weight: a cut or a copy of a graph
+gets new nodes and values whose initializers hold the *same* tensor objects (memory-mapped
+``ExternalTensor`` s stay where they are, and are written once when the package is saved).
+Dependencies are followed through ``Value.producer()`` / ``Value.uses()``; names matter only at the
+graph interfaces (stage inputs and outputs), because IR edges are object references.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
-from vlmc import graphs as G
-from vlmc import tensor_names
+from vlmc import graphs
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -22,232 +27,280 @@ SHAPE_OPS = ("Shape", "Size")
 _SHAPE_TRANSPARENT = ("Identity", "Concat")
 
 
-layer_of = tensor_names.layer_of
+# ---- reading the graph ----------------------------------------------------------------------------
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    out = []
-    for attr in node.attribute:
-        if attr.HasField("g"):
-            out.append(attr.g)
-        out.extend(attr.graphs)
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    out: list[ir.Graph] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            out.append(attr.as_graph())
+        elif attr.type == ir.AttributeType.GRAPHS:
+            out.extend(attr.as_graphs())
     return out
 
 
-def rename(graph: onnx.GraphProto, mapping: dict[str, str]) -> None:
-    """Rename tensors everywhere in a graph (nodes, IO, initializers, value_info, subgraph references)."""
-    if not mapping:
-        return
-    for node in graph.node:
-        for i, name in enumerate(node.input):
-            if name in mapping:
-                node.input[i] = mapping[name]
-        for i, name in enumerate(node.output):
-            if name in mapping:
-                node.output[i] = mapping[name]
-        for sub in _subgraphs(node):
-            rename(sub, mapping)
-    for coll in (graph.input, graph.output, graph.value_info, graph.initializer):
-        for item in coll:
-            if item.name in mapping:
-                item.name = mapping[item.name]
+def reads(node: ir.Node) -> list[ir.Value]:
+    """The values a node depends on: its inputs, and outer-scope values its subgraphs (If/Loop) use."""
+    vals = [v for v in node.inputs if v is not None]
+    subs = _subgraphs(node)
+    if subs:
+        inner: set[ir.Graph] = set()
+        for sub in subs:
+            inner.update(sub.subgraphs())
+            inner.add(sub)
+        for sub in subs:
+            for n in sub.all_nodes():
+                vals.extend(v for v in n.inputs if v is not None and v.graph not in inner)
+    return vals
 
 
-def prefixed(model: onnx.ModelProto, prefix: str) -> onnx.ModelProto:
-    """A copy of ``model`` whose internal names (nodes, edges, initializers) start with ``prefix``.
+def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Every named value of a graph's top level: inputs, initializers and node outputs."""
+    out: dict[str, ir.Value] = {}
+    for v in graph.inputs:
+        out.setdefault(v.name, v)
+    for name, v in graph.initializers.items():
+        out.setdefault(name, v)
+    for node in graph:
+        for v in node.outputs:
+            if v.name:
+                out.setdefault(v.name, v)
+    return out
 
-    Graph inputs and outputs keep their names: they are the stage interface that connects stages.
+
+def lookup(graph: ir.Graph, names: Iterable[str], where: str) -> list[ir.Value]:
+    """The values named ``names`` (in that order); a missing one is a one-line error."""
+    by_name = values_by_name(graph)
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise VlmcError(f"{where}: cannot cut the graph there ({', '.join(missing[:4])} not in the graph)")
+    return [by_name[n] for n in names]
+
+
+# ---- extraction -----------------------------------------------------------------------------------
+
+
+def extract(
+    graph: ir.Graph,
+    inputs: Sequence[ir.Value],
+    outputs: Sequence[ir.Value],
+    where: str,
+    name: str | None = None,
+) -> ir.Graph:
+    """A new graph computing ``outputs`` from ``inputs``: the nodes reached walking producers back.
+
+    ``onnx_ir.convenience.extract`` does the walk (it stops at ``inputs``) and copies the result
+    (``ir.GraphView.clone``: new nodes and values, ``graph`` untouched, the same tensor objects for
+    the initializers, so nothing is read or copied). A cut that needs a graph input it was not given
+    is not closed and is refused; the initializers are put back in ``graph``'s order (the library
+    collects them in a set), so the saved file does not change from run to run.
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    # add_prefix renames every name that has a value_info, so value_info must not describe the IO
-    io = {v.name for v in out.graph.input} | {v.name for v in out.graph.output}
-    for v in [v for v in out.graph.value_info if v.name in io]:
-        out.graph.value_info.remove(v)
-    onnx.compose.add_prefix(
-        out,
-        prefix,
-        rename_nodes=True,
-        rename_edges=True,
-        rename_inputs=False,
-        rename_outputs=False,
-        rename_initializers=True,
-        rename_value_infos=True,
-        rename_functions=False,
-        inplace=True,
+    try:
+        sub = ir.convenience.extract(graph, inputs=list(inputs), outputs=list(outputs))
+    except ValueError as exc:
+        raise VlmcError(
+            f"{where}: the cut needs tensors outside it ({str(exc).rsplit(': ', 1)[-1]}); "
+            "the graph does not have the expected stage structure"
+        ) from exc
+    rank = {n: i for i, n in enumerate(graph.initializers)}
+    ordered = sorted(sub.initializers.values(), key=lambda v: rank.get(v.name, len(rank)))
+    sub.initializers.clear()
+    for v in ordered:
+        sub.register_initializer(v)
+    sub.name = name or graph.name
+    return sub
+
+
+def model_like(graph: ir.Graph, *sources: ir.Model, producer: str | None = None) -> ir.Model:
+    """An ``ir.Model`` around ``graph`` with the IR version and functions of the model(s) it came from."""
+    functions: dict = {}
+    for m in sources:
+        functions.update(m.functions)
+    return ir.Model(
+        graph,
+        ir_version=max(m.ir_version for m in sources),
+        producer_name=producer or sources[0].producer_name,
+        producer_version=None if producer else sources[0].producer_version,
+        functions=list(functions.values()),
     )
-    return out
 
 
-def tensor_digest(t: onnx.TensorProto) -> str:
-    """Content identity of a weight: dtype, dims and bytes (the name is not part of it)."""
-    import hashlib
-
-    h = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode())
-    h.update(t.raw_data if t.raw_data else onnx.numpy_helper.to_array(t).tobytes())
-    return h.hexdigest()
+def copy_model(model: ir.Model) -> ir.Model:
+    """A structural copy of a model: new nodes and values, the same weight tensors (nothing read)."""
+    return model_like(model.graph.clone(), model)
 
 
-def dedupe_initializers(graph: onnx.GraphProto) -> dict:
-    """Keep one initializer per content; rename references to the dropped copies. Returns counts."""
-    first: dict[str, str] = {}
-    mapping: dict[str, str] = {}
-    keep = []
+def prefix_internal(graph: ir.Graph, prefix: str) -> None:
+    """Give every node and every value except the graph's own inputs and outputs a ``prefix``.
+
+    The inputs and outputs are the stage interface that connects stages; internal names only have
+    to be unique once several stages live in one graph. Subgraphs (If/Loop bodies) are renamed too.
+    """
+    interface = set(graph.inputs) | set(graph.outputs)
+    for v in list(graph.initializers.values()):
+        if v not in interface:
+            v.name = prefix + v.name
+    for sub in graph.subgraphs():
+        for v in dict.fromkeys((*sub.inputs, *sub.initializers.values())):
+            if v.name:
+                v.name = prefix + v.name
+    for node in graph.all_nodes():
+        if node.name:
+            node.name = prefix + node.name
+        for v in node.outputs:
+            if v.name and v not in interface:
+                v.name = prefix + v.name
+
+
+def take_nodes(graph: ir.Graph) -> list[ir.Node]:
+    """Detach every node of ``graph`` (kept connected to its values) so another graph can own it."""
+    nodes = list(graph)
+    graph.remove(nodes)
+    return nodes
+
+
+# ---- weights ------------------------------------------------------------------------------------
+
+
+def dedupe_initializers(graph: ir.Graph) -> dict:
+    """Keep one initializer per content; the uses of the others move to it. Returns counts.
+
+    Written here rather than with onnx-ir's DeduplicateInitializersPass /
+    DeduplicateHashedInitializersPass because both read every weight's bytes again (to compare or
+    sha512 them). The content identity used here is the package's own (:func:`vlmc.graphs.tensor_hash`),
+    computed once per build per stored tensor and cached on it and by its file location: the pass
+    manager fingerprints every graph with it anyway, so deduplicating reads no weight bytes of its own.
+    """
+    first: dict[str, ir.Value] = {}
+    dropped = 0
     saved = 0
-    for t in graph.initializer:
-        d = tensor_digest(t)
-        if d in first:
-            mapping[t.name] = first[d]
-            saved += len(t.raw_data) if t.raw_data else onnx.numpy_helper.to_array(t).nbytes
-        else:
-            first[d] = t.name
-            keep.append(t)
-    if mapping:
-        del graph.initializer[:]
-        graph.initializer.extend(keep)
-        # value_info of dropped names would now describe the kept name twice
-        dropped = [v for v in graph.value_info if v.name in mapping]
-        for v in dropped:
-            graph.value_info.remove(v)
-        rename(graph, mapping)
-    return {"initializers_deduplicated": len(mapping), "bytes_saved": saved}
+    for value in list(graph.initializers.values()):
+        t = value.const_value
+        if t is None or value.is_graph_input() or value.is_graph_output():
+            continue
+        keep = first.setdefault(graphs.tensor_hash(t), value)
+        if keep is value:
+            continue
+        value.replace_all_uses_with(keep)
+        graph.initializers.pop(value.name)
+        dropped += 1
+        saved += t.nbytes
+    return {"initializers_deduplicated": dropped, "bytes_saved": saved}
 
 
-def value_info(entry: dict, name: str | None = None) -> onnx.ValueInfoProto:
-    """A ValueInfoProto from a manifest signature entry ({name, dtype, shape})."""
-    shape = [d if isinstance(d, int) else (None if d == "?" else d) for d in entry["shape"]]
-    return helper.make_tensor_value_info(name or entry["name"], G.elem_type(entry["dtype"]), shape)
-
-
-def merged_opsets(models: Iterable[onnx.ModelProto], where: str) -> list[onnx.OperatorSetIdProto]:
-    """One opset_import list for graphs that will live in one model; differing versions are refused."""
+def merged_opsets(models: Iterable[ir.Model], where: str) -> dict[str, int]:
+    """One opset import for graphs that will live in one model; differing versions are refused."""
     versions: dict[str, int] = {}
     for m in models:
-        for o in m.opset_import:
-            domain = "" if o.domain == "ai.onnx" else o.domain
-            if domain in versions and versions[domain] != o.version:
+        for domain, version in m.graph.opset_imports.items():
+            domain = "" if domain == "ai.onnx" else domain
+            if domain in versions and versions[domain] != version:
                 raise VlmcError(
                     f"{where}: the graphs use different opset versions for domain {domain or 'ai.onnx'!r} "
-                    f"({versions[domain]} and {o.version}); re-export the package with one opset"
+                    f"({versions[domain]} and {version}); re-export the package with one opset"
                 )
-            versions[domain] = int(o.version)
-    return [helper.make_opsetid(d, v) for d, v in sorted(versions.items())]
+            versions[domain] = int(version)
+    return dict(sorted(versions.items()))
 
 
-def extract(model: onnx.ModelProto, inputs: list[str], outputs: list[str], where: str) -> onnx.ModelProto:
-    """Cut the subgraph between ``inputs`` and ``outputs`` (onnx.utils.Extractor), checking it is closed.
-
-    Extractor silently keeps nodes that read tensors outside the cut; here that is an error, because
-    the result would not be a valid graph.
-    """
-    ex = onnx.utils.Extractor(model)
-    try:
-        out = ex.extract_model(inputs, outputs)
-    except ValueError as exc:
-        raise VlmcError(f"{where}: cannot cut the graph there ({exc})") from exc
-    missing = sorted(free_inputs(out.graph) - set(inputs))
-    if missing:
-        raise VlmcError(
-            f"{where}: the cut needs tensors outside it ({', '.join(missing[:4])}); "
-            "the graph does not have the expected stage structure"
-        )
-    out.ir_version = model.ir_version
-    return out
+# ---- types from the manifest ----------------------------------------------------------------------
 
 
-def free_inputs(graph: onnx.GraphProto) -> set[str]:
-    """Tensor names nodes read that no node in the graph produces and that are not initializers."""
-    produced = {o for n in graph.node for o in n.output if o}
-    produced |= {t.name for t in graph.initializer}
-    free: set[str] = set()
-    for n in graph.node:
-        free.update(i for i in n.input if i and i not in produced)
-    return free
+def set_signature(value: ir.Value, entry: dict) -> None:
+    """Give a value the dtype and (symbolic) shape of a manifest signature entry ({name, dtype, shape})."""
+    value.dtype = ir.DataType.from_numpy(np.dtype(entry["dtype"]))
+    value.shape = ir.Shape([None if d == "?" else d for d in entry["shape"]])
 
 
-def backward_reach(graph: onnx.GraphProto, outputs: Iterable[str], stop: set[str]) -> set[str]:
-    """Tensors the walk back from ``outputs`` ends at: graph inputs, and ``stop`` tensors it meets."""
-    producer = {o: n for n in graph.node for o in n.output if o}
-    inits = {t.name for t in graph.initializer}
-    seen: set[str] = set()
+def same_type(value: ir.Value, like: ir.Value) -> None:
+    """Copy another value's type and shape."""
+    value.type = like.type
+    value.shape = like.shape.copy() if like.shape is not None else None
+
+
+# ---- dependence -----------------------------------------------------------------------------------
+
+
+def backward_reach(outputs: Iterable[ir.Value], stop: set[ir.Value]) -> set[ir.Value]:
+    """Values the walk back from ``outputs`` ends at: graph inputs, and ``stop`` values it meets."""
+    seen: set[ir.Value] = set()
+    reached: set[ir.Value] = set()
+    visited: set[ir.Node] = set()
     stack = list(outputs)
-    reached: set[str] = set()
     while stack:
-        t = stack.pop()
-        if t in seen:
+        v = stack.pop()
+        if v in seen:
             continue
-        seen.add(t)
-        if t in inits:
+        seen.add(v)
+        if v.is_initializer():
             continue
-        if t in stop:
-            reached.add(t)
+        if v in stop:
+            reached.add(v)
             continue
-        node = producer.get(t)
+        node = v.producer()
         if node is None:
-            reached.add(t)
+            reached.add(v)
             continue
-        stack.extend(i for i in node.input if i)
+        if node not in visited:
+            visited.add(node)
+            stack.extend(reads(node))
     return reached
 
 
-def only_shape_used(graph: onnx.GraphProto, name: str) -> bool:
-    """True if every use of ``name`` ends in Shape/Size, possibly through shape-transparent ops."""
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    outputs = {o.name for o in graph.output}
-    stack, seen = [name], set()
+def only_shape_used(value: ir.Value) -> bool:
+    """True if every use of ``value`` ends in Shape/Size, possibly through shape-transparent ops."""
+    stack, seen = [value], set()
     while stack:
-        t = stack.pop()
-        if t in seen:
+        v = stack.pop()
+        if v in seen:
             continue
-        seen.add(t)
-        if t in outputs:
+        seen.add(v)
+        if v.is_graph_output():
             return False
-        for n in consumers.get(t, []):
-            if n.op_type in SHAPE_OPS:
+        for node, _ in v.uses():
+            if node.op_type in SHAPE_OPS:
                 continue
-            if n.op_type in _SHAPE_TRANSPARENT and len([i for i in n.input if i]) == 1:
-                stack.extend(o for o in n.output if o)
+            if node.op_type in _SHAPE_TRANSPARENT and len([i for i in node.inputs if i is not None]) == 1:
+                stack.extend(node.outputs)
                 continue
             return False
     return True
 
 
-def residual_cuts(graph: onnx.GraphProto, source: str, sink: str) -> list[str]:
-    """Tensors every data path from ``source`` to ``sink`` passes through, in topological order.
+def residual_cuts(graph: ir.Graph, source: ir.Value, sink: ir.Value) -> list[ir.Value]:
+    """Values every data path from ``source`` to ``sink`` passes through, in topological order.
 
     For a decoder (source inputs_embeds, sink logits) these are the residual stream between and inside
     layers. Paths through Shape/Size do not count as data flow: the causal mask is built from the
     input's shape and reaches every layer, but carries none of its values. Nodes are in topological
-    order (ONNX requires it); a tensor is a cut when, at some point of that order, it is the only
-    on-path tensor still waiting for a consumer.
+    order (ONNX requires it); a value is a cut when, at some point of that order, it is the only
+    on-path value still waiting for a consumer.
     """
-    nodes = list(graph.node)
+    nodes = list(graph)
     fwd = {source}
     for n in nodes:
-        if n.op_type not in SHAPE_OPS and any(i in fwd for i in n.input):
-            fwd.update(o for o in n.output if o)
+        if n.op_type not in SHAPE_OPS and any(i in fwd for i in reads(n)):
+            fwd.update(n.outputs)
     bwd = {sink}
     for n in reversed(nodes):
-        if any(o in bwd for o in n.output):
-            bwd.update(i for i in n.input if i)
+        if any(o in bwd for o in n.outputs):
+            bwd.update(reads(n))
     on = fwd & bwd
-    order = [n for n in nodes if any(o in on for o in n.output)]
-    start = {source: -1}
-    end: dict[str, int] = {}
+    order = [n for n in nodes if any(o in on for o in n.outputs)]
+    start: dict[ir.Value, int] = {source: -1}
+    end: dict[ir.Value, int] = {}
     for pos, n in enumerate(order):
-        for o in n.output:
+        for o in n.outputs:
             if o in on:
                 start[o] = pos
         if n.op_type in SHAPE_OPS:
             continue
-        for i in n.input:
+        for i in reads(n):
             if i in on:
                 end[i] = pos
     end[sink] = len(order)
-    # crossing[g]: on-path tensors alive between order[g] and order[g + 1] (g = -1 is before the first node)
+    # crossing[g]: on-path values alive between order[g] and order[g + 1] (g = -1 is before the first node)
     diff = np.zeros(len(order) + 2, np.int64)
     for t, s in start.items():
         e = end.get(t, s)
@@ -263,10 +316,10 @@ def residual_cuts(graph: onnx.GraphProto, source: str, sink: str) -> list[str]:
     return cuts
 
 
-def depends_on(graph: onnx.GraphProto, sources: set[str]) -> set[str]:
-    """Every tensor whose value depends on one of ``sources`` (not through Shape/Size)."""
+def depends_on(graph: ir.Graph, sources: set[ir.Value]) -> set[ir.Value]:
+    """Every value whose content depends on one of ``sources`` (not through Shape/Size)."""
     reach = set(sources)
-    for n in graph.node:
-        if n.op_type not in SHAPE_OPS and any(i in reach for i in n.input):
-            reach.update(o for o in n.output if o)
+    for n in graph:
+        if n.op_type not in SHAPE_OPS and any(i in reach for i in reads(n)):
+            reach.update(n.outputs)
     return reach

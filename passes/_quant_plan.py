@@ -7,8 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmc import ascend_limits
-from vlmc import limits as L
+from vlmc import ascend_limits, limits
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -49,9 +48,9 @@ CALIB_KEYS: dict[str, tuple[type, dict]] = {
         {
             "type": "integer",
             "minimum": 1,
-            "maximum": L.MAX_CALIBRATION_SAMPLES,
+            "maximum": limits.MAX_CALIBRATION_SAMPLES,
             "description": "number of calibration samples (default 32; at most VLMC_MAX_CALIBRATION_SAMPLES, "
-            f"default {L.MAX_CALIBRATION_SAMPLES})",
+            f"default {limits.MAX_CALIBRATION_SAMPLES})",
         },
     ),
     "method": (
@@ -241,9 +240,9 @@ def parse_calibration(value: Any, where: str, base: Calibration | None = None) -
     d = _check_keys(value, CALIB_KEYS, where)
     if "count" in d and d["count"] < 1:
         raise VlmcError(f"{where}.count must be at least 1, got {d['count']}")
-    if "count" in d and d["count"] > L.MAX_CALIBRATION_SAMPLES:
+    if "count" in d and d["count"] > limits.MAX_CALIBRATION_SAMPLES:
         raise VlmcError(
-            f"{where}.count={d['count']} is above the maximum {L.MAX_CALIBRATION_SAMPLES} "
+            f"{where}.count={d['count']} is above the maximum {limits.MAX_CALIBRATION_SAMPLES} "
             "(raise it with VLMC_MAX_CALIBRATION_SAMPLES)"
         )
     if "prompts" in d and not d["prompts"]:

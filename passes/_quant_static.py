@@ -361,11 +361,23 @@ def collect_int8_facts(model: ir.Model) -> dict:
     }
 
 
-def convert_fp16(model: ir.Model, plan) -> tuple[ir.Model, dict]:
+# Weights of at least this many bytes never enter the converter's proto (a 4-byte stub stands in);
+# the converter's verdict on each stub (float16 or float32) is applied to the real weight, one at a time.
+FP16_STREAM_LIMIT = 1024
+
+
+def convert_fp16(model: ir.Model, plan, store=None) -> tuple[ir.Model, dict]:
     """FP16 conversion with onnxruntime's float16 tool; keep_fp32 ops/nodes stay float32.
 
     ``model`` is returned as it is when no node would be converted; otherwise a new model replaces it.
-    The converter needs every float weight's values, so it gets the whole graph through the seam.
+    The converter decides which nodes, value types and initializers become float16 and where Casts go;
+    it never sees a weight's values. Every initializer of :data:`FP16_STREAM_LIMIT` bytes or more is
+    handed to it as a one-element stub of the same name and dtype, and the weights it turned into
+    float16 are converted afterwards one at a time, in row blocks, with the converter's own
+    ``convert_np_to_float16`` (same clamping), and written to ``store`` (a
+    :class:`vlmc.graphs.TensorStore`; without it they stay in memory). Weights it kept float32 keep
+    their memory-mapped tensors. Shape inference runs on the proto with those weights as typed inputs,
+    so it sees their true shapes without their bytes.
     """
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
@@ -380,23 +392,75 @@ def convert_fp16(model: ir.Model, plan) -> tuple[ir.Model, dict]:
     blocked = set(kept)
     if all(name in blocked or node.op_type in op_block for node, name in zip(nodes, names)):
         return model, {**facts, "nodes_converted": 0}
-    with _named(model, names), interop.as_proto(model, weight_limit=None) as seam:
-        work = seam.proto  # a private copy: the converter may work on it in place
-        if work.ByteSize() <= 1_800_000_000:
-            # the converter's shape inference would copy it; too large graphs go without (as before)
-            work = onnx.shape_inference.infer_shapes(work)
-        seam.give_back(
-            convert_float_to_float16(
-                work,
-                keep_io_types=plan.keep_io_fp32,
-                op_block_list=op_block,
-                node_block_list=kept,
-                disable_shape_infer=True,
-            )
+    with _named(model, names), interop.as_proto(model, weight_limit=FP16_STREAM_LIMIT) as seam:
+        work = onnx.shape_inference.infer_shapes(seam.proto)  # small: the held weights are inputs
+        _stub_held(work, seam.held)
+        result = convert_float_to_float16(
+            work,
+            keep_io_types=plan.keep_io_fp32,
+            op_block_list=op_block,
+            node_block_list=kept,
+            disable_shape_infer=True,
         )
-        del work
-    out = seam.model
+        out = _restore_fp16(result, seam.held, model, store)
+        del work, result
     # convert_float_to_float16 appends the Casts it inserts for graph inputs (keep_io_types) after
     # nodes that read them; onnx-ir's stable sort puts them first and keeps every other node's order.
     TopologicalSortPass()(out)
     return out, {**facts, "nodes_converted": len(names) - len(kept)}
+
+
+def _stub_held(proto, held: dict[str, ir.Value]) -> None:
+    """Turn the held weights (graph inputs of ``proto``) back into initializers holding one zero each."""
+    import onnx
+
+    keep = [i for i in proto.graph.input if i.name not in held]
+    del proto.graph.input[:]
+    proto.graph.input.extend(keep)
+    for name, v in held.items():
+        dtype = v.const_value.dtype
+        stub = onnx.TensorProto(name=name, data_type=int(dtype), dims=[1])
+        stub.raw_data = np.zeros(1, dtype.numpy()).tobytes()
+        proto.graph.initializer.append(stub)
+
+
+def _restore_fp16(result, held: dict[str, ir.Value], like: ir.Model, store) -> ir.Model:
+    """The converter's result as IR with the real weights in place of the stubs (float16 where it chose)."""
+    out = ir.from_proto(result)
+    g = out.graph
+    for name, v in g.initializers.items():
+        if name not in held:
+            continue
+        src = held[name].const_value
+        if v.dtype == ir.DataType.FLOAT16 and src.dtype == ir.DataType.FLOAT:
+            v.const_value = _fp16_streamed(src, name, store)
+        else:
+            v.const_value = src
+        v.dtype, v.shape = v.const_value.dtype, ir.Shape(v.const_value.shape)
+        for use in v.uses():  # the Casts the converter put before float32 readers copied the stub's shape
+            if use.node.op_type == "Cast":
+                use.node.outputs[0].shape = ir.Shape(v.const_value.shape)
+    rank = {n: i for i, n in enumerate(like.graph.initializers)}
+    order = sorted(g.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+    g.initializers.clear()
+    for _, v in order:
+        g.register_initializer(v)
+    return out
+
+
+_FP16_BLOCK = 1 << 22  # elements converted at a time (16 MiB of float32)
+
+
+def _fp16_streamed(src: ir.TensorProtocol, name: str, store) -> ir.TensorProtocol:
+    """``convert_np_to_float16`` of one weight, a block of elements at a time; into ``store`` if given."""
+    from onnxruntime.transformers.float16 import convert_np_to_float16
+
+    flat = src.numpy().reshape(-1)  # memory-mapped for a weight in a file
+    out = np.empty(flat.shape, np.float16)
+    for i in range(0, flat.size, _FP16_BLOCK):
+        out[i : i + _FP16_BLOCK] = convert_np_to_float16(np.asarray(flat[i : i + _FP16_BLOCK]))
+    del flat
+    if isinstance(src, ir.ExternalTensor):
+        src.release()
+    out = out.reshape(tuple(src.shape.numpy()))
+    return store.put(out, name) if store is not None else ir.tensor(out, name=name)

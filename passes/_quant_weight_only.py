@@ -128,30 +128,206 @@ def awq_scales(
     return best, best_alpha
 
 
+def _sampler(seed: int, index: int) -> np.random.Generator:
+    # One generator per tensor (by its position among the wanted names), so the rows a tensor keeps do
+    # not depend on the order tensors are computed in: whole-graph and layer-wise capture agree.
+    return np.random.default_rng([seed, index])
+
+
+class _Stats:
+    """Running mean |x| per last-axis channel and sampled rows of one tensor, one sample at a time."""
+
+    def __init__(self, rng: np.random.Generator, per_feed: int) -> None:
+        self.rng, self.per_feed = rng, per_feed
+        self.sum: np.ndarray | float = 0
+        self.count = 0
+        self.rows: list[np.ndarray] = []
+
+    def add(self, a: np.ndarray) -> None:
+        a = a.reshape(-1, a.shape[-1]).astype(np.float32)
+        self.sum = self.sum + np.abs(a).sum(axis=0)
+        self.count += a.shape[0]
+        take = min(a.shape[0], self.per_feed)
+        self.rows.append(a[self.rng.choice(a.shape[0], take, replace=False)])
+
+    def result(self, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.sum / self.count, np.concatenate(self.rows)[:rows]
+
+
 def collect_inputs(
     model: ir.Model, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """For each tensor name: (mean |x| per last-axis channel, up to ``rows`` sampled rows) over all feeds."""
+    """For each tensor name: (mean |x| per last-axis channel, up to ``rows`` sampled rows) over all feeds.
+
+    One session on the whole graph returns every tensor at once: it holds every tensor's statistics
+    until the end. :func:`layerwise_inputs` computes the same, one segment of the graph at a time.
+    """
     from vlmc import ortsession
 
     present = {o.name for o in model.graph.outputs}
-    extra = [n for n in dict.fromkeys(names) if n not in present]
-    sess = ortsession.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
-    rng = np.random.default_rng(seed)
-    sums: dict[str, np.ndarray] = {}
-    counts: dict[str, int] = {}
-    picked: dict[str, list[np.ndarray]] = {n: [] for n in names}
     wanted = list(dict.fromkeys(names))
+    extra = [n for n in wanted if n not in present]
+    sess = ortsession.from_model(model, extra_outputs=extra)  # the package's graph itself is not touched
+    per_feed = max(1, rows // max(1, len(feeds)))
+    stats = {n: _Stats(_sampler(seed, i), per_feed) for i, n in enumerate(wanted)}
     for feed in feeds:
-        outs = sess.run(wanted, feed)
-        for n, a in zip(wanted, outs):
-            a = a.reshape(-1, a.shape[-1]).astype(np.float32)
-            sums[n] = sums.get(n, 0) + np.abs(a).sum(axis=0)
-            counts[n] = counts.get(n, 0) + a.shape[0]
-            take = min(a.shape[0], max(1, rows // max(1, len(feeds))))
-            picked[n].append(a[rng.choice(a.shape[0], take, replace=False)])
+        for n, a in zip(wanted, sess.run(wanted, feed)):
+            stats[n].add(a)
     del sess
-    return {n: (sums[n] / counts[n], np.concatenate(picked[n])[:rows]) for n in wanted}
+    return {n: stats[n].result(rows) for n in wanted}
+
+
+class _Segment:
+    """Nodes of the graph up to the next wanted tensor's first use, as a model of their own.
+
+    Inputs: the values they read that earlier segments (or the graph's inputs) made; outputs: the
+    values they make that later nodes read. The model is a clone of the structure; its weights are
+    the graph's own tensors (nothing is read until its session is made).
+    """
+
+    def __init__(
+        self, model: ir.Model, nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]
+    ):
+        vmap: dict[ir.Value, ir.Value] = {}
+        self.inputs = []
+        for v in inputs:
+            nv = ir.Value(name=v.name, type=v.type, shape=v.shape)
+            vmap[v] = nv
+            self.inputs.append(nv)
+        inits = []
+        clones = []
+        for node in nodes:
+            args = []
+            for i in node.inputs:
+                if i is not None and i not in vmap:  # a weight (inputs and earlier outputs are mapped)
+                    nv = ir.Value(name=i.name, type=i.type, shape=i.shape, const_value=i.const_value)
+                    vmap[i] = nv
+                    inits.append(nv)
+                args.append(None if i is None else vmap[i])
+            c = ir.Node(
+                node.domain,
+                node.op_type,
+                args,
+                list(node.attributes.values()),
+                overload=node.overload,
+                num_outputs=len(node.outputs),
+                version=node.version,
+                name=node.name,
+            )
+            for o, co in zip(node.outputs, c.outputs):
+                co.name, co.type, co.shape = o.name, o.type, o.shape
+                vmap[o] = co
+            clones.append(c)
+        self.output_names = [v.name for v in outputs]
+        graph = ir.Graph(
+            self.inputs,
+            [vmap[v] for v in outputs],
+            nodes=clones,
+            initializers=inits,
+            opset_imports=dict(model.graph.opset_imports),
+            name="awq_segment",
+        )
+        self.model = ir.Model(graph, ir_version=model.ir_version)
+
+    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
+        """Each sample's outputs; input types the graph did not record come from the first sample."""
+        from vlmc import ortsession
+
+        for v in self.inputs:
+            a = feeds[0][v.name]
+            if v.type is None:
+                v.type = ir.TensorType(ir.DataType.from_numpy(a.dtype))
+            v.shape = ir.Shape([None] * a.ndim)  # lengths vary between samples
+        sess = ortsession.from_model(self.model)
+        for v in self.model.graph.initializers.values():
+            _release(v.const_value)  # the session holds its own copy; drop the memory map's pages
+        try:
+            return [sess.run(self.output_names, {v.name: f[v.name] for v in self.inputs}) for f in feeds]
+        finally:
+            del sess
+
+
+def layerwise_inputs(
+    model: ir.Model, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
+):
+    """:func:`collect_inputs`, one segment of the graph at a time; yields ``(name, (mean|x|, rows))``.
+
+    The graph is cut before the first use of each wanted tensor (in topological order). Segment j runs
+    on every calibration sample from the values that cross cut j-1 and returns those that cross cut j;
+    the wanted tensor is among them. Only the crossing values of one cut (a decoder layer's residual
+    stream, masks, rotary tables: one layer's activations) are held per sample, and values no later
+    node reads are dropped; nodes after the last cut never run. Each name is yielded as soon as its
+    statistics exist, so the caller can quantize its weights and let them go before the next segment.
+
+    Graphs with control flow (subgraph attributes) fall back to one whole-graph session.
+    """
+    wanted = list(dict.fromkeys(names))
+    graph = model.graph
+    order = list(graph)
+    if not wanted or any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for n in order
+        for a in n.attributes.values()
+    ):
+        yield from collect_inputs(model, names, feeds, rows, seed).items()
+        return
+    pos = {n: i for i, n in enumerate(order)}
+    first_use = {}
+    last_use: dict[ir.Value, int] = {}
+    for i, n in enumerate(order):
+        for v in n.inputs:
+            if v is not None and not v.is_initializer() and v.const_value is None:
+                first_use.setdefault(v.name, i)
+                last_use[v] = i
+    graph_inputs = {v.name for v in graph.inputs}
+    # Cuts in topological order; a graph input is known from the start (cut 0).
+    cuts = sorted({0 if n in graph_inputs else first_use[n] for n in wanted})
+    per_feed = max(1, rows // max(1, len(feeds)))
+    index = {n: i for i, n in enumerate(wanted)}
+    due: dict[int, list[str]] = {}
+    for n in wanted:
+        due.setdefault(0 if n in graph_inputs else first_use[n], []).append(n)
+    held: dict[str, list[np.ndarray]] = {}  # crossing values per sample (graph inputs stay in feeds)
+
+    def value_of(name: str) -> list[np.ndarray]:
+        return held[name] if name in held else [f[name] for f in feeds]
+
+    # Every segment is cloned before anything is yielded: the caller edits the graph between yields.
+    plan: list[tuple[int, _Segment | None, list[ir.Value]]] = []
+    start = 0
+    for cut in cuts:
+        seg, outs = None, []
+        if cut > start:
+            seg_nodes = order[start:cut]
+            made = {o for n in seg_nodes for o in n.outputs}
+            ins, seen = [], set()
+            for n in seg_nodes:
+                for v in n.inputs:
+                    if v is None or v in made or v in seen or v.is_initializer() or v.const_value is not None:
+                        continue
+                    seen.add(v)
+                    ins.append(v)
+            outs = sorted((o for o in made if last_use.get(o, -1) >= cut), key=lambda o: pos[o.producer()])
+            seg = _Segment(model, seg_nodes, ins, outs)
+            start = cut
+        plan.append((cut, seg, [o.name for o in outs]))
+    last_by_name = {v.name: i for v, i in last_use.items()}
+    for cut, seg, out_names in plan:
+        if seg is not None:
+            samples = [{v.name: value_of(v.name)[s] for v in seg.inputs} for s in range(len(feeds))]
+            results = seg.run(samples)
+            del samples
+            for k, name in enumerate(out_names):
+                held[name] = [r[k] for r in results]
+            del results
+            # Values no node at or after this cut reads are not needed again.
+            for name in [n for n in held if last_by_name.get(n, -1) < cut]:
+                del held[name]
+        for name in due[cut]:
+            st = _Stats(_sampler(seed, index[name]), per_feed)
+            for a in value_of(name):
+                st.add(a)
+            yield name, st.result(rows)
 
 
 # Rows of a weight read and quantized at a time: bounds the working set to a few of these blocks
@@ -230,9 +406,16 @@ def quantize_weight_only(
     bits = 4 if plan.weights == "int4" else 8
     g = plan.group_size if bits == 4 else None
     take, kept, skipped = candidates(model, plan.keep_fp32, g)
-    act = {}
     if plan.method == "awq" and take:
-        act = collect_inputs(model, [n.inputs[0].name for n, _, _ in take], feeds or [])
+        # Layer-wise: each weight is quantized as soon as its input's statistics exist, which are then
+        # dropped; calibration holds one segment's activations at a time (see layerwise_inputs).
+        by_input: dict[str, list] = {}
+        for t in take:
+            by_input.setdefault(t[0].inputs[0].name, []).append(t)
+        stream = layerwise_inputs(model, list(by_input), feeds or [])
+        work = ((t, stats) for name, stats in stream for t in by_input[name])
+    else:
+        work = ((t, None) for t in take)
     graph = model.graph
     keep_tensor = store.put if store is not None else _in_memory
     nodes_facts: dict[str, dict] = {}
@@ -244,7 +427,7 @@ def quantize_weight_only(
         graph.register_initializer(v)
         return v
 
-    for node, w_val, trans in take:
+    for (node, w_val, trans), stats in work:
         src = w_val.const_value
         x = node.inputs[0]
         w_name = w_val.name
@@ -257,7 +440,7 @@ def quantize_weight_only(
 
         if plan.method == "awq":
             w = _weight_kn(src, trans)
-            s, alpha = awq_scales(act[x.name][1], act[x.name][0], w, g or 0, bits)
+            s, alpha = awq_scales(stats[1], stats[0], w, g or 0, bits)
             w = w * s[:, None]
             inv = const((1.0 / s).astype(np.float32), f"{prefix}_awq_inv_scale")
             scaled = add("Mul", [x, inv], f"{prefix}_awq_scaled_input", f"{prefix}_awq_Mul")
@@ -335,6 +518,9 @@ def quantize_weight_only(
         graph.initializers.pop(w_name)
         _release(src)
         nodes_facts[node.name] = fact
+        del stats
+    rank = {t[0].name: i for i, t in enumerate(take)}  # facts in graph order, as they are quantized in RTN
+    nodes_facts = dict(sorted(nodes_facts.items(), key=lambda kv: rank.get(kv[0], len(rank))))
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
     facts = {
         "mode": mode,

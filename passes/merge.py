@@ -14,17 +14,16 @@ shared, content-deduplicated data file, so no weight byte is stored twice.
 from __future__ import annotations
 
 import logging
-import re
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx_ir.passes.common import NameFixPass, RemoveUnusedNodesPass
 
-from vlmc import samples
+from vlmc import samples, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import Option, Pass, PassResult, register
-from vlmc.passes import _graph_compose as C
+from vlmc.passes import _graph_compose as compose
 
 logger = logging.getLogger(__name__)
 
@@ -81,53 +80,23 @@ class Merge(Pass):
                 "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned"
             )
 
-    def run(self, package: Package) -> PassResult:
+    def run(self, package: Package, plan: None = None) -> PassResult:
         m = package.manifest
         pipeline = dict(m["pipeline"])
         image, embed, decoder = list(pipeline["image"]), pipeline["embed"], list(pipeline["decoder"])
         stages = [*image, embed, *decoder]
-        models = {s: package.graph(s) for s in stages}
         _check_interfaces(package, image, embed, decoder)
+        models = {s: package.model(s) for s in stages}
+        opsets = compose.merged_opsets(models.values(), "merge")
+        name = self.opts["graph"]
+        merged = _compose(package, models, image, embed, decoder, name, opsets)
+        NameFixPass()(merged)  # unique names, whatever the stages called their values
+        RemoveUnusedNodesPass()(merged)  # e.g. image-chain outputs only the stage package returned
+        dedupe = compose.dedupe_initializers(merged.graph)
 
-        # Stage internals get a "<stage>/" prefix so their generated names cannot collide; the stage
-        # interfaces keep their names, except the embedding output, which the scatter consumes.
-        embed_out = f"{embed}/inputs_embeds"
-        parts = {s: C.prefixed(models[s], f"{s}/") for s in stages}
-        C.rename(parts[embed].graph, {"inputs_embeds": embed_out})
-
-        # The merged outputs are the decoder chain's (logits and every range's presents), minus the
-        # hidden states one decoder range hands to the next.
-        consumed = {i.name for s in decoder for i in parts[s].graph.input}
-        outputs = [o for s in decoder for o in parts[s].graph.output if o.name not in consumed]
-        final = {o.name for o in outputs}
-        produced: set[str] = set()
-        graph_inputs: list[onnx.ValueInfoProto] = []
-        nodes: list[onnx.NodeProto] = []
-        inits: list[onnx.TensorProto] = []
-        vinfo: list[onnx.ValueInfoProto] = []
         records = []
-        fed_inside, deepstack_nodes = _deepstack_nodes(package, decoder)
         for s in stages:
-            g = parts[s].graph
-            init_names = {t.name for t in g.initializer}
-            for vi in g.input:
-                if vi.name in init_names or vi.name in produced or vi.name in {x.name for x in graph_inputs}:
-                    continue
-                if s == decoder[0] and vi.name == "inputs_embeds":
-                    continue  # produced by the scatter below
-                if s in decoder and vi.name in fed_inside:
-                    continue  # deepstack inputs: produced inside, below
-                graph_inputs.append(vi)
-            if s == decoder[0]:
-                nodes.extend(_scatter_nodes(package, embed_out, vinfo))
-                nodes.extend(deepstack_nodes)
-            nodes.extend(g.node)
-            inits.extend(g.initializer)
-            vinfo.extend(g.value_info)
-            vinfo.extend(o for o in g.output if o.name not in final)  # other stage outputs become internal
-            produced.update(o.name for o in g.output)
             entry = package.info(s)
-            tensors = {"inputs_embeds": embed_out} if s == embed else {}
             records.append(
                 {
                     "name": s,
@@ -136,21 +105,11 @@ class Merge(Pass):
                     "file": entry["file"],
                     "inputs": entry["inputs"],
                     "outputs": entry["outputs"],
-                    "tensors": tensors,
+                    "tensors": {tensor_names.INPUTS_EMBEDS: _embed_out(embed)} if s == embed else {},
                     "extra": {k: v for k, v in entry.items() if k not in _OWN_KEYS},
                 }
             )
-        graph = helper.make_graph(
-            nodes, self.opts["graph"], graph_inputs, outputs, initializer=inits, value_info=_unique(vinfo)
-        )
-        dedupe = C.dedupe_initializers(graph)
-        merged = helper.make_model(
-            graph, opset_imports=C.merged_opsets(models.values(), "merge"), producer_name="vlmc merge"
-        )
-        merged.ir_version = max(mm.ir_version for mm in models.values())
-
         precisions = {package.info(s)["precision"] for s in stages}
-        name = self.opts["graph"]
         sample = _sample_inputs(package, image, decoder)
         package.set_graph(
             name,
@@ -175,15 +134,77 @@ class Merge(Pass):
             dedupe["initializers_deduplicated"],
         )
         return PassResult(
-            package, True, {"graph": name, "stages": stages, "nodes": len(merged.graph.node), **dedupe}
+            package, True, {"graph": name, "stages": stages, "nodes": len(merged.graph), **dedupe}
         )
 
 
-def _unique(infos: list[onnx.ValueInfoProto]) -> list[onnx.ValueInfoProto]:
-    seen: dict[str, onnx.ValueInfoProto] = {}
-    for vi in infos:
-        seen.setdefault(vi.name, vi)
-    return list(seen.values())
+def _embed_out(embed: str) -> str:
+    # The one stage interface that is renamed inside the merged graph: the scatter consumes it.
+    return f"{embed}/{tensor_names.INPUTS_EMBEDS}"
+
+
+def _compose(
+    pkg: Package,
+    models: dict[str, ir.Model],
+    image: list[str],
+    embed: str,
+    decoder: list[str],
+    name: str,
+    opsets: dict[str, int],
+) -> ir.Model:
+    """One graph from copies of the stage graphs, joined by their interface names.
+
+    Each stage is copied (new nodes and values, the same weight tensors: the stage graphs stay as
+    they are, for the text-only decode path and for anything holding the package as it was), its
+    internals get a ``<stage>/`` prefix, and each stage input is bound to the value of that name an
+    earlier stage returns, or becomes an input of the merged graph. The decoder's ``inputs_embeds``
+    is bound to the scatter's output, and its deepstack inputs (Qwen3-VL) to the nodes computing them.
+    """
+    parts = {s: compose.copy_model(models[s]).graph for s in models}
+    for s, g in parts.items():
+        compose.prefix_internal(g, f"{s}/")
+    embed_outputs = [o for o in parts[embed].outputs if o.name == tensor_names.INPUTS_EMBEDS]
+    for o in embed_outputs:
+        o.name = _embed_out(embed)
+
+    # The merged outputs are the decoder chain's (logits and every range's presents), minus the
+    # hidden states one decoder range hands to the next.
+    consumed = {v.name for s in decoder for v in parts[s].inputs}
+    outputs = [o for s in decoder for o in parts[s].outputs if o.name not in consumed]
+    available: dict[str, ir.Value] = {}  # interface name -> the merged graph's value
+    inputs: list[ir.Value] = []
+    nodes: list[ir.Node] = []
+    initializers: list[ir.Value] = []
+    inside: dict[str, ir.Value] = {}  # decoder inputs the merged graph computes itself
+    for s in [*image, embed, *decoder]:
+        g = parts[s]
+        if s == decoder[0]:
+            scatter, embeds = _scatter_nodes(pkg, available, _embed_out(embed))
+            deepstack, fed = _deepstack_nodes(pkg, decoder, available)
+            nodes += scatter + deepstack
+            inside = {tensor_names.INPUTS_EMBEDS: embeds, **fed}
+        for v in list(g.inputs):
+            if v.is_initializer():
+                continue  # an input with a default stays an initializer
+            bound = inside.get(v.name) if s in decoder else None
+            if bound is None:
+                bound = available.get(v.name)
+            if bound is None:
+                inputs.append(v)
+                available[v.name] = v
+            else:
+                v.replace_all_uses_with(bound, replace_graph_outputs=True)
+        stage_outputs = list(g.outputs)
+        g.inputs.clear()
+        g.outputs.clear()
+        stage_inits = list(g.initializers.values())
+        g.initializers.clear()
+        initializers += stage_inits
+        nodes += compose.take_nodes(g)
+        for o in stage_outputs:
+            available.setdefault(o.name, o)
+    graph = ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers, opset_imports=opsets, name=name)
+    return compose.model_like(graph, *models.values(), producer="vlmc merge")
 
 
 def _check_interfaces(pkg: Package, image: list[str], embed: str, decoder: list[str]) -> None:
@@ -192,17 +213,38 @@ def _check_interfaces(pkg: Package, image: list[str], embed: str, decoder: list[
     def names(graph: str, io: str) -> list[str]:
         return [e["name"] for e in pkg.info(graph)[io]]
 
-    if "image_features" not in names(image[-1], "outputs"):
+    if tensor_names.IMAGE_FEATURES not in names(image[-1], "outputs"):
         raise VlmcError(f"merge: the last image graph {image[-1]!r} has no image_features output")
-    if names(embed, "inputs") != ["input_ids"] or names(embed, "outputs") != ["inputs_embeds"]:
+    if names(embed, "inputs") != [tensor_names.INPUT_IDS] or names(embed, "outputs") != [
+        tensor_names.INPUTS_EMBEDS
+    ]:
         raise VlmcError(f"merge: embed graph {embed!r} must map input_ids -> inputs_embeds")
-    if "inputs_embeds" not in names(decoder[0], "inputs"):
+    if tensor_names.INPUTS_EMBEDS not in names(decoder[0], "inputs"):
         raise VlmcError(f"merge: decoder graph {decoder[0]!r} has no inputs_embeds input")
-    if "logits" not in names(decoder[-1], "outputs"):
+    if tensor_names.LOGITS not in names(decoder[-1], "outputs"):
         raise VlmcError(f"merge: decoder graph {decoder[-1]!r} has no logits output")
 
 
-def _scatter_nodes(pkg: Package, embeds: str, vinfo: list[onnx.ValueInfoProto]) -> list[onnx.NodeProto]:
+class _Nodes:
+    """Nodes built in order, each output named (``<prefix><name>``), for a block of the merged graph."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type: str, inputs: list[ir.Value], out: str, node: str, **attributes) -> ir.Value:
+        n = ir.node(op_type, inputs, attributes=attributes or None, name=self.prefix + node)
+        n.outputs[0].name = self.prefix + out
+        self.nodes.append(n)
+        return n.outputs[0]
+
+    def const(self, key: str, value: np.ndarray) -> ir.Value:
+        return self.op("Constant", [], key, "Constant_" + key, value=ir.tensor(value, name=self.prefix + key))
+
+
+def _scatter_nodes(
+    pkg: Package, available: dict[str, ir.Value], embeds_name: str
+) -> tuple[list[ir.Node], ir.Value]:
     """inputs_embeds = embedding rows, with placeholder rows replaced by image features in order.
 
     Placeholders are counted over the flattened batch (row-major), the order the image chain emits
@@ -214,63 +256,50 @@ def _scatter_nodes(pkg: Package, embeds: str, vinfo: list[onnx.ValueInfoProto]) 
     if not isinstance(hidden, int):
         hidden = int(pkg.manifest["text"]["hidden_size"])
     feats_sig = next(
-        o for o in pkg.info(pkg.manifest["pipeline"]["image"][-1])["outputs"] if o["name"] == "image_features"
+        o
+        for o in pkg.info(pkg.manifest["pipeline"]["image"][-1])["outputs"]
+        if o["name"] == tensor_names.IMAGE_FEATURES
     )
-    p = "vlm_scatter/"
     image_id = int(pkg.manifest["vision"]["image_token_id"])
-    consts = {
-        "image_token_id": np.array(image_id, np.int64),
-        "flat": np.array([-1], np.int64),
-        "rows": np.array([-1, hidden], np.int64),
-        "zero": np.array(0, np.int64),
-        "one": np.array(1, np.int64),
-        "last_axis": np.array([-1], np.int64),
+    b = _Nodes("vlm_scatter/")
+    c = {
+        k: b.const(k, v)
+        for k, v in {
+            "image_token_id": np.array(image_id, np.int64),
+            "flat": np.array([-1], np.int64),
+            "rows": np.array([-1, hidden], np.int64),
+            "zero": np.array(0, np.int64),
+            "one": np.array(1, np.int64),
+            "last_axis": np.array([-1], np.int64),
+        }.items()
     }
-    nodes = [
-        helper.make_node("Constant", [], [p + k], name=p + "Constant_" + k, value=numpy_helper.from_array(v))
-        for k, v in consts.items()
-    ]
-    feats = "image_features"
+    feats = available[tensor_names.IMAGE_FEATURES]
     if feats_sig["dtype"] != emb_sig["dtype"]:
-        nodes.append(
-            helper.make_node(
-                "Cast",
-                [feats],
-                [p + "features_cast"],
-                name=p + "Cast_features",
-                to=onnx.helper.np_dtype_to_tensor_dtype(np.dtype(emb_sig["dtype"])),
-            )
-        )
-        feats = p + "features_cast"
-    nodes += [
-        helper.make_node("Reshape", ["input_ids", p + "flat"], [p + "ids"], name=p + "Reshape_ids"),
-        helper.make_node("Equal", [p + "ids", p + "image_token_id"], [p + "is_image"], name=p + "Equal"),
-        helper.make_node(
-            "Cast", [p + "is_image"], [p + "is_image_i64"], name=p + "Cast_mask", to=onnx.TensorProto.INT64
-        ),
-        helper.make_node("CumSum", [p + "is_image_i64", p + "zero"], [p + "count"], name=p + "CumSum"),
-        helper.make_node("Sub", [p + "count", p + "one"], [p + "index_raw"], name=p + "Sub"),
-        helper.make_node("Max", [p + "index_raw", p + "zero"], [p + "index"], name=p + "Max"),
-        helper.make_node("Reshape", [feats, p + "rows"], [p + "features"], name=p + "Reshape_features"),
-        helper.make_node("Gather", [p + "features", p + "index"], [p + "picked"], name=p + "Gather", axis=0),
-        helper.make_node("Reshape", [embeds, p + "rows"], [p + "embeds"], name=p + "Reshape_embeds"),
-        helper.make_node(
-            "Unsqueeze", [p + "is_image", p + "last_axis"], [p + "is_image_col"], name=p + "Unsqueeze"
-        ),
-        helper.make_node(
-            "Where", [p + "is_image_col", p + "picked", p + "embeds"], [p + "mixed"], name=p + "Where"
-        ),
-        helper.make_node("Shape", [embeds], [p + "embeds_shape"], name=p + "Shape"),
-        helper.make_node(
-            "Reshape", [p + "mixed", p + "embeds_shape"], ["inputs_embeds"], name=p + "Reshape_out"
-        ),
-    ]
-    vinfo.append(C.value_info(emb_sig, "inputs_embeds"))
-    vinfo.append(C.value_info(emb_sig, embeds))
-    return nodes
+        to = ir.DataType.from_numpy(np.dtype(emb_sig["dtype"]))
+        feats = b.op("Cast", [feats], "features_cast", "Cast_features", to=int(to))
+    embeds = available[embeds_name]
+    compose.set_signature(embeds, emb_sig)
+    ids = b.op("Reshape", [available[tensor_names.INPUT_IDS], c["flat"]], "ids", "Reshape_ids")
+    is_image = b.op("Equal", [ids, c["image_token_id"]], "is_image", "Equal")
+    mask = b.op("Cast", [is_image], "is_image_i64", "Cast_mask", to=int(ir.DataType.INT64))
+    count = b.op("CumSum", [mask, c["zero"]], "count", "CumSum")
+    index_raw = b.op("Sub", [count, c["one"]], "index_raw", "Sub")
+    index = b.op("Max", [index_raw, c["zero"]], "index", "Max")
+    rows = b.op("Reshape", [feats, c["rows"]], "features", "Reshape_features")
+    picked = b.op("Gather", [rows, index], "picked", "Gather", axis=0)
+    flat = b.op("Reshape", [embeds, c["rows"]], "embeds", "Reshape_embeds")
+    column = b.op("Unsqueeze", [is_image, c["last_axis"]], "is_image_col", "Unsqueeze")
+    mixed = b.op("Where", [column, picked, flat], "mixed", "Where")
+    shape = b.op("Shape", [embeds], "embeds_shape", "Shape")
+    out = b.op("Reshape", [mixed, shape], tensor_names.INPUTS_EMBEDS, "Reshape_out")
+    out.name = tensor_names.INPUTS_EMBEDS  # the decoder's input, computed here
+    compose.set_signature(out, emb_sig)
+    return b.nodes, out
 
 
-def _deepstack_nodes(pkg: Package, decoder: list[str]) -> tuple[set[str], list[onnx.NodeProto]]:
+def _deepstack_nodes(
+    pkg: Package, decoder: list[str], available: dict[str, ir.Value]
+) -> tuple[list[ir.Node], dict[str, ir.Value]]:
     """The decoder inputs a merged graph computes itself for ``text.deepstack`` (Qwen3-VL), and the nodes.
 
     ``mask_input`` marks the image placeholders of ``input_ids`` (int64, its shape) and ``embeds_input``
@@ -278,21 +307,30 @@ def _deepstack_nodes(pkg: Package, decoder: list[str]) -> tuple[set[str], list[o
     """
     ds = pkg.manifest["text"].get("deepstack")
     if not ds:
-        return set(), []
+        return [], {}
     wanted = {i["name"]: i for s in decoder for i in pkg.info(s)["inputs"]}
     mask, embeds = ds["mask_input"], ds["embeds_input"]
     if embeds not in wanted:
-        return set(), []
-    p = "vlm_deepstack/"
-    image_id = numpy_helper.from_array(np.array(int(pkg.manifest["vision"]["image_token_id"]), np.int64))
-    to = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(wanted[embeds]["dtype"]))
-    nodes = [
-        helper.make_node("Constant", [], [p + "image_token_id"], name=p + "Constant", value=image_id),
-        helper.make_node("Equal", ["input_ids", p + "image_token_id"], [p + "is_image"], name=p + "Equal"),
-        helper.make_node("Cast", [p + "is_image"], [mask], name=p + "Cast_mask", to=onnx.TensorProto.INT64),
-        helper.make_node("Cast", [ds["vision_output"]], [embeds], name=p + "Cast_embeds", to=to),
-    ]
-    return {mask, embeds}, nodes
+        return [], {}
+    b = _Nodes("vlm_deepstack/")
+    image_id = b.op(
+        "Constant",
+        [],
+        "image_token_id",
+        "Constant",
+        value=ir.tensor(
+            np.array(int(pkg.manifest["vision"]["image_token_id"]), np.int64),
+            name="vlm_deepstack/image_token_id",
+        ),
+    )
+    is_image = b.op("Equal", [available[tensor_names.INPUT_IDS], image_id], "is_image", "Equal")
+    mask_value = b.op("Cast", [is_image], mask, "Cast_mask", to=int(ir.DataType.INT64))
+    to = ir.DataType.from_numpy(np.dtype(wanted[embeds]["dtype"]))
+    embeds_value = b.op("Cast", [available[ds["vision_output"]]], embeds, "Cast_embeds", to=int(to))
+    for value, entry in ((mask_value, wanted[mask]), (embeds_value, wanted[embeds])):
+        value.name = entry["name"]
+        compose.set_signature(value, entry)
+    return b.nodes, {mask: mask_value, embeds: embeds_value}
 
 
 def _sample_inputs(pkg: Package, image: list[str], decoder: list[str]) -> dict[str, np.ndarray]:
@@ -317,13 +355,13 @@ def _store_samples(pkg: Package, name: str, feeds: dict[str, np.ndarray]) -> Non
     feeds = {k: v for k, v in feeds.items() if k in wanted}  # e.g. decoder inputs computed inside
     # KV of later decoder ranges: the same shapes as the first range's (one past length for all layers)
     for w in sorted(wanted - set(feeds)):
-        layer = C.layer_of(w)
+        if tensor_names.layer_of(w) is None:
+            continue
         like = [
             k
             for k in sorted(feeds)
-            if layer is not None
-            and C.layer_of(k) is not None
-            and re.sub(r"\.\d+(\.|$)", r".N\1", k, count=1) == re.sub(r"\.\d+(\.|$)", r".N\1", w, count=1)
+            if tensor_names.layer_of(k) is not None
+            and tensor_names.with_layer(k, 0) == tensor_names.with_layer(w, 0)
         ]
         if like:
             feeds[w] = feeds[like[0]].copy()

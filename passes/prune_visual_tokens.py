@@ -24,11 +24,10 @@ import copy
 import logging
 
 import numpy as np
-import onnx
-import onnx_graphsurgeon as gs
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmc import limits as L
-from vlmc import pruning
+from vlmc import limits, pruning
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
@@ -41,6 +40,7 @@ FEATURES = "image_features"
 GRID_INPUT = "image_grid_thw"
 # Bound on tokens per image for the packed random baseline's score table (256 KiB of float32).
 MAX_PACKED_TOKENS = 1 << 16
+PREFIX = "prune_visual_tokens"
 
 
 def uniform_indices(tokens: int, keep: int) -> np.ndarray:
@@ -71,60 +71,59 @@ def random_table(seed: int, size: int) -> np.ndarray:
 
 
 class _Builder:
-    """Small helpers over an onnx-graphsurgeon graph that respect the graph's opset."""
+    """Appends nodes and constants to an onnx-ir graph (through a tape), in the graph's opset.
 
-    def __init__(self, graph: gs.Graph, prefix: str) -> None:
-        self.g = graph
+    Every node goes at the end of the graph, after the producers of the tensors it reads, so the
+    graph stays in topological order. The nodes made are remembered for the report's ``ops_added``.
+    """
+
+    def __init__(self, graph: ir.Graph, prefix: str) -> None:
+        self.graph = graph
+        self.tape = ir.tape.Tape(graph)
         self.prefix = prefix
-        self.opset = int(graph.opset)
-        self._n = 0
+        self.opset = int(graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1)))
+        self._count = 0
 
     def _name(self, what: str) -> str:
-        self._n += 1
-        return f"{self.prefix}/{what}_{self._n}"
+        self._count += 1
+        return f"{self.prefix}/{what}_{self._count}"
 
-    def const(self, value, dtype=np.int64) -> gs.Constant:
-        return gs.Constant(self._name("const"), np.asarray(value, dtype=dtype))
+    def added_ops(self) -> list[str]:
+        """Op types of the nodes this builder made that are still in the graph."""
+        made = set(self.tape.nodes)
+        return sorted({node.op_type for node in self.graph if node in made})
 
-    def op(
-        self,
-        op: str,
-        inputs: list,
-        attrs: dict | None = None,
-        dtype=np.float32,
-        outputs: int = 1,
-        out_dtypes: list | None = None,
-    ) -> list[gs.Variable]:
+    def const(self, value, dtype=np.int64) -> ir.Value:
+        name = self._name("const")
+        return self.tape.initializer(ir.tensor(np.asarray(value, dtype=dtype), name=name), name=name)
+
+    def op(self, op: str, inputs: list, attrs: dict | None = None, outputs: int = 1) -> list[ir.Value]:
         name = self._name(op)
-        outs = [
-            gs.Variable(f"{name}_out{i}", dtype=(out_dtypes[i] if out_dtypes else dtype))
-            for i in range(outputs)
-        ]
-        self.g.layer(op=op, name=name, inputs=inputs, outputs=outs, attrs=attrs or {})
-        return outs
+        values = self.tape.op_multi_out(op, inputs, attrs or None, num_outputs=outputs, name=name)
+        for i, value in enumerate(values):
+            value.name = f"{name}_out{i}"
+        return list(values)
 
-    def one(self, op: str, inputs: list, attrs: dict | None = None, dtype=np.float32) -> gs.Variable:
-        return self.op(op, inputs, attrs, dtype)[0]
+    def one(self, op: str, inputs: list, attrs: dict | None = None) -> ir.Value:
+        return self.op(op, inputs, attrs)[0]
 
-    def reduce(self, op: str, x, axes: list[int], keepdims: int = 0, dtype=np.float32) -> gs.Variable:
+    def reduce(self, op: str, x: ir.Value, axes: list[int], keepdims: int = 0) -> ir.Value:
         # Reduce* ops take axes as an attribute up to opset 17 and as an input from opset 18.
         if self.opset >= 18:
-            return self.one(op, [x, self.const(axes)], {"keepdims": keepdims}, dtype=dtype)
-        return self.one(op, [x], {"axes": axes, "keepdims": keepdims}, dtype=dtype)
+            return self.one(op, [x, self.const(axes)], {"keepdims": keepdims})
+        return self.one(op, [x], {"axes": axes, "keepdims": keepdims})
 
-    def reduce_mean(self, x, axes: list[int], keepdims: int = 0) -> gs.Variable:
+    def reduce_mean(self, x: ir.Value, axes: list[int], keepdims: int = 0) -> ir.Value:
         return self.reduce("ReduceMean", x, axes, keepdims)
 
-    def unsqueeze(self, x, axes: list[int], dtype=np.int64) -> gs.Variable:
-        return self.one("Unsqueeze", [x, self.const(axes)], dtype=dtype)
+    def unsqueeze(self, x: ir.Value, axes: list[int]) -> ir.Value:
+        return self.one("Unsqueeze", [x, self.const(axes)])
 
-    def slice(self, x, start: int, end: int, axis: int, dtype=np.float32) -> gs.Variable:
-        return self.one("Slice", [x, self.const([start]), self.const([end]), self.const([axis])], dtype=dtype)
+    def slice(self, x: ir.Value, start: int, end: int, axis: int) -> ir.Value:
+        return self.one("Slice", [x, self.const([start]), self.const([end]), self.const([axis])])
 
 
-def _attention(
-    b: _Builder, tensors: dict, att: dict, method: str, recompute: bool
-) -> tuple[gs.Variable, str]:
+def _attention(b: _Builder, tensors: dict, att: dict, method: str, recompute: bool) -> tuple[ir.Value, str]:
     """[batch, heads, keys] attention for scoring, and where it came from ('graph' or 'recomputed')."""
     probs = tensors.get(att.get("probs") or "")
     if probs is not None and not recompute:
@@ -153,14 +152,14 @@ def _attention(
     return b.reduce_mean(p, [-2]), "recomputed"
 
 
-def _head_mean(b: _Builder, a: gs.Variable) -> gs.Variable:
+def _head_mean(b: _Builder, a: ir.Value) -> ir.Value:
     # [.., heads, keys] -> [.., keys]: heads are axis -2 once the query axis is gone.
     return b.reduce_mean(a, [-2])
 
 
 def _scores(
     b: _Builder, tensors: dict, att: dict, method: str, tokens: int, recompute: bool
-) -> tuple[gs.Variable, str]:
+) -> tuple[ir.Value, str]:
     """Batched layout: [images, tokens] scores (per-image key columns of the feature tokens, merge-group mean)."""
     a, source = _attention(b, tensors, att, method, recompute)
     a = _head_mean(b, a)
@@ -177,7 +176,7 @@ def _scores(
 
 def _packed_scores(
     b: _Builder, tensors: dict, att: dict, method: str, recompute: bool
-) -> tuple[gs.Variable, str]:
+) -> tuple[ir.Value, str]:
     """Packed layout: [all image tokens] scores (all images' patches on one axis, merge-group mean)."""
     a, source = _attention(b, tensors, att, method, recompute)
     a = b.one("Reshape", [_head_mean(b, a), b.const([-1])])
@@ -187,26 +186,14 @@ def _packed_scores(
     return a, source
 
 
-def _sorted_topk(b: _Builder, scores: gs.Variable, keep: int) -> gs.Variable:
+def _sorted_topk(b: _Builder, scores: ir.Value, keep: int) -> ir.Value:
     """Indices of the k best scores per row, in ascending order (int64 [rows, k])."""
-    _, top = b.op(
-        "TopK",
-        [scores, b.const([keep])],
-        {"axis": 1, "largest": 1, "sorted": 1},
-        outputs=2,
-        out_dtypes=[np.float32, np.int64],
-    )
+    _, top = b.op("TopK", [scores, b.const([keep])], {"axis": 1, "largest": 1, "sorted": 1}, outputs=2)
     # Sorting the k indices restores the original token order (what the LLM was trained on);
     # int32 because TopK kernels on Ascend take int32, not int64.
-    top32 = b.one("Cast", [top], {"to": onnx.TensorProto.INT32}, dtype=np.int32)
-    ordered, _ = b.op(
-        "TopK",
-        [top32, b.const([keep])],
-        {"axis": 1, "largest": 0, "sorted": 1},
-        outputs=2,
-        out_dtypes=[np.int32, np.int64],
-    )
-    return b.one("Cast", [ordered], {"to": onnx.TensorProto.INT64}, dtype=np.int64)
+    top32 = b.one("Cast", [top], {"to": int(ir.DataType.INT32)})
+    ordered, _ = b.op("TopK", [top32, b.const([keep])], {"axis": 1, "largest": 0, "sorted": 1}, outputs=2)
+    return b.one("Cast", [ordered], {"to": int(ir.DataType.INT64)})
 
 
 def _batched(b: _Builder, x, method, keep, tokens, attention, seed, recompute, tensors) -> tuple:
@@ -214,15 +201,15 @@ def _batched(b: _Builder, x, method, keep, tokens, attention, seed, recompute, t
     if method in BASELINES:
         idx = uniform_indices(tokens, keep) if method == "uniform" else random_indices(tokens, keep, seed)
         kept = b.one("Gather", [x, b.const(idx)], {"axis": 1})
-        n_img = b.one("Shape", [x], {"start": 0, "end": 1}, dtype=np.int64)
-        shape = b.one("Concat", [n_img, b.const([keep])], {"axis": 0}, dtype=np.int64)
-        return kept, b.one("Expand", [b.const(idx[None, :]), shape], dtype=np.int64), "constant"
+        n_img = b.one("Shape", [x], {"start": 0, "end": 1})
+        shape = b.one("Concat", [n_img, b.const([keep])], {"axis": 0})
+        return kept, b.one("Expand", [b.const(idx[None, :]), shape]), "constant"
     scores, source = _scores(b, tensors, attention, method, tokens, recompute)
     indices = _sorted_topk(b, scores, keep)
     gidx = b.unsqueeze(indices, [2])
-    hid = b.one("Shape", [x], {"start": 2, "end": 3}, dtype=np.int64)
-    shape = b.one("Concat", [b.one("Shape", [indices], dtype=np.int64), hid], {"axis": 0}, dtype=np.int64)
-    gidx = b.one("Expand", [gidx, shape], dtype=np.int64)
+    hid = b.one("Shape", [x], {"start": 2, "end": 3})
+    shape = b.one("Concat", [b.one("Shape", [indices]), hid], {"axis": 0})
+    gidx = b.one("Expand", [gidx, shape])
     return b.one("GatherElements", [x, gidx], {"axis": 1}), indices, source
 
 
@@ -238,66 +225,61 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
         raise VlmcError(
             f"the vision graph has no {packed['grid_input']!r} input to split packed image tokens"
         )
-    n = b.one(
-        "Div",
-        [b.reduce("ReduceProd", grid, [1], dtype=np.int64), b.const(int(packed["group"]))],
-        dtype=np.int64,
-    )  # tokens per image [images]
-    ends = b.one("CumSum", [n, b.const(0)], dtype=np.int64)
-    starts = b.unsqueeze(b.one("Sub", [ends, n], dtype=np.int64), [1])  # [images, 1]
+    n = b.one("Div", [b.reduce("ReduceProd", grid, [1]), b.const(int(packed["group"]))])  # tokens per image
+    ends = b.one("CumSum", [n, b.const(0)])
+    starts = b.unsqueeze(b.one("Sub", [ends, n]), [1])  # [images, 1]
     if method == "uniform":
         # floor((2i + 1) * n / 2k), exact in integers
-        centres = b.one(
-            "Mul", [b.unsqueeze(n, [1]), b.const((2 * np.arange(keep) + 1)[None, :])], dtype=np.int64
-        )
-        local = b.one("Div", [centres, b.const(2 * keep)], dtype=np.int64)
-        return (
-            b.one(
-                "Gather",
-                [
-                    x,
-                    b.one(
-                        "Reshape",
-                        [b.one("Add", [local, starts], dtype=np.int64), b.const([-1])],
-                        dtype=np.int64,
-                    ),
-                ],
-                {"axis": 0},
-            ),
-            local,
-            "constant",
-        )
-    total = b.one("Shape", [x], {"start": 0, "end": 1}, dtype=np.int64)
-    pos = b.one(
-        "Range",
-        [b.const(0), b.one("Squeeze", [total, b.const([0])], dtype=np.int64), b.const(1)],
-        dtype=np.int64,
-    )
-    loc = b.one("Sub", [b.unsqueeze(pos, [0]), starts], dtype=np.int64)  # [images, all tokens]
+        centres = b.one("Mul", [b.unsqueeze(n, [1]), b.const((2 * np.arange(keep) + 1)[None, :])])
+        local = b.one("Div", [centres, b.const(2 * keep)])
+        flat = b.one("Reshape", [b.one("Add", [local, starts]), b.const([-1])])
+        return b.one("Gather", [x, flat], {"axis": 0}), local, "constant"
+    total = b.one("Shape", [x], {"start": 0, "end": 1})
+    pos = b.one("Range", [b.const(0), b.one("Squeeze", [total, b.const([0])]), b.const(1)])
+    loc = b.one("Sub", [b.unsqueeze(pos, [0]), starts])  # [images, all tokens]
     inside = b.one(
         "And",
-        [
-            b.one("GreaterOrEqual", [loc, b.const(0)], dtype=np.bool_),
-            b.one("Less", [loc, b.unsqueeze(n, [1])], dtype=np.bool_),
-        ],
-        dtype=np.bool_,
+        [b.one("GreaterOrEqual", [loc, b.const(0)]), b.one("Less", [loc, b.unsqueeze(n, [1])])],
     )
     if method == "random":
         size = int(packed["max_tokens"])
         table = b.const(random_table(seed, size), np.float32)
-        clipped = b.one("Clip", [loc, b.const(0), b.const(size - 1)], dtype=np.int64)
+        clipped = b.one("Clip", [loc, b.const(0), b.const(size - 1)])
         scores, source = b.one("Gather", [table, clipped], {"axis": 0}), "constant"
     else:
         flat, source = _packed_scores(b, tensors, attention, method, recompute)
-        scores = b.unsqueeze(flat, [0], dtype=np.float32)
+        scores = b.unsqueeze(flat, [0])
     scores = b.one("Where", [inside, scores, b.const(np.float32(-1.0), np.float32)])
     indices = _sorted_topk(b, scores, keep)  # positions on the packed axis
-    kept = b.one("Gather", [x, b.one("Reshape", [indices, b.const([-1])], dtype=np.int64)], {"axis": 0})
-    return kept, b.one("Sub", [indices, starts], dtype=np.int64), source
+    kept = b.one("Gather", [x, b.one("Reshape", [indices, b.const([-1])])], {"axis": 0})
+    return kept, b.one("Sub", [indices, starts]), source
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    """Every named value of the top-level graph: inputs, initializers and node outputs."""
+    out: dict[str, ir.Value] = {}
+    for value in graph.inputs:
+        out[value.name] = value
+    out.update(graph.initializers)
+    for node in graph:
+        for value in node.outputs:
+            if value.name:
+                out[value.name] = value
+    return out
+
+
+def _output(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((o for o in graph.outputs if o.name == name), None)
+
+
+def _replace_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
+    for i, value in enumerate(graph.outputs):
+        if value is old:
+            graph.outputs[i] = new
 
 
 def rewrite(
-    model: onnx.ModelProto,
+    model: ir.Model,
     method: str,
     keep: int,
     tokens: int | None,
@@ -306,8 +288,12 @@ def rewrite(
     recompute: bool = False,
     packed: dict | None = None,
     aligned: dict[str, int] | None = None,
-) -> tuple[onnx.ModelProto, dict]:
-    """Return a copy of a vision graph that outputs only ``keep`` feature tokens per image.
+) -> tuple[ir.Model, dict]:
+    """Return a new vision graph that outputs only ``keep`` feature tokens per image.
+
+    ``model`` is not changed: the rewrite edits a clone, which shares the weight tensors with it
+    (``ir.Model.clone`` copies nodes and values, never tensor bytes, so memory-mapped weights are
+    not read). A package snapshot that still holds ``model`` keeps seeing the unpruned graph.
 
     Args:
         model: graph with an ``image_features`` output: [images, tokens, hidden] (batched), or
@@ -326,18 +312,17 @@ def rewrite(
     Returns:
         The new model and facts about the rewrite (score source, op types added).
     """
-    graph = gs.import_onnx(model)
-    tensors = graph.tensors()
-    outs = [o for o in graph.outputs if o.name == FEATURES]
-    if not outs:
+    if _output(model.graph, FEATURES) is None:
         raise VlmcError(f"the vision graph has no {FEATURES!r} output")
-    feats = outs[0]
     if method not in BASELINES and not attention:
         raise VlmcError(f"method {method} needs vision.attention facts in the manifest")
+    new = model.clone()
+    graph = new.graph
+    tensors = _values_by_name(graph)
+    feats = _output(graph, FEATURES)
     shape = list(feats.shape) if feats.shape is not None else [None] * (2 if packed else 3)
     feats.name = f"{FEATURES}_unpruned"
-    b = _Builder(graph, "prune_visual_tokens")
-    n_before = len(graph.nodes)
+    b = _Builder(graph, PREFIX)
     if packed:
         kept, indices, source = _packed(b, feats, method, keep, packed, attention, seed, recompute, tensors)
         kept_shape, idx_shape = ["image_tokens", shape[-1]], ["images", keep]
@@ -345,24 +330,18 @@ def rewrite(
         kept, indices, source = _batched(b, feats, method, keep, tokens, attention, seed, recompute, tensors)
         kept_shape, idx_shape = [shape[0], keep, shape[-1]], [shape[0], keep]
     kept.name, indices.name = FEATURES, pruning.INDICES_OUTPUT
-    kept.dtype, indices.dtype = feats.dtype or np.float32, np.int64
-    kept.shape, indices.shape = kept_shape, idx_shape
-    graph.outputs = [kept if o is feats else o for o in graph.outputs] + [indices]
+    kept.dtype, indices.dtype = feats.dtype or ir.DataType.FLOAT, ir.DataType.INT64
+    kept.shape, indices.shape = ir.Shape(kept_shape), ir.Shape(idx_shape)
+    _replace_output(graph, feats, kept)
+    graph.outputs.append(indices)
     if aligned:
         _keep_aligned(b, graph, kept, aligned, packed)
-    graph.cleanup()
-    new = gs.export_onnx(graph)
-    new.ir_version = model.ir_version
-    del new.opset_import[:]
-    new.opset_import.extend(model.opset_import)
-    return new, {
-        "method": method,
-        "score_source": source,
-        "ops_added": sorted({n.op for n in graph.nodes[n_before:]}),
-    }
+    RemoveUnusedNodesPass()(new)
+    TopologicalSortPass()(new)
+    return new, {"method": method, "score_source": source, "ops_added": b.added_ops()}
 
 
-def _keep_aligned(b: _Builder, graph: gs.Graph, kept: gs.Variable, aligned: dict[str, int], packed) -> None:
+def _keep_aligned(b: _Builder, graph: ir.Graph, kept: ir.Value, aligned: dict[str, int], packed) -> None:
     """Gather each token-aligned output with the index that selected the kept image_features rows."""
     if not packed:
         raise VlmcError(
@@ -370,20 +349,20 @@ def _keep_aligned(b: _Builder, graph: gs.Graph, kept: gs.Variable, aligned: dict
             "packed features"
         )
     # The packed paths end in Gather(features, flat packed index, axis=0): reuse that index.
-    index = kept.inputs[0].inputs[1]
+    index = kept.producer().inputs[1]
     for name, axis in aligned.items():
-        outs = [o for o in graph.outputs if o.name == name]
-        if not outs:
+        old = _output(graph, name)
+        if old is None:
             raise VlmcError(f"the vision graph has no {name!r} output (vision.token_aligned_outputs)")
-        old = outs[0]
         shape = list(old.shape) if old.shape is not None else None
         old.name = f"{name}_unpruned"
-        new = b.one("Gather", [old, index], {"axis": int(axis)}, dtype=old.dtype or np.float32)
+        new = b.one("Gather", [old, index], {"axis": int(axis)})
         new.name = name
+        new.dtype = old.dtype or ir.DataType.FLOAT
         if shape is not None:
             shape[int(axis)] = "image_tokens"
-            new.shape = shape
-        graph.outputs = [new if o is old else o for o in graph.outputs]
+            new.shape = ir.Shape(shape)
+        _replace_output(graph, old, new)
 
 
 @register
@@ -403,7 +382,7 @@ class PruneVisualTokens(Pass):
             None,
             "visual tokens kept per image (k); give keep or ratio",
             min=1,
-            max=L.MAX_TOKENS_PER_IMAGE,
+            max=limits.MAX_TOKENS_PER_IMAGE,
         ),
         Option(
             "ratio",
@@ -547,7 +526,7 @@ class PruneVisualTokens(Pass):
     def run(self, package, plan=None):
         plan = plan if plan is not None else self._plan(package)
         target, tokens, k = plan["target"], plan["tokens"], plan["keep"]
-        original = package.graph(target)
+        original = package.model(target)
         original_vision = copy.deepcopy(package.manifest["vision"])
         new, info = rewrite(
             original,
@@ -603,7 +582,7 @@ class PruneVisualTokens(Pass):
     def _fidelity(self, pruned, unpruned, plan) -> dict:
         images = [f"demo:{i}" for i in range(self.opts["calibration_images"])]
         variants = {self.opts["method"]: pruned}
-        original = unpruned.graph(plan["target"])
+        original = unpruned.model(plan["target"])
         for base in BASELINES:
             if base not in variants:
                 model, _ = rewrite(

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from vlmc import graphs as G
-from vlmc import limits as L
-from vlmc import manifest as M
+from vlmc import graphs, limits, manifest
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
@@ -62,7 +60,7 @@ class Quantize(Pass):
             2,
             "calibration samples also used to measure fidelity vs FP32",
             min=0,
-            max=L.MAX_CALIBRATION_SAMPLES,
+            max=limits.MAX_CALIBRATION_SAMPLES,
         ),
         Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0, max=4096),
         Option("seed", int, 0, "seed for demo calibration images and sampling", min=0, max=2**32 - 1),
@@ -121,7 +119,7 @@ class Quantize(Pass):
                 raise VlmcError(
                     f"quantize: the package has no graph or role {key!r}; graphs: "
                     f"{', '.join(package.graph_names)}; roles: "
-                    f"{', '.join(r for r in M.ROLES if package.graphs_with_role(r))}"
+                    f"{', '.join(r for r in manifest.ROLES if package.graphs_with_role(r))}"
                 )
             out.update({n: plan for n in names})
         out.update({k: p for k, p in plans.items() if k in package.manifest["graphs"]})
@@ -185,7 +183,7 @@ class Quantize(Pass):
             rec = recorded.get(name)
             feeds = rec.feeds.get(name, []) if rec else []
             model = package.model(name)
-            bytes_before = G.initializer_bytes(model)
+            bytes_before = graphs.initializer_bytes(model)
             # New weights go to a scratch file as they are made, so the pass holds one at a time.
             scratch = package.scratch_path(name).parent
             model, facts = self._apply(model, plan, feeds, seed, scratch)
@@ -209,7 +207,7 @@ class Quantize(Pass):
                 }
             package.set_graph(name, model, precision=plan.mode, quantization=facts)
             modified = True
-            bytes_after = G.initializer_bytes(model)
+            bytes_after = graphs.initializer_bytes(model)
             entry = {
                 "mode": plan.mode,
                 "modified": True,
@@ -241,14 +239,14 @@ class Quantize(Pass):
     def _apply(model, plan: _quant_plan.GraphPlan, feeds: list, seed: int, scratch):
         from . import _quant_calib, _quant_static, _quant_weight_only
 
-        if plan.mode == "fp16":
-            return _quant_static.convert_fp16(model, plan)
         if plan.mode == "int8":
             if not feeds:
                 raise VlmcError(f"quantize: no calibration data for {plan.key}; give calibration.count ≥ 1")
             return _quant_static.quantize_int8(model, _quant_calib.FeedReader(feeds), plan, seed, scratch)
-        store = G.TensorStore(scratch / "quantized.onnx.data")
+        store = graphs.TensorStore(scratch / "quantized.onnx.data")
         try:
+            if plan.mode == "fp16":
+                return _quant_static.convert_fp16(model, plan, store)
             return _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
         finally:
             store.close()

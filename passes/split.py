@@ -10,16 +10,15 @@ naming convention is assumed. The mask and rotary subgraphs are duplicated into 
 from __future__ import annotations
 
 import logging
-import re
 
 import onnx
+import onnx_ir as ir
 
-from vlmc import graphs as G
-from vlmc import limits as L
+from vlmc import interop, limits, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import Option, Pass, PassResult, register
-from vlmc.passes import _graph_compose as C
+from vlmc.passes import _graph_compose as compose
 from vlmc.passes.merge import is_merged
 
 logger = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ class Split(Pass):
             1,
             "number of contiguous layer ranges to cut the decoder into (1: keep it whole)",
             min=1,
-            max=L.MAX_LAYERS,
+            max=limits.MAX_LAYERS,
         ),
         Option(
             "boundaries",
@@ -52,8 +51,8 @@ class Split(Pass):
             "(default: ranges of near-equal size)",
             items=int,
             min=1,
-            max=L.MAX_LAYERS,
-            max_items=L.MAX_LAYERS,
+            max=limits.MAX_LAYERS,
+            max_items=limits.MAX_LAYERS,
         ),
     )
 
@@ -96,7 +95,7 @@ class Split(Pass):
                 f"use at most {layers} ranges and boundaries below {layers}"
             )
 
-    def run(self, package: Package) -> PassResult:
+    def run(self, package: Package, plan: None = None) -> PassResult:
         report: dict = {}
         merged = is_merged(package)
         if merged:
@@ -113,73 +112,92 @@ class Split(Pass):
 def _unmerge(pkg: Package, name: str) -> list[str]:
     """Cut each stage recorded by merge out of the merged graph; stages still present are kept as they are."""
     info = pkg.info(name)
-    model = pkg.graph(name)
+    merged = pkg.model(name)
     restored = []
     for rec in info["stages"]:
         if rec["name"] in pkg.manifest["graphs"]:
             continue  # the text-only decode path merge kept beside the merged graph
         tensors = rec["tensors"]
-        ins, outs = [e["name"] for e in rec["inputs"]], [e["name"] for e in rec["outputs"]]
-        sub = C.extract(
-            model,
-            [tensors.get(n, n) for n in ins],
-            [tensors.get(n, n) for n in outs],
-            f"split: stage {rec['name']!r} of {name}",
+        where = f"split: stage {rec['name']!r} of {name}"
+        ins = compose.lookup(merged.graph, [tensors.get(e["name"], e["name"]) for e in rec["inputs"]], where)
+        outs = compose.lookup(
+            merged.graph, [tensors.get(e["name"], e["name"]) for e in rec["outputs"]], where
         )
-        C.rename(sub.graph, {v: k for k, v in tensors.items()})
-        # The stage's own signature, not the merged graph's view of a shared tensor (a producer and a
-        # consumer may name a dimension differently).
-        for coll, entries in ((sub.graph.input, rec["inputs"]), (sub.graph.output, rec["outputs"])):
-            del coll[:]
-            coll.extend(C.value_info(e) for e in entries)
-        sub.graph.name = rec["name"]
+        graph = compose.extract(merged.graph, ins, outs, where, name=rec["name"])
+        # The stage's own names and signature, not the merged graph's view of a shared tensor (a
+        # producer and a consumer may name a dimension differently).
+        for value, entry in zip([*graph.inputs, *graph.outputs], [*rec["inputs"], *rec["outputs"]]):
+            value.name = entry["name"]
+            compose.set_signature(value, entry)
         pkg.set_graph(
-            rec["name"], sub, role=rec["role"], precision=rec["precision"], file=rec["file"], **rec["extra"]
+            rec["name"],
+            compose.model_like(graph, merged),
+            role=rec["role"],
+            precision=rec["precision"],
+            file=rec["file"],
+            **rec["extra"],
         )
         restored.append(rec["name"])
     pipeline = info["pipeline"]
     pkg.remove_graph(name)
     pkg.files.pop(f"samples/{name}.npz", None)
-    for n, entry in pkg.manifest["graphs"].items():
-        if entry.pop("weights_file", None):
-            # loaded now, so that saving writes the graph with its own data file again instead of
-            # linking a protobuf that points into the shared file, which is no longer written
-            pkg.graph(n)
+    for entry in pkg.manifest["graphs"].values():
+        # Saving writes such a graph with its own data file again (Package.save sees that its file
+        # points into the shared one, which is no longer written).
+        entry.pop("weights_file", None)
     pkg.manifest["pipeline"] = pipeline
     return restored
 
 
-def _shape_facts(model: onnx.ModelProto, names: set[str]) -> dict[str, onnx.ValueInfoProto]:
-    """Inferred types of some internal tensors, without copying the weights.
+def _shape_facts(model: ir.Model, values: list[ir.Value]) -> dict[str, onnx.TypeProto]:
+    """Inferred types of some internal values, without reading the weights.
 
-    Shape inference needs the weights' shapes, not their bytes, and serializing the weights would
-    break on models over 2 GB: it runs on a weightless copy.
+    onnx shape inference runs on the proto of the graph the interop seam hands out, with every
+    weight held back as a typed graph input (shapes need the weights' shapes, not their bytes).
     """
-    skeleton, _ = G.weightless_copy(model)
-    inferred = onnx.shape_inference.infer_shapes(skeleton, data_prop=True)
-    return {v.name: v for v in inferred.graph.value_info if v.name in names}
+    names = {v.name for v in values}
+    with interop.as_proto(model, weight_limit=0) as seam:
+        inferred = onnx.shape_inference.infer_shapes(seam.proto, data_prop=True)
+    return {v.name: v.type for v in inferred.graph.value_info if v.name in names}
 
 
-def _kv_renamed(name: str, layer: int) -> str:
-    return re.sub(r"\.(\d+)(\.|$)", lambda m: f".{layer}{m.group(2)}", name, count=1)
+def _set_type(value: ir.Value, proto_type: onnx.TypeProto) -> None:
+    """Take what shape inference knows of a value: its dtype, and its shape where it has one."""
+    tt = proto_type.tensor_type
+    if tt.elem_type:
+        value.dtype = ir.DataType(tt.elem_type)
+    if tt.HasField("shape"):
+        value.shape = ir.Shape(
+            [d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim]
+        )
 
 
 def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
     chain = pkg.manifest["pipeline"]["decoder"]
     dec = chain[0]
     info = pkg.info(dec)
-    model = pkg.graph(dec)
+    model = pkg.model(dec)
     g = model.graph
-    source, sink = "inputs_embeds", "logits"
-    kv_in = {i["name"]: C.layer_of(i["name"]) for i in info["inputs"] if C.layer_of(i["name"]) is not None}
-    kv_out = {o["name"]: C.layer_of(o["name"]) for o in info["outputs"] if C.layer_of(o["name"]) is not None}
-    shared_in = [i["name"] for i in info["inputs"] if i["name"] not in kv_in and i["name"] != source]
-    cuts = C.residual_cuts(g, source, sink)
+    by_name = compose.values_by_name(g)
+    source, sink = by_name[tensor_names.INPUTS_EMBEDS], by_name[tensor_names.LOGITS]
+    kv_in = {
+        by_name[i["name"]]: layer
+        for i in info["inputs"]
+        if (layer := tensor_names.layer_of(i["name"])) is not None
+    }
+    kv_out = {
+        by_name[o["name"]]: layer
+        for o in info["outputs"]
+        if (layer := tensor_names.layer_of(o["name"])) is not None
+    }
+    shared_in = [by_name[i["name"]] for i in info["inputs"] if by_name[i["name"]] not in kv_in]
+    shared_in = [v for v in shared_in if v is not source]
+    cuts = compose.residual_cuts(g, source, sink)
 
     boundary = {0: source, bounds[-1]: sink}
     for b in bounds[1:-1]:
-        later = C.depends_on(g, {n for n, layer in kv_in.items() if layer >= b})
-        earlier = C.depends_on(g, {n for n, layer in kv_in.items() if layer == b - 1})
+        later = compose.depends_on(g, {v for v, layer in kv_in.items() if layer >= b})
+        earlier = compose.depends_on(g, {v for v, layer in kv_in.items() if layer == b - 1})
         found = [c for c in cuts if c not in later and c in earlier]
         if not found:
             raise VlmcError(
@@ -187,71 +205,78 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
                 "the decoder does not have the standard layer structure"
             )
         boundary[b] = found[-1]
-    facts = _shape_facts(model, {boundary[b] for b in bounds[1:-1]})
-    for b in bounds[1:-1]:
-        vi = facts.get(boundary[b]) or C.value_info(
-            next(i for i in info["inputs"] if i["name"] == source), boundary[b]
-        )
-        g.value_info.append(vi)
+    facts = _shape_facts(model, [boundary[b] for b in bounds[1:-1]])
+    source_entry = next(i for i in info["inputs"] if i["name"] == tensor_names.INPUTS_EMBEDS)
 
     def hidden(b: int) -> str:
-        return source if b == 0 else (sink if b == bounds[-1] else f"hidden_states.{b}")
+        if b == 0:
+            return tensor_names.INPUTS_EMBEDS
+        return tensor_names.LOGITS if b == bounds[-1] else tensor_names.hidden_states(b)
+
+    def typed(value: ir.Value, b: int) -> None:
+        # A cut tensor's inferred type, else the decoder input's (the residual stream keeps its shape).
+        value.name = hidden(b)
+        if 0 < b < bounds[-1]:
+            compose.set_signature(value, source_entry)
+            fact = facts.get(boundary[b].name)
+            if fact is not None:
+                _set_type(value, fact)
 
     names = []
-    try:
-        for k, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
-            own_in = [n for n, layer in kv_in.items() if a <= layer < z]
-            own_out = [n for n, layer in kv_out.items() if a <= layer < z]
-            outs = [boundary[z], *own_out] + (
-                [o["name"] for o in info["outputs"] if o["name"] not in kv_out and o["name"] != sink]
-                if z == bounds[-1]
-                else []
-            )
-            allowed = {boundary[a], *own_in, *shared_in}
-            reached = C.backward_reach(g, outs, allowed)
-            foreign = sorted(reached - allowed)
-            ins = [boundary[a]] + [n for n in shared_in + own_in if n in reached or n in own_in]
-            where = f"split: {dec} layers {a}..{z - 1}"
-            sub = C.extract(model, ins + foreign, outs, where)
-            C.rename(sub.graph, {boundary[a]: hidden(a), boundary[z]: hidden(z)})
-            _substitute_shape_inputs(sub, foreign, hidden(a), a, kv_in, where)
-            name = f"{dec}.{k}"
-            sub.graph.name = name
-            pkg.set_graph(name, sub, role="decoder", precision=info["precision"], kv_layers=[a, z])
-            names.append(name)
-    finally:
-        for b in bounds[1:-1]:  # the value_info added above belongs to the cut, not to the decoder
-            vis = [v for v in g.value_info if v.name == boundary[b]]
-            if vis:
-                g.value_info.remove(vis[-1])
+    graphs = []
+    for k, (a, z) in enumerate(zip(bounds[:-1], bounds[1:])):
+        own_in = [v for v, layer in kv_in.items() if a <= layer < z]
+        own_out = [v for v, layer in kv_out.items() if a <= layer < z]
+        rest = [v for v in g.outputs if v not in kv_out and v is not sink] if z == bounds[-1] else []
+        outs = [boundary[z], *own_out, *rest]
+        allowed = {boundary[a], *own_in, *shared_in}
+        reached = compose.backward_reach(outs, allowed)
+        foreign = [v for v in g.inputs if v in reached - allowed]
+        ins = [boundary[a]] + [v for v in shared_in + own_in if v in reached or v in own_in]
+        where = f"split: {dec} layers {a}..{z - 1}"
+        stage = compose.extract(g, ins + foreign, outs, where, name=f"{dec}.{k}")
+        typed(stage.inputs[0], a)
+        typed(stage.outputs[0], z)
+        _substitute_shape_inputs(stage, len(ins), a, where)
+        graphs.append(stage)
+        names.append(f"{dec}.{k}")
+    for stage, (a, z), name in zip(graphs, zip(bounds[:-1], bounds[1:]), names):
+        pkg.set_graph(
+            name,
+            compose.model_like(stage, model),
+            role="decoder",
+            precision=info["precision"],
+            kv_layers=[a, z],
+        )
     pkg.remove_graph(dec)
     pkg.manifest["pipeline"]["decoder"] = names
     return {
         "graphs": names,
         "layers": [[a, z] for a, z in zip(bounds[:-1], bounds[1:])],
-        "boundaries": {hidden(b): boundary[b] for b in bounds[1:-1]},
+        "boundaries": {hidden(b): boundary[b].name for b in bounds[1:-1]},
     }
 
 
-def _substitute_shape_inputs(
-    sub: onnx.ModelProto, foreign: list[str], hidden: str, first_layer: int, kv_in: dict[str, int], where: str
-) -> None:
+def _substitute_shape_inputs(stage: ir.Graph, owned: int, first_layer: int, where: str) -> None:
     """Rewire inputs a range reads only for their shape to same-shaped inputs the range owns.
 
     The traced causal mask takes the past length from layer 0's past key and the sequence length from
     ``inputs_embeds``; a later range owns neither, but its own first past key and its hidden-state
-    input have exactly those shapes.
+    input have exactly those shapes. The first ``owned`` inputs of ``stage`` are its own; the rest are
+    the foreign ones.
     """
-    for f in foreign:
-        if f in kv_in:
-            target = _kv_renamed(f, first_layer)
-        elif f == "inputs_embeds":
+    by_name = {v.name: v for v in stage.inputs[:owned]}
+    hidden = stage.inputs[0]
+    for f in list(stage.inputs[owned:]):
+        if tensor_names.layer_of(f.name) is not None:
+            target = by_name.get(tensor_names.with_layer(f.name, first_layer))
+        elif f.name == tensor_names.INPUTS_EMBEDS:
             target = hidden
         else:
             target = None
-        if target is None or not C.only_shape_used(sub.graph, f):
-            raise VlmcError(f"{where}: the range needs the values of {f!r}, which belongs to another range")
-        for coll in (sub.graph.input, sub.graph.value_info):
-            for v in [v for v in coll if v.name == f]:
-                coll.remove(v)
-        C.rename(sub.graph, {f: target})
+        if target is None or not compose.only_shape_used(f):
+            raise VlmcError(
+                f"{where}: the range needs the values of {f.name!r}, which belongs to another range"
+            )
+        f.replace_all_uses_with(target)
+        stage.inputs.remove(f)

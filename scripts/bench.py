@@ -66,6 +66,8 @@ SIZES = {
             "num_key_value_heads": 32,
             "vocab_size": 32064,
             "image_token_index": 32000,
+            # llava-1.5-7b-hf's context: 576 image tokens and a prompt do not fit the tiny config's 512
+            "max_position_embeddings": 4096,
         },
     ),
     "2b": (
@@ -84,6 +86,7 @@ SIZES = {
             "num_attention_heads": 32,
             "num_key_value_heads": 4,
             "vocab_size": 48000,
+            "max_position_embeddings": 4096,  # room for the 576 image tokens at 336 px
         },
     ),
 }
@@ -764,7 +767,20 @@ def main() -> None:
         help="a recipe file (passes and target; its model key is replaced) for the 7B row instead of the "
         "issue's recipe, to measure part of the path; the row then shows the recipe it ran",
     )
+    ap.add_argument(
+        "--only-scale",
+        action="store_true",
+        help="run only the 512 M scale row (floor, bare export, vlmc export, vlmc build side by side) "
+        "and print its table and JSON row; docs/benchmarks.md is not rewritten",
+    )
     args = ap.parse_args()
+    if args.only_scale:
+        with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
+            rows = scale_rows(Path(tmp), False, None, int(args.rss_limit_gib * 2**30), True)
+        print("\n".join(scale_section(rows)))
+        load = os.getloadavg()
+        print(f"\nload average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (1, 5, 15 min)")
+        return
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
     if args.only_7b:

@@ -10,8 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from vlmc import exporters, manager, recipe, report, samples
-from vlmc import graphs as G
+from vlmc import exporters, graphs, manager, recipe, report, samples
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
@@ -127,9 +126,9 @@ def test_merged_greedy_equals_split(name, source, merged):
     assert merged_pkg.manifest["pipeline"]["vlm"] == "vlm"
     assert merged_pkg.graphs_with_role("vlm") == ["vlm"]
     assert not merged_pkg.graphs_with_role("vision") and not merged_pkg.graphs_with_role("fusion")
-    vlm = merged_pkg.graph("vlm")
-    G.check(vlm, "vlm")
-    ins = [i.name for i in vlm.graph.input]
+    vlm = merged_pkg.model("vlm")
+    graphs.check(vlm, "vlm")
+    ins = [i.name for i in vlm.graph.inputs]
     vision_inputs = [i["name"] for i in split_pkg.info(split_pkg.manifest["pipeline"]["image"][0])["inputs"]]
     assert ins[: len(vision_inputs) + 1] == [*vision_inputs, "input_ids"]
     # deepstack inputs (text.deepstack) are computed inside the merged graph
@@ -137,8 +136,8 @@ def test_merged_greedy_equals_split(name, source, merged):
     inside = {ds.get("mask_input"), ds.get("embeds_input")}
     expected = [i["name"] for i in split_pkg.info("decoder")["inputs"]][1:]
     assert ins[len(vision_inputs) + 1 :] == [n for n in expected if n not in inside]
-    assert [o.name for o in vlm.graph.output] == [o["name"] for o in split_pkg.info("decoder")["outputs"]]
-    hist = G.op_histogram(vlm)
+    assert [o.name for o in vlm.graph.outputs] == [o["name"] for o in split_pkg.info("decoder")["outputs"]]
+    hist = graphs.op_histogram(vlm)
     for op in ("Equal", "CumSum", "Max", "Gather", "Where"):
         assert hist.get(op, 0) >= 1, op
     assert set(hist) <= ATC_OPS, sorted(set(hist) - ATC_OPS)
@@ -176,10 +175,12 @@ def test_merged_package_stores_each_weight_once(name, source, merged):
     assert {loc for loc, _ in regions} == {"weights.onnx.data"}
     data = (out / "weights.onnx.data").stat().st_size
     assert data - sum(len(b) for b in regions.values()) < 64 * len(regions)  # only alignment padding
-    vlm = Package.load(out).graph("vlm")
+    vlm = Package.load(out).model("vlm")
     inits = [
-        hashlib.sha256(t.raw_data).hexdigest() + str(list(t.dims)) + str(t.data_type)
-        for t in vlm.graph.initializer
+        hashlib.sha256(v.const_value.tobytes()).hexdigest()
+        + str(v.const_value.shape)
+        + str(v.const_value.dtype)
+        for v in vlm.graph.initializers.values()
     ]
     assert len(inits) == len(set(inits))
     after, before = report.summary(Package.load(out)), report.summary(Package.load(source(name)))
@@ -203,7 +204,7 @@ def test_split_of_merge_restores_the_package(name, source, merged, tmp_path):
             k: b[k] for k in ("inputs", "outputs", "role", "precision", "file")
         }
         assert "weights_file" not in b
-        G.check(restored.graph(g), g)
+        graphs.check(restored.model(g), g)
         feeds = samples.inputs_for(original, g)
         want, got = _run_graph(original, g, feeds), _run_graph(restored, g, feeds)
         assert want.keys() == got.keys()
@@ -228,7 +229,7 @@ def test_decoder_ranges_token_exact(name, ranges, deep, tmp_path):
         assert outs[0] == ("logits" if k == ranges - 1 else f"hidden_states.{z}")
         layers = {int(n.split(".")[1]) for n in ins + outs if n.startswith(("past_key_values.", "present."))}
         assert layers == set(range(a, z))
-        G.check(split.graph(g), g)
+        graphs.check(split.model(g), g)
     _assert_same_generation(_generate(whole), _generate(split))
 
 

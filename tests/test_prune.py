@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import vlmc
-from vlmc import manager, ortsession, pruning
+from vlmc import interop, manager, ortsession, pruning
 from vlmc.cli import main
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import load_source
@@ -35,14 +35,6 @@ def _atc_ops() -> set[str]:
     rows = [ln.split("\t") for ln in ATC_OPS.read_text().splitlines() if ln and not ln.startswith("#")]
     # Constant nodes are converted by the parser itself (header of onnx_ops.tsv).
     return {r[0] for r in rows[1:] if "17" in r[1].split(",")} | {"Constant"}
-
-
-def _with_output(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
-    """The unpruned graph with one inner tensor exposed as an extra output (for the numpy reference)."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    m.graph.output.append(onnx.helper.make_empty_tensor_value_info(name))
-    return m
 
 
 def _topk_sorted(scores: np.ndarray, k: int) -> np.ndarray:
@@ -104,7 +96,7 @@ def test_recomputed_attention_side_branch_gives_the_same_indices(tiny_llava, lla
     )
     side = _prune(tiny_llava, keep=20, recompute_attention=True)
     assert side.manifest["vision"]["pruning"]["score_source"] == "recomputed"
-    ops = {n.op_type for n in side.graph("vision_encoder").graph.node}
+    ops = {n.op_type for n in side.model("vision_encoder").graph}
     assert {"MatMul", "Softmax", "TopK", "GatherElements"} <= ops
     got = Pipeline(side).run_graph("vision_encoder", {"pixel_values": llava_pixels})
     np.testing.assert_array_equal(got[pruning.INDICES_OUTPUT], exposed[pruning.INDICES_OUTPUT])
@@ -113,7 +105,7 @@ def test_recomputed_attention_side_branch_gives_the_same_indices(tiny_llava, lla
 def test_llava_attention_received_matches_numpy(tiny_llava, llava_pixels):
     pkg = Package.load(tiny_llava)
     probs_name = pkg.manifest["vision"]["attention"]["probs"]
-    sess = ortsession.from_model(_with_output(pkg.graph("vision_encoder"), probs_name))
+    sess = ortsession.from_model(pkg.model("vision_encoder"), extra_outputs=[probs_name])
     probs = sess.run([probs_name], {"pixel_values": llava_pixels})[0]
     expected = _topk_sorted(probs.mean(2).mean(1)[:, 1:], 10)
     out = Pipeline(_prune(tiny_llava, keep=10, method="attention_received")).run_graph(
@@ -140,7 +132,7 @@ def test_qwen_attention_received_per_image_topk_on_packed_tokens(tiny_qwen, qwen
     """Mean attention received per patch (heads, queries), merge-group mean, top-k within each image."""
     pkg = Package.load(tiny_qwen)
     probs_name = pkg.manifest["vision"]["attention"]["probs"]
-    sess = ortsession.from_model(_with_output(pkg.graph("vision_encoder"), probs_name))
+    sess = ortsession.from_model(pkg.model("vision_encoder"), extra_outputs=[probs_name])
     feats, probs = sess.run(["image_features", probs_name], qwen_inputs)
     token_scores = probs.mean(1).mean(0).reshape(-1, 4).mean(1)
     k, start = 12, 0
@@ -180,12 +172,13 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
 )
 def test_rewrite_uses_only_static_atc_ops_and_stays_valid(exported, name, opts):
     pruned = _prune(exported(name), **opts)
-    model = pruned.graph("vision_encoder")
-    onnx.checker.check_model(model, full_check=True)
-    ops = {n.op_type for n in model.graph.node}
+    model = pruned.model("vision_encoder")
+    with interop.as_proto(model, weight_limit=None) as seam:
+        onnx.checker.check_model(seam.proto, full_check=True)
+    ops = {n.op_type for n in model.graph}
     assert ops <= _atc_ops(), ops - _atc_ops()
     assert not ops & {"NonZero", "Compress", "Unique"}
-    assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 17
+    assert max(v for d, v in model.opset_imports.items() if d in ("", "ai.onnx")) == 17
     outs = {o["name"]: o["shape"] for o in pruned.info("vision_encoder")["outputs"]}
     assert outs[pruning.INDICES_OUTPUT][1] == pruned.manifest["vision"]["tokens_per_image"]
     assert pruned.manifest["history"][-1]["modified"] is True
@@ -294,6 +287,8 @@ def test_cli_optimize_run_verify_inspect(exported, tmp_path, name, options):
     for row in (v for v in fid.values() if isinstance(v, dict)):
         assert row["kl"] >= 0 and -1 <= row["cosine"] <= 1 and 0 <= row["top5"] <= 1
         assert row["visual_tokens"] == m["vision"]["tokens_per_image"]
+    # the reference is the unpruned package (the pass must not have pruned the snapshot's graph)
+    assert fid["reference_visual_tokens"] > m["vision"]["tokens_per_image"]
     assert rep["savings"]["visual_tokens_after"] < rep["savings"]["visual_tokens_before"]
     assert 0 < rep["savings"]["prefill_flops_saved"] < 1
     assert (out / "pruning.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -13,15 +13,12 @@ import pytest
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
-from vlmc import graphs as G
-from vlmc import recipe
+from vlmc import graphs, ortsession, recipe
 from vlmc.errors import VlmcError
 from vlmc.exporters import families, zoo
 from vlmc.package import Package
 from vlmc.pass_api import get
-from vlmc.passes import _quant_plan as P
-from vlmc.passes import _quant_static as S
-from vlmc.passes import _quant_weight_only as W
+from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
 from vlmc.passes._quant_calib import FeedReader
 from vlmc.runtime import Pipeline
 from vlmc.runtime.preprocess import preprocess
@@ -33,13 +30,13 @@ BUILTINS = sorted(zoo.BUILTINS)
 
 def _weight_only(model: onnx.ModelProto, plan, feeds):
     """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = W.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    m, facts = _quant_weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
     return ir.to_proto(m), facts
 
 
 def _int8(model: onnx.ModelProto, reader, plan):
     """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = S.quantize_int8(ir.from_proto(model), reader, plan)
+    m, facts = _quant_static.quantize_int8(ir.from_proto(model), reader, plan)
     return ir.to_proto(m), facts
 
 
@@ -208,9 +205,9 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
     assert _cos(ref, _image_features(int8)) >= 0.99
     for g in image_graphs:
         m = int8.graph(g)
-        G.check(m, g)
+        graphs.check(m, g)
         assert {o.domain: o.version for o in m.opset_import}[""] == 17
-        hist = G.op_histogram(m)
+        hist = graphs.op_histogram(m)
         assert hist["QuantizeLinear"] >= 1 and hist["DequantizeLinear"] > hist["QuantizeLinear"]
         assert int8.info(g)["precision"] == "int8" and fp16.info(g)["precision"] == "fp16"
         q = int8.info(g)["quantization"]
@@ -218,7 +215,7 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
         # target ascend (the default): symmetric activations, AscendQuant offset 0
         assert q["target"] == "ascend" and q["activations"]["symmetric"] is True
         for act in q["activations"]["tensors"].values():
-            assert 1 / act["scale"] <= S.FP16_MAX and act["zero_point"] == 0
+            assert 1 / act["scale"] <= _quant_static.FP16_MAX and act["zero_point"] == 0
         inits = {t.name: t for t in m.graph.initializer}
         ops = {n.name: n.op_type for n in m.graph.node}
         for node, w in q["weights"]["nodes"].items():
@@ -311,10 +308,10 @@ def test_fp16_io_converted_when_asked_and_still_runs(tiny_llava):
 
 def test_nothing_to_quantize_leaves_graph_unchanged(tiny_llava):
     pkg = Package.load(tiny_llava)
-    before = G.fingerprint(pkg.graph("embed_tokens"))
+    before = graphs.fingerprint(pkg.graph("embed_tokens"))
     res = get("quantize")(embed_tokens={"weights": "int8"}, eval_tokens=0, eval_samples=0).run(pkg)
     assert res.modified is False
-    assert G.fingerprint(pkg.graph("embed_tokens")) == before
+    assert graphs.fingerprint(pkg.graph("embed_tokens")) == before
     assert pkg.info("embed_tokens")["precision"] == "fp32" and "quantization" not in pkg.info("embed_tokens")
     assert res.report["graphs"]["embed_tokens"]["modified"] is False
 
@@ -333,27 +330,25 @@ def _matmul_model(w: np.ndarray, x_shape) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("weights, storage", [("int4", "packed"), ("int4", "int8"), ("int8", "packed")])
 def test_weight_only_graph_matches_numpy_dequant(weights, storage):
-    import vlmc.ortsession as O
-
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 48)).astype(np.float32)
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    plan = P.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
+    plan = _quant_plan.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
     model, facts = _weight_only(_matmul_model(w, x.shape), plan, None)
     onnx.checker.check_model(model, full_check=True)
-    y = O.from_model(model).run(None, {"x": x})[0]
+    y = ortsession.from_model(model).run(None, {"x": x})[0]
     if weights == "int4":
-        q, s = W.quant_int4_group(w, 32)
+        q, s = _quant_weight_only.quant_int4_group(w, 32)
         assert q.min() >= -8 and q.max() <= 7
-        np.testing.assert_array_equal(W.unpack_int4(W.pack_int4(q)), q)
-        deq = W.dequant_int4(q, s, 32)
+        np.testing.assert_array_equal(_quant_weight_only.unpack_int4(_quant_weight_only.pack_int4(q)), q)
+        deq = _quant_weight_only.dequant_int4(q, s, 32)
         expect_ops = {"Cast", "Mul", "Reshape", "MatMul"}
     else:
-        q, s = W.quant_int8_channel(w)
+        q, s = _quant_weight_only.quant_int8_channel(w)
         deq = q.astype(np.float32) * s
         expect_ops = {"Cast", "Mul", "MatMul"}
     np.testing.assert_allclose(y, x @ deq, rtol=1e-5, atol=1e-5)
-    assert expect_ops <= set(G.op_histogram(model))
+    assert expect_ops <= set(graphs.op_histogram(model))
     assert facts["nodes_quantized"] == ["mm"] and facts["weights"]["nodes"]["mm"]["group_size"] == (
         32 if weights == "int4" else None
     )
@@ -366,10 +361,10 @@ def test_awq_beats_rtn_on_outlier_channels():
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((256, k)).astype(np.float32)
     x[:, :4] *= 30  # a few salient input channels, as in LLM activations
-    s, alpha = W.awq_scales(x, np.abs(x).mean(0), w, g, 4)
-    rtn = x @ W.dequant_int4(*W.quant_int4_group(w, g), g)
-    q, sc = W.quant_int4_group(w * s[:, None], g)
-    awq = (x / s) @ W.dequant_int4(q, sc, g)
+    s, alpha = _quant_weight_only.awq_scales(x, np.abs(x).mean(0), w, g, 4)
+    rtn = x @ _quant_weight_only.dequant_int4(*_quant_weight_only.quant_int4_group(w, g), g)
+    q, sc = _quant_weight_only.quant_int4_group(w * s[:, None], g)
+    awq = (x / s) @ _quant_weight_only.dequant_int4(q, sc, g)
     ref = x @ w
     assert alpha > 0
     assert np.mean((awq - ref) ** 2) < 0.9 * np.mean((rtn - ref) ** 2)
@@ -389,7 +384,7 @@ def test_int4_awq_decoder_on_builtin(tiny_llava):
         eval_samples=1,
     )
     m = pkg.graph("decoder")
-    G.check(m, "decoder")
+    graphs.check(m, "decoder")
     q = pkg.info("decoder")["quantization"]
     assert q["mode"] == "int4_weight_only" and q["method"] == "awq" and q["weights"]["group_size"] == 32
     assert "/lm_head/MatMul" in q["nodes_kept_fp32"]
@@ -426,17 +421,16 @@ def _unnamed_mlp() -> onnx.ModelProto:
 
 
 def _run(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
-    import vlmc.ortsession as O
-
-    return O.from_model(model).run(None, {"x": x})[0]
+    return ortsession.from_model(model).run(None, {"x": x})[0]
 
 
 def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     model = _unnamed_mlp()
     before = model.SerializeToString()
     x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
-    out, facts = S.convert_fp16(
-        ir.from_proto(model), P.GraphPlan(key="g", weights="fp16", keep_fp32=P.KeepFp32(nodes=("Add_1",)))
+    out, facts = _quant_static.convert_fp16(
+        ir.from_proto(model),
+        _quant_plan.GraphPlan(key="g", weights="fp16", keep_fp32=_quant_plan.KeepFp32(nodes=("Add_1",))),
     )
     out = ir.to_proto(out)
     assert model.SerializeToString() == before  # the input graph, unnamed nodes included, is untouched
@@ -451,9 +445,11 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     assert types["b"] == onnx.TensorProto.FLOAT and onnx.TensorProto.FLOAT16 in types.values()
     np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=1e-2, atol=1e-2)
     # every node kept: nothing converts, and the graph that comes back is the input, unchanged
-    keep_all = P.KeepFp32(op_types=("MatMul", "Add", "Relu"))
+    keep_all = _quant_plan.KeepFp32(op_types=("MatMul", "Add", "Relu"))
     m = ir.from_proto(model)
-    same, facts = S.convert_fp16(m, P.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all))
+    same, facts = _quant_static.convert_fp16(
+        m, _quant_plan.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all)
+    )
     assert same is m and facts["nodes_converted"] == 0
     assert ir.to_proto(same).SerializeToString() == ir.to_proto(ir.from_proto(model)).SerializeToString()
 
@@ -462,7 +458,7 @@ def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava)
     from vlmc import manager
 
     pkg = Package.load(tiny_llava)
-    before = G.fingerprint(pkg.graph("embed_tokens"))
+    before = graphs.fingerprint(pkg.graph("embed_tokens"))
     steps = recipe.from_dict(
         {
             "passes": [
@@ -479,7 +475,7 @@ def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava)
     ).steps
     out = manager.run(pkg, steps)  # the manager fails a pass whose modified flag is not exact
     assert out.manifest["history"][-1]["modified"] is False
-    assert G.fingerprint(out.graph("embed_tokens")) == before
+    assert graphs.fingerprint(out.graph("embed_tokens")) == before
 
 
 def test_int8_names_nodes_in_the_copy_it_quantizes():
@@ -487,7 +483,9 @@ def test_int8_names_nodes_in_the_copy_it_quantizes():
     before = model.SerializeToString()
     rng = np.random.default_rng(5)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)]
-    plan = P.GraphPlan(key="g", weights="int8", activations="int8", calibration=P.Calibration(count=2))
+    plan = _quant_plan.GraphPlan(
+        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=2)
+    )
     out, facts = _int8(model, FeedReader(feeds), plan)
     assert model.SerializeToString() == before
     assert facts["nodes_quantized"] == ["MatMul_0"] and list(facts["weights"]["nodes"]) == ["MatMul_0"]
@@ -501,16 +499,14 @@ def test_int8_names_nodes_in_the_copy_it_quantizes():
 
 @pytest.mark.parametrize("through_file", [False, True], ids=["in-memory", "temp-file"])
 def test_awq_activation_capture_does_not_touch_the_graph(through_file, monkeypatch):
-    import vlmc.ortsession as O
-
     if through_file:  # the path models over the protobuf limit take
-        monkeypatch.setattr(O, "MAX_IN_MEMORY_BYTES", 0)
-        monkeypatch.setattr(O, "STREAM_FROM_FILE_BYTES", 0)
+        monkeypatch.setattr(ortsession, "MAX_IN_MEMORY_BYTES", 0)
+        monkeypatch.setattr(ortsession, "STREAM_FROM_FILE_BYTES", 0)
     model = _unnamed_mlp()
     before = model.SerializeToString()
     rng = np.random.default_rng(6)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
-    got = W.collect_inputs(ir.from_proto(model), ["z", "x"], feeds, rows=6)
+    got = _quant_weight_only.collect_inputs(ir.from_proto(model), ["z", "x"], feeds, rows=6)
     assert model.SerializeToString() == before
     w, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
     z = np.concatenate([f["x"] @ w + b for f in feeds])
@@ -526,14 +522,16 @@ def test_activation_scales_are_clamped_for_fp16_reciprocal():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((16, 8)).astype(np.float32)
     feeds = [{"x": (rng.standard_normal((4, 16)) * 1e-7).astype(np.float32)} for _ in range(3)]
-    plan = P.GraphPlan(key="g", weights="int8", activations="int8", calibration=P.Calibration(count=3))
+    plan = _quant_plan.GraphPlan(
+        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=3)
+    )
     model, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
     assert len(facts["clamped_scales"]) == 1 and facts["clamped_scales"][0]["tensor"] == "x"
-    assert facts["clamped_scales"][0]["scale"] < S.MIN_ACT_SCALE
+    assert facts["clamped_scales"][0]["scale"] < _quant_static.MIN_ACT_SCALE
     qnode = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
     scale = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == qnode.input[1])
-    assert 1 / np.float32(scale) <= S.FP16_MAX
-    assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(S.MIN_ACT_SCALE)
+    assert 1 / np.float32(scale) <= _quant_static.FP16_MAX
+    assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(_quant_static.MIN_ACT_SCALE)
     # ordinary ranges are not touched
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
     _, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
@@ -604,7 +602,7 @@ def test_int32_bias_through_identity_from_older_exports():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     m = ir.from_proto(model)
-    assert S.int32_matmul_bias(m) == 1
+    assert _quant_static.int32_matmul_bias(m) == 1
     model = ir.to_proto(m)
     assert "Identity" not in [n.op_type for n in model.graph.node]
     bias_in = next(n for n in model.graph.node if n.name == "add").input[1]

@@ -6,7 +6,7 @@ import numpy as np
 import onnx
 import pytest
 
-from vlmc import graphs as G
+from vlmc import graphs
 from vlmc.exporters import Source, export
 from vlmc.package import Package
 from vlmc.pass_api import get
@@ -55,7 +55,7 @@ def clip_l(tmp_path_factory):
 
 def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
     pkg = Package.load(clip_l)
-    fp32_vision = G.initializer_bytes(pkg.graph("vision_encoder"))
+    fp32_vision = graphs.initializer_bytes(pkg.graph("vision_encoder"))
     res = get("quantize")(
         vision_encoder={"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
         decoder={"weights": "int4"},
@@ -68,7 +68,7 @@ def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
         f"int8 vision bytes ratio {vis['bytes_ratio']}, int4 decoder MatMul weights ratio "
         f"{res.report['graphs']['decoder']['matmul_weight_bytes_ratio']}"
     )
-    assert G.initializer_bytes(pkg.graph("vision_encoder")) <= 0.27 * fp32_vision
+    assert graphs.initializer_bytes(pkg.graph("vision_encoder")) <= 0.27 * fp32_vision
     assert vis["fidelity"]["image_features"]["cosine"] >= 0.99
     dec = res.report["graphs"]["decoder"]
     assert dec["matmul_weight_bytes_ratio"] <= 0.16
@@ -83,12 +83,12 @@ def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
 
 def test_fp16_vision_byte_ratio(clip_l):
     pkg = Package.load(clip_l)
-    before = G.initializer_bytes(pkg.graph("vision_encoder"))
+    before = graphs.initializer_bytes(pkg.graph("vision_encoder"))
     res = get("quantize")(vision_encoder={"weights": "fp16"}, eval_tokens=0, eval_samples=1).run(pkg)
-    assert G.initializer_bytes(pkg.graph("vision_encoder")) <= 0.51 * before
+    assert graphs.initializer_bytes(pkg.graph("vision_encoder")) <= 0.51 * before
     assert res.report["graphs"]["vision_encoder"]["fidelity"]["image_features"]["cosine"] >= 0.999
     assert np.isclose(
         res.report["graphs"]["vision_encoder"]["bytes_ratio"],
-        G.initializer_bytes(pkg.graph("vision_encoder")) / before,
+        graphs.initializer_bytes(pkg.graph("vision_encoder")) / before,
         atol=1e-4,
     )

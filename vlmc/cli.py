@@ -240,7 +240,11 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     "reference (the lowered graphs on CPU, strict gear shapes and dtypes).",
 )
 @click.option(
-    "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
+    "--device-id",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0),
+    help="NPU to run on (acl; a tensor-parallel build takes each rank's from its rank_table.json).",
 )
 @click.option(
     "--against",
@@ -254,8 +258,10 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
     through --executor, in the same generation loop. With several prompts, images are shared out in
-    order, one per placeholder. A tensor-parallel package (the tensor_parallel pass) runs as one process
-    per rank joined by torch.distributed with gloo, which needs torch (the export extra).
+    order, one per placeholder. A tensor-parallel package (the tensor_parallel pass), or a compile output
+    of one, runs as one process per rank joined by torch.distributed: gloo on CPU (onnxruntime or
+    --executor reference; needs torch, the export extra), torch_npu's hccl with --executor acl (each rank
+    on the card its rank_table.json names).
 
     Example:
 
@@ -270,12 +276,21 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
     from vlmc.runtime import Pipeline
 
     path = Path(package)
+    group_executor = None  # what the ranks run, for a tensor-parallel package or build
     if runner.is_build_dir(path):
         chosen = executor or runner.default_executor()
         if executor is None and chosen == "reference":
             ui.info("pyACL does not import here: running the reference executor (the lowered graphs on CPU)")
-        pkg, build_exec = runner.open_build(path, chosen, device_id)
-        pipe = Pipeline(pkg, executor=build_exec)
+        summary, pkg = runner.read_build(path)
+        if summary.get("tensor_parallel"):
+            if device_id != 0:
+                raise VlmcError(
+                    "--device-id: a tensor-parallel build runs each rank on the device its rank_table.json names"
+                )
+            pipe, group_executor = None, chosen
+        else:
+            pkg, build_exec = runner.open_build(path, chosen, device_id)
+            pipe = Pipeline(pkg, executor=build_exec)
     else:
         if executor is not None or against is not None:
             flag = "--executor" if executor is not None else "--against"
@@ -284,12 +299,17 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
     if pipe is None:
-        # One process per rank, joined by torch.distributed (gloo); docs/tensor_parallel.md.
+        # One process per rank, joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
+        # (vlmc/runtime/collective.py; docs/tensor_parallel.md).
+        from vlmc.runtime import collective
         from vlmc.runtime.tensor_parallel import RankGroup
 
+        RankGroup.preflight(package, group_executor)  # a missing torch / torch_npu / pyACL: one line, first
         size = pkg.manifest["tensor_parallel"]["size"]
-        ui.info(f"starting {size} ranks (torch.distributed, gloo)")
-        with RankGroup(package) as group:
+        backend = collective.for_executor(group_executor or "ort").backend
+        what = f", each on the {group_executor} executor" if group_executor else ""
+        ui.info(f"starting {size} ranks (torch.distributed, {backend}{what})")
+        with RankGroup(package, executor=group_executor) as group:
             result = group.generate(list(prompts), per_prompt, max_new_tokens)
     else:
         try:

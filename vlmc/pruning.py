@@ -102,7 +102,7 @@ def fidelity(
     for name, pkg in variants.items():
         pipe = Pipeline(pkg)
         for g in pkg.graph_names:
-            if not pkg.is_loaded(g) or (reference.is_loaded(g) and reference.graph(g) is pkg.graph(g)):
+            if not pkg.is_loaded(g) or (reference.is_loaded(g) and reference.model(g) is pkg.model(g)):
                 pipe._sessions[g] = ref_pipe.session(g)  # same graph: reuse the loaded session
         got = pipe.generate(prompts, per, max_new_tokens)
         row = metrics.logits_agreement(ref.prefill_logits, got.prefill_logits)

@@ -7,9 +7,10 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
+import onnx_ir as ir
 
-from vlmc import graphs as G
+import vlmc.manifest
+from vlmc import graphs
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
         root: the directory its verify.json and pictures are read from (default: the package's own).
     """
     m = pkg.manifest
-    graphs = {}
+    graph_entries = {}
     total_weights = 0
     stored: dict[str, int] = {}  # weight copies as stored: a weight shared between graphs counts once
     for name, info in sorted(
@@ -52,27 +53,28 @@ def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
             "outputs": info["outputs"],
         }
         if with_ops:
-            # Unloaded graphs are read without weights: the histogram and byte counts need only the protobuf.
+            # Graphs as IR, weights never read: histograms and byte counts need only the structure,
+            # dtypes and shapes (a graph unchanged since read is opened again from its file).
             path = pkg.path_of(name)
-            model = G.load(path, load_weights=False) if path is not None else pkg.graph(name)
-            entry["ops"] = G.op_histogram(model)
-            entry["weight_bytes"] = G.initializer_bytes(model)
+            model = graphs.load_ir(path) if path is not None else pkg.model(name)
+            entry["ops"] = graphs.op_histogram(model)
+            entry["weight_bytes"] = graphs.initializer_bytes(model)
             entry["weights_by_dtype"] = weight_dtypes(model)
             total_weights += entry["weight_bytes"]
-            stored.update(G.weight_regions(model, path.parent if path is not None else None))
-        graphs[name] = entry
+            stored.update(weight_regions(model))
+        graph_entries[name] = entry
     return {
         "model": m["model"],
         "vision": {k: m["vision"].get(k) for k in ("image_size", "tokens_per_image", "image_token_id")},
         "kv": dict(m["kv"], bytes_per_token=kv_bytes_per_token(m)),
-        "graphs": graphs,
+        "graphs": graph_entries,
         "pipeline": m.get("pipeline", {}),
         "unique_weight_bytes": sum(stored.values()) if with_ops else None,
         "total_weight_bytes": total_weights if with_ops else None,
         "history": [{"pass": h["pass"], "modified": h["modified"]} for h in m.get("history", [])],
         "precision": {
             name: {"precision": g["precision"], "weights_by_dtype": g.get("weights_by_dtype", {})}
-            for name, g in graphs.items()
+            for name, g in graph_entries.items()
         },
         "verify": verify_data(pkg, root),
         "compile": pkg.report.get("compile"),
@@ -80,38 +82,47 @@ def summary(pkg, with_ops: bool = True, root: Path | None = None) -> dict:
     }
 
 
-def weight_dtypes(model) -> dict[str, int]:
+def weight_dtypes(model: ir.Model) -> dict[str, int]:
     """Weight bytes per element type in a graph (initializers only): the precision map's evidence.
 
-    Works on graphs loaded without their external data: sizes then come from dims and dtype.
+    Sizes come from each tensor's dtype and shape, so memory-mapped weights are never read.
     """
     out: dict[str, int] = {}
-    for t in model.graph.initializer:
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None:
+            continue
         try:
-            name = G.dtype_name(t.data_type)
+            name = graphs.dtype_name(int(tensor.dtype))
         except Exception:  # types numpy has no name for (bfloat16, float8, int4)
-            name = f"onnx:{t.data_type}"
-        out[name] = out.get(name, 0) + _nbytes(t)
+            name = f"onnx:{int(tensor.dtype)}"
+        out[name] = out.get(name, 0) + tensor.nbytes
     return dict(sorted(out.items()))
 
 
-def _nbytes(t) -> int:
-    if t.raw_data:
-        return len(t.raw_data)
-    n = 1
-    for d in t.dims:
-        n *= int(d)
-    try:
-        return n * np.dtype(G.dtype_name(t.data_type)).itemsize
-    except Exception:
-        return 0
+def weight_regions(model: ir.Model) -> dict[str, int]:
+    """Stored weight copies of a graph: identity -> bytes (initializers and Constant tensors).
+
+    Tensors in a file are identified by where they are stored (file, offset, length), so graphs that
+    share a data file count a shared weight once, and nothing is read; in-memory tensors by content.
+    """
+    tensors = [v.const_value for v in model.graph.initializers.values() if v.const_value is not None]
+    for node in model.graph:
+        if node.op_type == "Constant" and node.domain == "":
+            tensors.extend(a.value for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR)
+    out: dict[str, int] = {}
+    for tensor in tensors:
+        if isinstance(tensor, ir.ExternalTensor):
+            key = f"{Path(tensor.path).resolve()}@{tensor.offset or 0}+{tensor.length}"
+        else:
+            key = graphs.tensor_hash(tensor)
+        out[key] = tensor.nbytes
+    return out
 
 
 def manifest_digest(manifest: dict) -> str:
     """sha256 of the canonical manifest text: identifies one package state (graphs, facts, history)."""
-    from vlmc import manifest as M
-
-    return hashlib.sha256(M.dumps(manifest).encode()).hexdigest()
+    return hashlib.sha256(vlmc.manifest.dumps(manifest).encode()).hexdigest()
 
 
 def verify_data(pkg, root: Path | None = None) -> dict | None:
@@ -178,10 +189,8 @@ def _as_stored(pkg):
     """
     import copy
 
-    from vlmc import manifest as M
-
     view = copy.copy(pkg)
-    view.manifest = json.loads(M.dumps(pkg.manifest))
+    view.manifest = json.loads(vlmc.manifest.dumps(pkg.manifest))
     view.report = json.loads(json.dumps(pkg.report, sort_keys=True, default=str))
     return view
 

@@ -30,6 +30,13 @@ LEGACY_CACHE_OUT_PREFIX = "key_cache_out."
 
 _LAYER_RE = re.compile(r"\.(\d+)(?:\.|$)")
 
+# The stage interface merge and split compose and cut along (docs/architecture.md "Graph IO").
+INPUT_IDS = "input_ids"
+INPUTS_EMBEDS = "inputs_embeds"
+IMAGE_FEATURES = "image_features"
+LOGITS = "logits"
+HIDDEN_PREFIX = "hidden_states."
+
 
 def past(i: int, kind: str) -> str:
     """``past_key_values.{i}.{kind}``."""
@@ -49,6 +56,11 @@ def cache(i: int, kind: str) -> str:
 def new_rows(i: int, kind: str) -> str:
     """The paged step's rows out of layer ``i``: ``new_key.{i}`` / ``new_value.{i}``."""
     return f"{NEW_PREFIX[kind]}{i}"
+
+
+def hidden_states(layer: int) -> str:
+    """The residual stream a decoder range hands to the range starting at ``layer``: ``hidden_states.{layer}``."""
+    return f"{HIDDEN_PREFIX}{layer}"
 
 
 def kv_names(layers: int) -> tuple[list[str], list[str]]:
@@ -82,3 +94,8 @@ def layer_of(name: str) -> int | None:
     """The layer index a KV tensor name carries (``past_key_values.3.key`` -> 3, ``key_cache.3`` -> 3)."""
     m = _LAYER_RE.search(name)
     return int(m.group(1)) if m else None
+
+
+def with_layer(name: str, layer: int) -> str:
+    """``name`` with the layer index it carries replaced (``past_key_values.3.key``, 0 -> ``past_key_values.0.key``)."""
+    return _LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), str(layer), 1), name, count=1)

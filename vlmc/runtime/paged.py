@@ -296,7 +296,10 @@ def _cache_dtype(pipeline: object | None) -> str | None:
     pkg = getattr(pipeline, "pkg", None)
     if pkg is None:
         return None
-    for name in pkg.manifest["pipeline"].get("decoder", []):
+    # One rank of a tensor-parallel run asks its own segments: its executor holds no other rank's builds.
+    decoder = getattr(pipeline, "decoder", None)
+    names = decoder.graphs() if decoder is not None else pkg.manifest["pipeline"].get("decoder", [])
+    for name in names:
         specs = executor.inputs(name) if executor is not None else pkg.info(name)["inputs"]
         for spec in specs:
             if spec["name"].startswith("key_cache."):

@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 DYNAMIC_INPUT = "ascend_mbatch_shape_data"
 _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEVICE_TO_HOST = 1, 2  # aclrtMemcpyKind
 _MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy ACL_MEM_MALLOC_HUGE_FIRST
+ACL_ERROR_REPEAT_INITIALIZE = 100002  # acl_base.h: aclInit was already called in this process
 
 
 def available() -> bool:
@@ -92,7 +93,12 @@ class AclDevice:
 
         self.acl = acl
         self.device_id = int(device_id)
-        _check(acl.init(), "acl.init")
+        ret = acl.init()
+        # A tensor-parallel rank imports torch_npu (the hccl collective) first, which may have run aclInit
+        # already: ACL_ERROR_REPEAT_INITIALIZE is then not an error (torch_npu treats it the same way the
+        # other way round, torch_npu/csrc/core/npu/sys_ctrl/npu_sys_ctrl.cpp).
+        if ret != ACL_ERROR_REPEAT_INITIALIZE:
+            _check(ret, "acl.init")
         _check(acl.rt.set_device(self.device_id), "acl.rt.set_device")
         self.context, ret = acl.rt.create_context(self.device_id)
         _check(ret, "acl.rt.create_context")

@@ -391,18 +391,11 @@ def default_executor() -> str:
     return "acl" if acl_device.available() else "reference"
 
 
-def open_build(
-    build_dir: str | Path, executor: str = "reference", device_id: int = 0
-) -> tuple[Package, BuildExecutor]:
-    """The runtime package and the executor of a compile output.
-
-    Args:
-        build_dir: what `vlmc compile --target ascend` wrote.
-        executor: ``reference`` (the lowered graphs on CPU) or ``acl`` (the .om files on an NPU).
-        device_id: the NPU (acl only).
+def read_build(build_dir: str | Path) -> tuple[dict, Package]:
+    """compile.json and the runtime package (manifest and tokenizer, no graphs) of a compile output.
 
     Raises:
-        VlmcError: not an ascend compile output, from an older vlmc, or acl is not importable.
+        VlmcError: not an ascend compile output, or from an older vlmc.
     """
     root = Path(build_dir)
     if not is_build_dir(root):
@@ -415,13 +408,39 @@ def open_build(
     if not runtime:
         raise VlmcError(f"{root} was compiled by an older vlmc (no runner facts); re-run `vlmc compile`")
     pkg_root = _inside(root, runtime)
-    from vlmc import manifest as M
+    from vlmc import manifest as manifest_io
 
+    where = pkg_root / manifest_io.MANIFEST_NAME
     try:
-        manifest = M.loads((pkg_root / M.MANIFEST_NAME).read_text(), where=str(pkg_root / M.MANIFEST_NAME))
+        manifest = manifest_io.loads(where.read_text(), where=str(where))
     except OSError as exc:
-        raise VlmcError(f"{pkg_root} has no readable {M.MANIFEST_NAME}: {exc}") from exc
-    pkg = Package(manifest, pkg_root)
+        raise VlmcError(f"{pkg_root} has no readable {manifest_io.MANIFEST_NAME}: {exc}") from exc
+    return summary, Package(manifest, pkg_root)
+
+
+def open_build(
+    build_dir: str | Path, executor: str = "reference", device_id: int = 0, rank: int | None = None
+) -> tuple[Package, BuildExecutor]:
+    """The runtime package and the executor of a compile output.
+
+    Args:
+        build_dir: what `vlmc compile --target ascend` wrote.
+        executor: ``reference`` (the lowered graphs on CPU) or ``acl`` (the .om files on an NPU).
+        device_id: the NPU (acl only).
+        rank: for a tensor-parallel build, the rank this process runs: the executor then holds only the
+            rank's builds and the replicated ones (compile.json ``builds[*].rank``), so a rank cannot run
+            another rank's shard. None for an unsharded build.
+
+    Raises:
+        VlmcError: not an ascend compile output, from an older vlmc, or acl is not importable.
+    """
+    root = Path(build_dir)
+    summary, pkg = read_build(root)
+    if rank is not None:
+        size = int((summary.get("tensor_parallel") or {}).get("size", 0))
+        if not 0 <= rank < size:
+            raise VlmcError(f"{root}: rank {rank} is not one of the build's {size} tensor-parallel ranks")
+        summary = {**summary, "builds": [b for b in summary["builds"] if b.get("rank", rank) == rank]}
     if executor == "reference":
         device: Device = ReferenceDevice()
     elif executor == "acl":
@@ -430,5 +449,32 @@ def open_build(
         device = acl_device.AclDevice(device_id)
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
-    pad = int(manifest["text"].get("pad_token_id") or 0)
+    pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
     return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
+
+
+def rank_devices(build_dir: str | Path, size: int) -> list[int]:
+    """The NPU of every rank of a tensor-parallel build: ``device_id`` of the rank's entry in its rank table.
+
+    Raises:
+        VlmcError: the table is missing, unreadable, or does not give every rank one device.
+    """
+    root = Path(build_dir)
+    summary, _ = read_build(root)
+    name = (summary.get("tensor_parallel") or {}).get("rank_table")
+    if not name:
+        raise VlmcError(
+            f"{root} is not a tensor-parallel build (compile.json has no tensor_parallel.rank_table)"
+        )
+    path = paths.regular_file(root, name, "the rank table", f"{root}/compile.json")
+    try:
+        table = json.loads(path.read_text())
+        entries = [d for server in table["server_list"] for d in server["device"]]
+        devices = {int(d["rank_id"]): int(d["device_id"]) for d in entries}
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise VlmcError(
+            f"{path} is not a rank table (server_list[].device[].rank_id/device_id): {exc}"
+        ) from None
+    if sorted(devices) != list(range(size)) or len(entries) != size:
+        raise VlmcError(f"{path} gives ranks {sorted(devices)}, the build has {size} (one device per rank)")
+    return [devices[r] for r in range(size)]

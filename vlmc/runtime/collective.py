@@ -1,0 +1,211 @@
+"""The collective that joins the ranks of a tensor-parallel run: one seam, chosen from the executor.
+
+A rank runs its segments, then a sum all-reduce of the segment's partial output over every rank, then
+the next segment (the host plan, docs/tensor_parallel.md). Which library does the all-reduce depends
+only on where the segments run:
+
+- ``ort`` (a package on onnxruntime) and ``reference`` (a compile output's lowered graphs on CPU):
+  torch.distributed with the **gloo** backend, over TCP on this host. Verified here.
+- ``acl`` (the ``.om`` files on 910B cards): torch.distributed with torch_npu's **hccl** backend, which
+  calls ``HcclAllReduce`` (hicann/hccl ``include/hccl.h``: ``HcclAllReduce(void *sendBuf, void *recvBuf,
+  uint64_t count, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)``; A2 takes
+  int8/int16/int32/fp16/fp32/bf16 with sum). UNVERIFIED: no NPU exists where vlmc is developed.
+
+What the hccl path relies on, read in Ascend/pytorch (torch_npu) at commit 9e73e708a:
+
+- ``import torch_npu`` registers the backend: ``torch_npu/_init/registry/distributed.py``
+  ``register_distributed_backend_for_npu`` calls ``torch.distributed.Backend.register_backend("hccl",
+  ..., extended_api=True, devices=["npu"])``, which builds ``torch_npu._C._distributed_c10d.ProcessGroupHCCL``.
+  Without that import ``init_process_group("hccl")`` does not know the name.
+- The rank's device is the device of the tensors it reduces (``ProcessGroupHCCL::allreduce`` ->
+  ``collective`` over ``tensors[0]``'s device), so the rank calls ``torch.npu.set_device`` first and moves
+  each partial to ``npu:<device>``; torch_npu reads no ``ASCEND_DEVICE_ID`` (only
+  ``ASCEND_RT_VISIBLE_DEVICES``, torch_npu/npu/__init__.py). vlmc takes the device from the build's
+  ``rank_table.json`` (the entry whose ``rank_id`` is the rank).
+- Dtypes: ``kScalarTypeToHcclDataType`` (torch_npu/csrc/distributed/HCCLUtils.cpp) maps Half/Float/BFloat16
+  to HCCL_DATA_TYPE_FP16/FP32/BFP16, and ``checkSupportedDataType`` (ProcessGroupHCCL.cpp) accepts
+  int8/int16/int32/int64/fp16/fp32/bf16 for allreduce; the segment outputs vlmc reduces are fp32 or fp16.
+- Rendezvous: with ``RANK_TABLE_FILE`` unset (``OptionsManager::GetRankTableFilePath``) torch_npu makes
+  the communicator from a root info that rank 0 gets with ``HcclGetRootInfo`` and shares through the
+  c10d store (``ProcessGroupHCCL::broadcastMasterID``), i.e. the same ``tcp://`` init method gloo uses
+  here. With ``RANK_TABLE_FILE`` set to a readable, complete rank table it uses
+  ``HcclCommInitClusterInfoConfig`` instead (``createHCCLCommEx``) and warns unless
+  ``HCCL_CONNECT_TIMEOUT`` >= 300. vlmc's ``rank_table.json`` is a template (no device IPs), so vlmc does
+  not set ``RANK_TABLE_FILE`` itself; a user's own environment is passed through.
+- ``HCCL_EXEC_TIMEOUT`` / ``HCCL_CONNECT_TIMEOUT`` are read by torch_npu (OptionsManager.cpp) from the
+  environment the ranks inherit.
+
+This module imports no torch at import time: the seam's choice (:func:`for_executor`) and its
+one-line refusals work without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from datetime import timedelta
+
+import numpy as np
+
+from vlmc.errors import VlmcError
+
+# A rank waits this long in a collective for the others before it gives up (a crashed peer).
+COLLECTIVE_TIMEOUT_S = 300
+
+NEEDS_TORCH = (
+    "running a tensor-parallel package on CPU needs torch (torch.distributed with the gloo backend joins "
+    "the ranks); install the export extra: pip install 'vlmc[export]'"
+)
+
+
+class Collective:
+    """A sum all-reduce across the ranks of one run, numpy in, numpy out.
+
+    ``check()`` runs in the launching process before any rank starts and raises a one-line
+    :class:`VlmcError` naming what is missing; ``join`` runs in each rank's process; ``all_reduce``
+    between segments; ``close`` at the end.
+    """
+
+    backend: str = ""
+    modules: tuple[str, ...] = ()  # what must import for this collective (named in the refusal)
+
+    def missing(self) -> list[str]:
+        """The modules of :attr:`modules` that do not import here (found without importing them)."""
+        out = []
+        for name in self.modules:
+            try:
+                found = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError):  # a parent package that is missing or blocked
+                found = False
+            if not found:
+                out.append(name)
+        return out
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+        raise NotImplementedError
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def backend_in_use(self) -> str:
+        """The backend torch.distributed reports for the default group (what actually joined the ranks)."""
+        import torch.distributed as dist
+
+        return str(dist.get_backend())
+
+    def close(self) -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # the group may never have formed
+            pass
+
+
+def require_torch():
+    """torch.distributed with gloo, or a one-line VlmcError saying why it is needed."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise VlmcError(NEEDS_TORCH) from None
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise VlmcError("this torch build has no gloo backend, which the tensor-parallel CPU runtime needs")
+    return dist
+
+
+class Gloo(Collective):
+    """torch.distributed's gloo backend over TCP on this host: the CPU collective (ort, reference)."""
+
+    backend = "gloo"
+    modules = ("torch",)
+
+    def check(self) -> None:
+        require_torch()
+
+    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+        dist = require_torch()
+        import torch
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self._dist, self._torch = dist, torch
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        t = self._torch.from_numpy(np.ascontiguousarray(x).copy())
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
+        return t.numpy()
+
+
+# The dtypes torch_npu's ProcessGroupHCCL all-reduces (checkSupportedDataType) that a segment can output.
+HCCL_DTYPES = ("float16", "float32")
+
+
+class Hccl(Collective):
+    """torch_npu's hccl backend (HcclAllReduce on the cards): the collective of ``--executor acl``.
+
+    UNVERIFIED ON HARDWARE. Each partial is copied to the rank's card, reduced there and copied back,
+    because the build executor hands the host numpy outputs; a device-resident hand-off (the .om's
+    output buffer straight into HcclAllReduce) is left for when a 910B is at hand.
+    """
+
+    backend = "hccl"
+    modules = ("torch", "torch_npu")
+
+    def check(self) -> None:
+        absent = self.missing()
+        if absent:
+            raise VlmcError(
+                f"--executor acl joins the ranks with torch_npu's hccl backend, but {' and '.join(absent)} "
+                "does not import here: install the torch_npu that matches the CANN toolkit (Ascend/pytorch), "
+                "or run --executor reference (gloo on CPU)"
+            )
+
+    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+        self.check()
+        import torch
+        import torch.distributed as dist
+        import torch_npu  # noqa: F401  registers the "hccl" backend with torch.distributed
+
+        self.device_id = int(device_id or 0)
+        torch.npu.set_device(self.device_id)
+        dist.init_process_group(
+            "hccl",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        self._dist, self._torch = dist, torch
+
+    def all_reduce(self, x: np.ndarray) -> np.ndarray:
+        if x.dtype.name not in HCCL_DTYPES:
+            raise VlmcError(
+                f"HcclAllReduce of a {x.dtype} tensor: vlmc reduces only {', '.join(HCCL_DTYPES)}"
+            )
+        host = np.require(x, requirements=["C", "W"])  # torch.from_numpy wants a writable array
+        t = self._torch.from_numpy(host).to(f"npu:{self.device_id}")
+        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
+        return t.cpu().numpy()
+
+
+# What runs the segments -> the collective between them. ``ort``: a package on onnxruntime.
+COLLECTIVES: dict[str, type[Collective]] = {"ort": Gloo, "reference": Gloo, "acl": Hccl}
+
+
+def for_executor(executor: str) -> Collective:
+    """The collective for the executor that runs the segments (see :data:`COLLECTIVES`)."""
+    try:
+        return COLLECTIVES[executor]()
+    except KeyError:
+        raise VlmcError(
+            f"no collective for executor {executor!r}; choose one of {', '.join(sorted(COLLECTIVES))}"
+        ) from None
