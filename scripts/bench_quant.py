@@ -96,8 +96,7 @@ def run(rows: list, quick: bool = False) -> list:
 
     Rows follow scripts/bench.py: {"benchmark", "setting", "metric", "value", "ratio", "notes"}.
     """
-    from vlmc import graphs as G
-    from vlmc import ortsession
+    from vlmc import graphs, ortsession
     from vlmc.metrics import cosine
     from vlmc.package import Package
     from vlmc.pass_api import get
@@ -129,12 +128,12 @@ def run(rows: list, quick: bool = False) -> list:
         for _ in range(repeats):  # interleaved, so machine load hits every variant alike
             for v, s in sessions.items():
                 lat[v].append(_latency(s, feeds, 1))
-        base_bytes = G.initializer_bytes(pkgs["fp32"].graph("vision_encoder"))
+        base_bytes = graphs.initializer_bytes(pkgs["fp32"].model("vision_encoder"))
         base_lat = statistics.median(lat["fp32"])
         widths = "quick widths" if quick else "CLIP ViT-L/14-336 widths"
         setting = f"vision encoder, {widths}, {vision['num_hidden_layers']} layers, {{}}"
         for v, p in pkgs.items():
-            b = G.initializer_bytes(p.graph("vision_encoder"))
+            b = graphs.initializer_bytes(p.model("vision_encoder"))
             out = sessions[v].run(None, feeds)[0]
             ms = statistics.median(lat[v])
             rows.append(
@@ -163,9 +162,8 @@ def run(rows: list, quick: bool = False) -> list:
 
 def _ascend_bytes(int8_pkg, src: Path, tmp: Path, base_bytes: int, setting: str) -> list:
     """Weight bytes of the graphs the Ascend lowering writes: INT8 static, and INT4 held as INT8."""
-    import onnx
 
-    from vlmc import graphs as G
+    from vlmc import graphs
     from vlmc.backends.ascend import lower
     from vlmc.package import Package
     from vlmc.pass_api import get
@@ -176,11 +174,10 @@ def _ascend_bytes(int8_pkg, src: Path, tmp: Path, base_bytes: int, setting: str)
     )
     rows = []
     for variant, pkg in (("int8", int8_pkg), ("int4 weight-only g32", int4)):
-        model = onnx.ModelProto()
-        model.CopyFrom(pkg.graph("vision_encoder"))
-        portable = G.initializer_bytes(model)
+        model = pkg.model("vision_encoder").clone()  # the lowering's own copy; weights shared, not read
+        portable = graphs.initializer_bytes(model)
         low, report = lower.lower(model, "vision_encoder", pkg.info("vision_encoder"))
-        b = G.initializer_bytes(low)
+        b = graphs.initializer_bytes(low)
         rows.append(
             {
                 "benchmark": "quantize",

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as T
-from onnx import helper as h
-from onnx import numpy_helper as nh
+from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
 from vlmc.backends.ascend import lower, precheck, reference
@@ -34,21 +33,23 @@ def _fp32_matmul_add(gemm: bool = False) -> onnx.ModelProto:
     b = rng.standard_normal(N).astype(np.float32)
     if gemm:
         nodes = [
-            h.make_node("Gemm", ["x", "W", "b"], ["y"], name="fc", transB=1),
-            h.make_node("Relu", ["y"], ["z"], name="relu"),
+            helper.make_node("Gemm", ["x", "W", "b"], ["y"], name="fc", transB=1),
+            helper.make_node("Relu", ["y"], ["z"], name="relu"),
         ]
-        x = h.make_tensor_value_info("x", T.FLOAT, [4, K])
-        z = h.make_tensor_value_info("z", T.FLOAT, [4, N])
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, K])
+        z = helper.make_tensor_value_info("z", TensorProto.FLOAT, [4, N])
     else:
         nodes = [
-            h.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
-            h.make_node("Add", ["m", "b"], ["y"], name="add"),
-            h.make_node("Relu", ["y"], ["z"], name="relu"),
+            helper.make_node("MatMul", ["x", "W"], ["m"], name="mm"),
+            helper.make_node("Add", ["m", "b"], ["y"], name="add"),
+            helper.make_node("Relu", ["y"], ["z"], name="relu"),
         ]
-        x = h.make_tensor_value_info("x", T.FLOAT, ["batch", "sequence", K])
-        z = h.make_tensor_value_info("z", T.FLOAT, ["batch", "sequence", N])
-    g = h.make_graph(nodes, "g", [x], [z], [nh.from_array(w, "W"), nh.from_array(b, "b")])
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", K])
+        z = helper.make_tensor_value_info("z", TensorProto.FLOAT, ["batch", "sequence", N])
+    g = helper.make_graph(
+        nodes, "g", [x], [z], [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")]
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 class _Reader(CalibrationDataReader):
@@ -79,13 +80,13 @@ def _quantize(
 
 
 def _lowered(q: onnx.ModelProto):
-    copy = onnx.ModelProto()
-    copy.CopyFrom(q)
-    return lower.lower(copy, "g")
+    """The lowering runs on the IR; the result comes back as a proto for the checks below."""
+    low, report = lower.lower(ir.from_proto(q), "g")
+    return ir.to_proto(low), report
 
 
 def _scale(model: onnx.ModelProto, name: str) -> float:
-    return float(next(nh.to_array(t) for t in model.graph.initializer if t.name == name))
+    return float(next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == name))
 
 
 @pytest.mark.parametrize("activation", [QuantType.QUInt8, QuantType.QInt8])
@@ -94,7 +95,7 @@ def test_qdq_matmul_add_lowers_to_deploy_form(tmp_path, activation):
     low, report = _lowered(q)
     assert [n.op_type for n in low.graph.node] == ["AscendQuant", "MatMul", "Add", "AscendDequant", "Clip"]
     assert report.quantized_layers == ["mm"] and report.fake_quant_clips == 1
-    inits = {t.name: nh.to_array(t) for t in low.graph.initializer}
+    inits = {t.name: numpy_helper.to_array(t) for t in low.graph.initializer}
     quant, mm, add, deq = low.graph.node[:4]
     assert inits[mm.input[1]].dtype == np.int8 and inits[mm.input[1]].shape == (K, N)
     assert inits[add.input[1]].dtype == np.int32
@@ -104,10 +105,10 @@ def test_qdq_matmul_add_lowers_to_deploy_form(tmp_path, activation):
     )
     s_x, s_w = _scale(q, "x_scale"), _scale(q, "W_scale")
     assert reference.unpack_deq_scale(deq_scale)[0] == pytest.approx(s_x * s_w, rel=1e-6)
-    attrs = {a.name: h.get_attribute_value(a) for a in quant.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in quant.attribute}
     assert attrs["scale"] == pytest.approx(1 / s_x, rel=1e-6) and attrs["dst_type"] == b"INT8"
     assert deq.attribute[0].name == "dtype" and deq.attribute[0].i == 0
-    assert precheck.check_ops(low, "g", lowered=True) == []
+    assert precheck.check_ops(ir.from_proto(low), "g", lowered=True) == []
 
 
 @pytest.mark.parametrize("activation", [QuantType.QUInt8, QuantType.QInt8])
@@ -144,15 +145,15 @@ def test_conv_per_channel_lowers_and_matches(tmp_path):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32) * 0.3
     b = rng.standard_normal(4).astype(np.float32) * 0.1
-    g = h.make_graph(
-        [h.make_node("Conv", ["x", "W", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "W", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, 4, 8, 8])],
-        [nh.from_array(w, "W"), nh.from_array(b, "b")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b")],
     )
     q = _quantize(
-        h.make_model(g, opset_imports=[h.make_opsetid("", 17)]),
+        helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]),
         tmp_path,
         (1, 3, 8, 8),
         QuantType.QInt8,
@@ -164,7 +165,9 @@ def test_conv_per_channel_lowers_and_matches(tmp_path):
     ops = [n.op_type for n in low.graph.node]
     assert ops[:3] == ["AscendQuant", "Conv", "AscendDequant"]
     deq = next(n for n in low.graph.node if n.op_type == "AscendDequant")
-    assert next(nh.to_array(t) for t in low.graph.initializer if t.name == deq.input[1]).shape == (4,)
+    assert next(numpy_helper.to_array(t) for t in low.graph.initializer if t.name == deq.input[1]).shape == (
+        4,
+    )
     x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
     expected = _ort(q, {"x": x})[0]
     got = reference.run(low, {"x": x}, fp16=False)["y"]
@@ -172,12 +175,14 @@ def test_conv_per_channel_lowers_and_matches(tmp_path):
 
 
 def test_fp32_graph_is_unchanged():
+    from vlmc import graphs
+
     model = _fp32_matmul_add()
-    before = model.SerializeToString(deterministic=True)
-    low, report = _lowered(model)
-    assert [n.op_type for n in low.graph.node] == ["MatMul", "Add", "Relu"]
+    before = graphs.fingerprint(model)
+    low, report = lower.lower(ir.from_proto(model), "g")
+    assert [n.op_type for n in low.graph] == ["MatMul", "Add", "Relu"]
     assert not report.quantized and report.fake_quant_clips == 0 and report.kept_fp32 == []
-    assert low.SerializeToString(deterministic=True) == before
+    assert graphs.fingerprint(low) == before
 
 
 def test_per_channel_matmul_is_refused_by_default_naming_the_node(tmp_path):
@@ -195,7 +200,9 @@ def test_per_channel_matmul_switch_gives_cout_deq_scale(tmp_path, monkeypatch):
     low, report = _lowered(q)
     assert report.quantized_layers == ["mm"]
     deq = next(n for n in low.graph.node if n.op_type == "AscendDequant")
-    assert next(nh.to_array(t) for t in low.graph.initializer if t.name == deq.input[1]).shape == (N,)
+    assert next(numpy_helper.to_array(t) for t in low.graph.initializer if t.name == deq.input[1]).shape == (
+        N,
+    )
     x = np.random.default_rng(7).standard_normal((2, 5, K)).astype(np.float32)
     atol = 0.5 * (_scale(q, "m_scale") + _scale(q, "z_scale")) + 1e-5
     np.testing.assert_allclose(
@@ -214,26 +221,26 @@ def _hand_qdq_matmul(w_axis: int | None, k: int = 8, n: int = 8, zp: int = 0) ->
         ws = (rng.random(size).astype(np.float32) + 0.5) * 0.01
         wz, kw = np.zeros(size, np.int8), {"axis": w_axis}
     nodes = [
-        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
-        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
-        h.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="w_dq", **kw),
-        h.make_node("MatMul", ["xd", "W"], ["y"], name="mm"),
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
+        helper.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="w_dq", **kw),
+        helper.make_node("MatMul", ["xd", "W"], ["y"], name="mm"),
     ]
     inits = [
-        nh.from_array(np.array(0.02, np.float32), "xs"),
-        nh.from_array(np.array(zp, np.int8), "xz"),
-        nh.from_array(wq, "Wq"),
-        nh.from_array(ws, "Ws"),
-        nh.from_array(wz, "Wz"),
+        numpy_helper.from_array(np.array(0.02, np.float32), "xs"),
+        numpy_helper.from_array(np.array(zp, np.int8), "xz"),
+        numpy_helper.from_array(wq, "Wq"),
+        numpy_helper.from_array(ws, "Ws"),
+        numpy_helper.from_array(wz, "Wz"),
     ]
-    g = h.make_graph(
+    g = helper.make_graph(
         nodes,
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [2, k])],
-        [h.make_tensor_value_info("y", T.FLOAT, [2, n])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, n])],
         inits,
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 @pytest.mark.parametrize("allow", [False, True])
@@ -266,7 +273,7 @@ def test_asymmetric_activation_follows_amct_form_and_ge_applies_the_offset(zp):
     model = _hand_qdq_matmul(w_axis=None, zp=zp)
     low, report = _lowered(model)
     quant = next(n for n in low.graph.node if n.op_type == "AscendQuant")
-    assert {a.name: h.get_attribute_value(a) for a in quant.attribute}["offset"] == zp
+    assert {a.name: helper.get_attribute_value(a) for a in quant.attribute}["offset"] == zp
     assert report.asymmetric_layers == (["mm"] if zp else [])
     assert any("unverified on hardware" in note for note in report.notes) == bool(zp)
     assert not any(n.op_type == "Add" for n in low.graph.node)  # no bias: nothing folded into one
@@ -282,7 +289,7 @@ def test_activation_scale_beyond_fp16_is_rejected(tmp_path):
     q = _quantize(_fp32_matmul_add(), tmp_path, (1, 4, K))
     for t in q.graph.initializer:
         if t.name == "x_scale":
-            t.CopyFrom(nh.from_array(np.array(1e-6, np.float32), "x_scale"))
+            t.CopyFrom(numpy_helper.from_array(np.array(1e-6, np.float32), "x_scale"))
     with pytest.raises(CheckFailed, match="beyond fp16"):
         _lowered(q)
 
@@ -291,17 +298,21 @@ def _weight_only_dq(seed=0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     qw = rng.integers(-127, 128, (K, N)).astype(np.int8)
     scale = (rng.random(N).astype(np.float32) + 0.5) * 0.01
-    g = h.make_graph(
+    g = helper.make_graph(
         [
-            h.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="w_dq", axis=1),
-            h.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
+            helper.make_node("DequantizeLinear", ["Wq", "Ws", "Wz"], ["W"], name="w_dq", axis=1),
+            helper.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
         ],
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, ["batch", "sequence", K])],
-        [h.make_tensor_value_info("y", T.FLOAT, ["batch", "sequence", N])],
-        [nh.from_array(qw, "Wq"), nh.from_array(scale, "Ws"), nh.from_array(np.zeros(N, np.int8), "Wz")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", N])],
+        [
+            numpy_helper.from_array(qw, "Wq"),
+            numpy_helper.from_array(scale, "Ws"),
+            numpy_helper.from_array(np.zeros(N, np.int8), "Wz"),
+        ],
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _weight_only_grouped(group=32, bits=4, seed=0, K=64) -> onnx.ModelProto:  # noqa: N803
@@ -311,28 +322,28 @@ def _weight_only_grouped(group=32, bits=4, seed=0, K=64) -> onnx.ModelProto:  # 
     scale = (rng.random((K // group, 1, N)).astype(np.float32) + 0.5) * 0.05
     zp = rng.integers(-2, 3, (K // group, 1, N)).astype(np.float32)
     nodes = [
-        h.make_node("Cast", ["Wq"], ["Wf"], to=T.FLOAT, name="cast"),
-        h.make_node("Reshape", ["Wf", "gshape"], ["Wg"], name="group"),
-        h.make_node("Sub", ["Wg", "Wz"], ["Wc"], name="sub_zp"),
-        h.make_node("Mul", ["Wc", "Ws"], ["Wm"], name="mul_scale"),
-        h.make_node("Reshape", ["Wm", "wshape"], ["W"], name="ungroup"),
-        h.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
+        helper.make_node("Cast", ["Wq"], ["Wf"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("Reshape", ["Wf", "gshape"], ["Wg"], name="group"),
+        helper.make_node("Sub", ["Wg", "Wz"], ["Wc"], name="sub_zp"),
+        helper.make_node("Mul", ["Wc", "Ws"], ["Wm"], name="mul_scale"),
+        helper.make_node("Reshape", ["Wm", "wshape"], ["W"], name="ungroup"),
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
     ]
     inits = [
-        nh.from_array(qw, "Wq"),
-        nh.from_array(scale, "Ws"),
-        nh.from_array(zp, "Wz"),
-        nh.from_array(np.array([K // group, group, N], np.int64), "gshape"),
-        nh.from_array(np.array([K, N], np.int64), "wshape"),
+        numpy_helper.from_array(qw, "Wq"),
+        numpy_helper.from_array(scale, "Ws"),
+        numpy_helper.from_array(zp, "Wz"),
+        numpy_helper.from_array(np.array([K // group, group, N], np.int64), "gshape"),
+        numpy_helper.from_array(np.array([K, N], np.int64), "wshape"),
     ]
-    g = h.make_graph(
+    g = helper.make_graph(
         nodes,
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, ["batch", "sequence", K])],
-        [h.make_tensor_value_info("y", T.FLOAT, ["batch", "sequence", N])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", N])],
         inits,
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _weight_only_packed_int4(group=32, seed=0, K=64) -> onnx.ModelProto:  # noqa: N803
@@ -343,36 +354,36 @@ def _weight_only_packed_int4(group=32, seed=0, K=64) -> onnx.ModelProto:  # noqa
     packed = (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
     scale = (rng.random((K // group, 1, N)).astype(np.float32) + 0.5) * 0.05
     nodes = [
-        h.make_node("BitwiseAnd", ["packed", "low_mask"], ["lo"], name="low_nibble"),
-        h.make_node("BitShift", ["packed", "four"], ["hi"], name="high_nibble", direction="RIGHT"),
-        h.make_node("Unsqueeze", ["lo", "last"], ["lo1"], name="lo_axis"),
-        h.make_node("Unsqueeze", ["hi", "last"], ["hi1"], name="hi_axis"),
-        h.make_node("Concat", ["lo1", "hi1"], ["nibbles"], name="interleave", axis=-1),
-        h.make_node("Reshape", ["nibbles", "gshape"], ["Wg"], name="group"),
-        h.make_node("Cast", ["Wg"], ["Wf"], to=T.FLOAT, name="cast"),
-        h.make_node("Sub", ["Wf", "eight"], ["Wc"], name="sub_zp"),
-        h.make_node("Mul", ["Wc", "Ws"], ["Wm"], name="mul_scale"),
-        h.make_node("Reshape", ["Wm", "wshape"], ["W"], name="ungroup"),
-        h.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
+        helper.make_node("BitwiseAnd", ["packed", "low_mask"], ["lo"], name="low_nibble"),
+        helper.make_node("BitShift", ["packed", "four"], ["hi"], name="high_nibble", direction="RIGHT"),
+        helper.make_node("Unsqueeze", ["lo", "last"], ["lo1"], name="lo_axis"),
+        helper.make_node("Unsqueeze", ["hi", "last"], ["hi1"], name="hi_axis"),
+        helper.make_node("Concat", ["lo1", "hi1"], ["nibbles"], name="interleave", axis=-1),
+        helper.make_node("Reshape", ["nibbles", "gshape"], ["Wg"], name="group"),
+        helper.make_node("Cast", ["Wg"], ["Wf"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("Sub", ["Wf", "eight"], ["Wc"], name="sub_zp"),
+        helper.make_node("Mul", ["Wc", "Ws"], ["Wm"], name="mul_scale"),
+        helper.make_node("Reshape", ["Wm", "wshape"], ["W"], name="ungroup"),
+        helper.make_node("MatMul", ["x", "W"], ["y"], name="proj"),
     ]
     inits = [
-        nh.from_array(packed, "packed"),
-        nh.from_array(np.array(0x0F, np.uint8), "low_mask"),
-        nh.from_array(np.array(4, np.uint8), "four"),
-        nh.from_array(np.array([-1], np.int64), "last"),
-        nh.from_array(np.array([K // group, group, N], np.int64), "gshape"),
-        nh.from_array(np.array([K, N], np.int64), "wshape"),
-        nh.from_array(np.float32(8.0), "eight"),
-        nh.from_array(scale, "Ws"),
+        numpy_helper.from_array(packed, "packed"),
+        numpy_helper.from_array(np.array(0x0F, np.uint8), "low_mask"),
+        numpy_helper.from_array(np.array(4, np.uint8), "four"),
+        numpy_helper.from_array(np.array([-1], np.int64), "last"),
+        numpy_helper.from_array(np.array([K // group, group, N], np.int64), "gshape"),
+        numpy_helper.from_array(np.array([K, N], np.int64), "wshape"),
+        numpy_helper.from_array(np.float32(8.0), "eight"),
+        numpy_helper.from_array(scale, "Ws"),
     ]
-    g = h.make_graph(
+    g = helper.make_graph(
         nodes,
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, ["batch", "sequence", K])],
-        [h.make_tensor_value_info("y", T.FLOAT, ["batch", "sequence", N])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "sequence", K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "sequence", N])],
         inits,
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 18)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
 
 
 @pytest.mark.parametrize(
@@ -385,9 +396,9 @@ def test_weight_only_lowers_to_weight_quant_batch_matmul(builder, group, bits):
     low, report = _lowered(model)
     assert [n.op_type for n in low.graph.node] == ["NPUWeightQuantBatchMatmulV2"]
     node = low.graph.node[0]
-    attrs = {a.name: h.get_attribute_value(a) for a in node.attribute}
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     assert attrs == {"antiquant_group_size": group, "transpose_x": 0, "transpose_weight": 0}
-    inits = {t.name: nh.to_array(t) for t in low.graph.initializer}
+    inits = {t.name: numpy_helper.to_array(t) for t in low.graph.initializer}
     assert inits[node.input[1]].dtype == np.int8 and inits[node.input[1]].shape == (K, N)
     assert inits[node.input[2]].shape == ((N,) if not group else (K // group, N))
     # antiquant_scale/offset have the type of x: float16 on the NPU (op proto), never float32
@@ -403,7 +414,7 @@ def test_weight_only_lowers_to_weight_quant_batch_matmul(builder, group, bits):
     np.testing.assert_allclose(
         reference.run(low, {"x": x})["y"], expected, rtol=0, atol=0.01 * np.abs(expected).max()
     )
-    assert precheck.check_ops(low, "g", lowered=True) == []
+    assert precheck.check_ops(ir.from_proto(low), "g", lowered=True) == []
 
 
 def test_reference_ascend_quant_rounds_half_to_even_and_clips():
@@ -429,34 +440,40 @@ def test_reference_antiquant():
 def _tiny_decoder() -> onnx.ModelProto:
     """A decoder step: present = Concat(past, new); a Shape of the past measures the past length."""
     nodes = [
-        h.make_node("Unsqueeze", ["inputs_embeds", "ax1"], ["k_new"], name="to_heads"),
-        h.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], name="cat", axis=2),
-        h.make_node("Shape", ["past_key_values.0.key"], ["pshape"], name="past_shape"),
-        h.make_node("Gather", ["pshape", "two"], ["plen"], name="past_len", axis=0),
-        h.make_node("Cast", ["plen"], ["plen_f"], to=T.FLOAT, name="cast"),
-        h.make_node("Add", ["inputs_embeds", "plen_f"], ["logits"], name="use_len"),
+        helper.make_node("Unsqueeze", ["inputs_embeds", "ax1"], ["k_new"], name="to_heads"),
+        helper.make_node("Concat", ["past_key_values.0.key", "k_new"], ["present.0.key"], name="cat", axis=2),
+        helper.make_node("Shape", ["past_key_values.0.key"], ["pshape"], name="past_shape"),
+        helper.make_node("Gather", ["pshape", "two"], ["plen"], name="past_len", axis=0),
+        helper.make_node("Cast", ["plen"], ["plen_f"], to=TensorProto.FLOAT, name="cast"),
+        helper.make_node("Add", ["inputs_embeds", "plen_f"], ["logits"], name="use_len"),
     ]
-    g = h.make_graph(
+    g = helper.make_graph(
         nodes,
         "d",
         [
-            h.make_tensor_value_info("inputs_embeds", T.FLOAT, ["batch", "sequence", 4]),
-            h.make_tensor_value_info("past_key_values.0.key", T.FLOAT, ["batch", 1, "past_sequence", 4]),
+            helper.make_tensor_value_info("inputs_embeds", TensorProto.FLOAT, ["batch", "sequence", 4]),
+            helper.make_tensor_value_info(
+                "past_key_values.0.key", TensorProto.FLOAT, ["batch", 1, "past_sequence", 4]
+            ),
         ],
         [
-            h.make_tensor_value_info("logits", T.FLOAT, ["batch", "sequence", 4]),
-            h.make_tensor_value_info("present.0.key", T.FLOAT, ["batch", 1, "total_sequence", 4]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "sequence", 4]),
+            helper.make_tensor_value_info(
+                "present.0.key", TensorProto.FLOAT, ["batch", 1, "total_sequence", 4]
+            ),
         ],
-        [nh.from_array(np.array([1], np.int64), "ax1"), nh.from_array(np.array(2, np.int64), "two")],
+        [
+            numpy_helper.from_array(np.array([1], np.int64), "ax1"),
+            numpy_helper.from_array(np.array(2, np.int64), "two"),
+        ],
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def test_strip_past_makes_an_equivalent_prefill_graph():
     model = _tiny_decoder()
-    prefill = onnx.ModelProto()
-    prefill.CopyFrom(model)
-    prefill, empties = lower.strip_past(prefill, "decoder")
+    prefill, empties = lower.strip_past(ir.from_proto(model), "decoder")
+    prefill = ir.to_proto(prefill)
     assert empties == 1
     assert [i.name for i in prefill.graph.input] == ["inputs_embeds"]
     assert "Concat" not in [n.op_type for n in prefill.graph.node if n.name == "cat"]
@@ -490,24 +507,31 @@ def test_one_activation_quantizer_shared_by_three_matmuls():
     """q/k/v projections read one Q/DQ pair: three int8 MatMuls share one AscendQuant, nothing is left."""
     rng = np.random.default_rng(4)
     nodes = [
-        h.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
-        h.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
+        helper.make_node("QuantizeLinear", ["x", "xs", "xz"], ["xq"], name="q"),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "xz"], ["xd"], name="dq"),
     ]
-    inits = [nh.from_array(np.array(0.02, np.float32), "xs"), nh.from_array(np.array(0, np.int8), "xz")]
+    inits = [
+        numpy_helper.from_array(np.array(0.02, np.float32), "xs"),
+        numpy_helper.from_array(np.array(0, np.int8), "xz"),
+    ]
     outs = []
     for p in ("q_proj", "k_proj", "v_proj"):
         inits += [
-            nh.from_array(rng.integers(-127, 128, (8, 8)).astype(np.int8), f"{p}_wq"),
-            nh.from_array(np.array(0.01, np.float32), f"{p}_ws"),
-            nh.from_array(np.array(0, np.int8), f"{p}_wz"),
+            numpy_helper.from_array(rng.integers(-127, 128, (8, 8)).astype(np.int8), f"{p}_wq"),
+            numpy_helper.from_array(np.array(0.01, np.float32), f"{p}_ws"),
+            numpy_helper.from_array(np.array(0, np.int8), f"{p}_wz"),
         ]
         nodes += [
-            h.make_node("DequantizeLinear", [f"{p}_wq", f"{p}_ws", f"{p}_wz"], [f"{p}_w"], name=f"{p}_w_dq"),
-            h.make_node("MatMul", ["xd", f"{p}_w"], [f"{p}_y"], name=p),
+            helper.make_node(
+                "DequantizeLinear", [f"{p}_wq", f"{p}_ws", f"{p}_wz"], [f"{p}_w"], name=f"{p}_w_dq"
+            ),
+            helper.make_node("MatMul", ["xd", f"{p}_w"], [f"{p}_y"], name=p),
         ]
-        outs.append(h.make_tensor_value_info(f"{p}_y", T.FLOAT, [2, 8]))
-    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 8])], outs, inits)
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+        outs.append(helper.make_tensor_value_info(f"{p}_y", TensorProto.FLOAT, [2, 8]))
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])], outs, inits
+    )
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     low, report = _lowered(model)
     assert sorted(report.quantized_layers) == ["k_proj", "q_proj", "v_proj"]
     assert [n.op_type for n in low.graph.node].count("AscendQuant") == 1

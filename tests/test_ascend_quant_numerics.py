@@ -15,9 +15,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
-from onnx import TensorProto as T
-from onnx import helper as h
-from onnx import numpy_helper as nh
+from onnx import TensorProto, helper, numpy_helper
 
 from passes import _quant_calib, _quant_plan, _quant_static, _quant_weight_only
 from vlmc.backends.ascend import lower, ops, precheck, reference
@@ -44,19 +42,23 @@ def _mlp(seed: int = 0, K: int = K, HID: int = HID) -> onnx.ModelProto:  # noqa:
     w1 = (rng.standard_normal((K, HID)) / np.sqrt(K)).astype(np.float32)
     b1 = (rng.standard_normal(HID) * 0.1).astype(np.float32)
     w2 = (rng.standard_normal((HID, N)) / np.sqrt(HID)).astype(np.float32)
-    g = h.make_graph(
+    g = helper.make_graph(
         [
-            h.make_node("MatMul", ["x", "w1"], ["m1"], name="fc1"),
-            h.make_node("Add", ["m1", "b1"], ["a1"], name="fc1_bias"),
-            h.make_node("Relu", ["a1"], ["r1"], name="relu"),
-            h.make_node("MatMul", ["r1", "w2"], ["y"], name="fc2"),
+            helper.make_node("MatMul", ["x", "w1"], ["m1"], name="fc1"),
+            helper.make_node("Add", ["m1", "b1"], ["a1"], name="fc1_bias"),
+            helper.make_node("Relu", ["a1"], ["r1"], name="relu"),
+            helper.make_node("MatMul", ["r1", "w2"], ["y"], name="fc2"),
         ],
         "mlp",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 4, K])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, 4, N])],
-        [nh.from_array(w1, "w1"), nh.from_array(b1, "b1"), nh.from_array(w2, "w2")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, K])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, N])],
+        [
+            numpy_helper.from_array(w1, "w1"),
+            numpy_helper.from_array(b1, "b1"),
+            numpy_helper.from_array(w2, "w2"),
+        ],
     )
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def _feeds(n: int, seed: int = 1) -> list[dict[str, np.ndarray]]:
@@ -80,13 +82,13 @@ def _plan(opts: dict, target: str = "ascend") -> _quant_plan.GraphPlan:
 
 
 def _lower(model: onnx.ModelProto, facts: dict, int4_weights: str = "int8"):
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    return lower.lower(copy, "mlp", {"quantization": facts}, int4_weights=int4_weights)
+    """The lowering on the IR of ``model``; the result back as a proto for inspection."""
+    low, report = lower.lower(ir.from_proto(model), "mlp", {"quantization": facts}, int4_weights=int4_weights)
+    return ir.to_proto(low), report
 
 
 def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    return {t.name: nh.to_array(t) for t in model.graph.initializer}
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
 def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
@@ -102,7 +104,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
     inits = _inits(low)
     for n in low.graph.node:
         if n.op_type == "AscendQuant":
-            assert {a.name: h.get_attribute_value(a) for a in n.attribute}["offset"] == 0.0
+            assert {a.name: helper.get_attribute_value(a) for a in n.attribute}["offset"] == 0.0
         if n.op_type == "AscendDequant":
             assert inits[n.input[1]].shape == (1,)  # one deq_scale value behind each MatMul
     assert reference.ge_offset_correction(low)[1] == 0
@@ -113,7 +115,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
         expected = _ort(q, feed)
         got = reference.run(low, feed, fp16=False)["y"]
         step = s_x2 * float(
-            np.abs(nh.to_array(next(t for t in _mlp().graph.initializer if t.name == "w2"))).max()
+            np.abs(numpy_helper.to_array(next(t for t in _mlp().graph.initializer if t.name == "w2"))).max()
         )
         np.testing.assert_allclose(got, expected, rtol=0, atol=2 * step)
         # almost every value is exact: the int32 accumulation equals the float sum of dequantized terms
@@ -125,7 +127,7 @@ def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
 @pytest.mark.parametrize("storage", ["packed", "int8"])
 def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weights):
     model = _mlp()
-    w1 = nh.to_array(model.graph.initializer[0])
+    w1 = numpy_helper.to_array(model.graph.initializer[0])
     plan = _plan({"weights": "int4", "group_size": group, "int4_storage": storage})
     q, facts = _weight_only(model, plan, None)
     facts.pop("_weight_bytes")
@@ -144,7 +146,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
     mm = [n for n in low.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"]
     assert [n.name for n in mm] == ["fc1", "fc2"]
     for n in mm:
-        attrs = {a.name: h.get_attribute_value(a) for a in n.attribute}
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         assert attrs["antiquant_group_size"] == group
         wq, scale = inits[n.input[1]], inits[n.input[2]]
         k = wq.shape[0]
@@ -169,7 +171,7 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-3 * np.abs(expected).max())
         on_npu = reference.run(low, feed)["y"]
         np.testing.assert_allclose(on_npu, expected, rtol=0, atol=1e-2 * np.abs(expected).max())
-    assert precheck.check_ops(low, "mlp", lowered=True) == []
+    assert precheck.check_ops(ir.from_proto(low), "mlp", lowered=True) == []
 
 
 def test_group_as_large_as_k_becomes_per_channel():
@@ -180,7 +182,7 @@ def test_group_as_large_as_k_becomes_per_channel():
     mm = [n for n in low.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"]
     assert len(mm) == 2
     for n in mm:
-        assert {a.name: h.get_attribute_value(a) for a in n.attribute}["antiquant_group_size"] == 0
+        assert {a.name: helper.get_attribute_value(a) for a in n.attribute}["antiquant_group_size"] == 0
         assert _inits(low)[n.input[2]].shape == (_inits(low)[n.input[1]].shape[1],)
 
 
@@ -222,7 +224,7 @@ def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     assert facts["activations"]["symmetric"] is False
     low, report = _lower(q, facts)
     offsets = [
-        {a.name: h.get_attribute_value(a) for a in n.attribute}["offset"]
+        {a.name: helper.get_attribute_value(a) for a in n.attribute}["offset"]
         for n in low.graph.node
         if n.op_type == "AscendQuant"
     ]
@@ -232,7 +234,7 @@ def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     inits = _inits(low)
     add = next(n for n in low.graph.node if n.op_type == "Add" and n.name.startswith("fc1"))
     s_deq = reference.unpack_deq_scale(inits["fc1_deq_scale"])
-    b1 = nh.to_array(_mlp().graph.initializer[1]).astype(np.float64)
+    b1 = numpy_helper.to_array(_mlp().graph.initializer[1]).astype(np.float64)
     np.testing.assert_array_equal(
         inits[add.input[1]], np.rint(b1 / s_deq.astype(np.float64)).astype(np.int32)
     )
@@ -279,14 +281,14 @@ def test_conv_stays_per_channel_and_matches_onnxruntime():
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
     b = (rng.standard_normal(8) * 0.1).astype(np.float32)
-    g = h.make_graph(
-        [h.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", pads=[1, 1, 1, 1])],
         "g",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 3, 8, 8])],
-        [h.make_tensor_value_info("y", T.FLOAT, [1, 8, 8, 8])],
-        [nh.from_array(w, "w"), nh.from_array(b, "b")],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
     )
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
     q, facts = _int8(model, _quant_calib.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
     assert facts["weights"]["nodes"]["conv"]["granularity"] == "per_channel"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
@@ -280,8 +281,9 @@ def _tiny_paged_graph() -> onnx.ModelProto:
 
 
 def test_fp16_pool_io_casts_at_the_boundary_only():
-    model = _tiny_paged_graph()
-    assert pools.fp16_pool_io(model) == ["key_cache.0", "new_key.0"]
+    graph = ir.from_proto(_tiny_paged_graph())
+    assert pools.fp16_pool_io(graph) == ["key_cache.0", "new_key.0"]
+    model = ir.to_proto(graph)
     onnx.checker.check_model(model, full_check=True)
     assert [n.op_type for n in model.graph.node] == ["Cast", "Add", "Mul", "Cast"]
     rng = np.random.default_rng(0)
@@ -291,7 +293,7 @@ def test_fp16_pool_io_casts_at_the_boundary_only():
     np.testing.assert_allclose(logits, want * x, rtol=1e-6)  # computed in fp32 from the fp16 pool
     assert rows.dtype == np.float16 and np.array_equal(rows, want.astype(np.float16))
     # Nothing to do: a graph without pools, or one already in float16, is left as it is.
-    assert pools.fp16_pool_io(model) == []
+    assert pools.fp16_pool_io(graph) == []
 
 
 def test_pool_counts_the_reserved_block(paged_build):
@@ -368,7 +370,8 @@ def test_prefill_graph_keeps_a_concat_of_the_past_alone():
     model = helper.make_model(
         helper.make_graph(nodes, "g", [x, past], [out]), opset_imports=[helper.make_opsetid("", 17)]
     )
-    prefill, empties = lower.strip_past(model, "decoder")
+    prefill, empties = lower.strip_past(ir.from_proto(model), "decoder")
+    prefill = ir.to_proto(prefill)
     assert [i.name for i in prefill.graph.input] == ["inputs_embeds"] and empties == 1
     assert all(len(n.input) for n in prefill.graph.node if n.op_type == "Concat")
     onnx.checker.check_model(prefill, full_check=True)

@@ -22,8 +22,7 @@ from pathlib import Path
 import onnx
 import torch
 
-from vlmc import graphs as G
-from vlmc import samples
+from vlmc import graphs, samples
 from vlmc.exporters import streaming
 from vlmc.package import Package
 
@@ -189,7 +188,7 @@ def export_graph(
                 input_names=input_names,
                 output_names=output_names,
                 dynamic_axes=dynamic_axes,
-                opset_version=G.EXPORT_OPSET,
+                opset_version=graphs.EXPORT_OPSET,
                 dynamo=False,
                 do_constant_folding=True,
             )
@@ -224,6 +223,8 @@ def _weights_out_of_proto(large: dict[str, torch.Tensor], stream_prefixes: tuple
     These three entry points of torch 2.13's exporter (pinned in constraints.txt) are the narrowest
     hooks there are; if torch renames one, the export fails loudly here rather than silently holding
     every weight in memory again. A test compares the result with torch.onnx.export's own output.
+    docs/architecture.md ("Which torch exporter, and why") says where torch calls each one, why no
+    public switch does the same, and what would replace them (the dynamo exporter, measured there).
 
     Parameters whose names start with one of ``stream_prefixes`` (the layer stacks being stitched)
     are collected whatever their size.
@@ -394,19 +395,19 @@ def _write_with_weights(
             pad = (-offset) % 64
             f.write(b"\0" * pad)
             offset += pad
-            h = G.digest_start(t.data_type, list(t.dims))
+            h = graphs.digest_start(t.data_type, list(t.dims))
             n = 0
             for chunk in chunks:
                 hashed = hasher.submit(h.update, chunk)
                 n += f.write(chunk)
                 hashed.result()
             hashes.append((offset, n, h.hexdigest()))
-            G._point_at(t, data_name, offset, n)
+            graphs._point_at(t, data_name, offset, n)
             t.data_location = onnx.TensorProto.EXTERNAL
             offset += n
 
         for t in g.initializer:
-            if t.HasField("raw_data") and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD:
+            if t.HasField("raw_data") and len(t.raw_data) >= graphs.EXTERNAL_DATA_THRESHOLD:
                 raw = t.raw_data
                 t.ClearField("raw_data")
                 put(t, [raw])
@@ -417,7 +418,7 @@ def _write_with_weights(
             t.data_type = elem_type
             t.dims.extend(tensor.shape)
             chunks = _byte_chunks(tensor, dtype=dtype)
-            if tensor.numel() * (dtype or tensor.dtype).itemsize < G.EXTERNAL_DATA_THRESHOLD:
+            if tensor.numel() * (dtype or tensor.dtype).itemsize < graphs.EXTERNAL_DATA_THRESHOLD:
                 t.raw_data = b"".join(bytes(c) for c in chunks)  # small: inline, as saved
             else:
                 put(t, chunks)
@@ -441,7 +442,7 @@ def _write_with_weights(
             del tensor
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-    G.remember_hashes(path.parent / data_name, hashes)
+    graphs.remember_hashes(path.parent / data_name, hashes)
 
 
 def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:

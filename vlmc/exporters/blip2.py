@@ -8,7 +8,7 @@ import torch
 
 from vlmc import samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, zoo
+from vlmc.exporters import base, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -26,6 +26,27 @@ def model_class():
     from transformers import Blip2ForConditionalGeneration
 
     return Blip2ForConditionalGeneration
+
+
+def stream_depths(config) -> dict:
+    """Layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the OPT decoder, the ViT and
+    the Q-Former.
+
+    The vision graph is the tower's ``last_hidden_state`` (the last layer, then post_layernorm): two
+    layers. Q-Former layer i cross-attends to the image only when i % cross_attention_frequency == 0
+    (transformers' Blip2QFormerLayer), so its layers are of two kinds and the trace holds one of each
+    after layer 0.
+    """
+    qformer = config.qformer_config
+    every = int(qformer.cross_attention_frequency)
+    kinds = ["cross" if i % every == 0 else "self" for i in range(int(qformer.num_hidden_layers))]
+    return {
+        **streaming.decoder_depths(config),
+        **streaming.uniform_depth(config, "vision_config", "num_hidden_layers", streaming.TRACED_LAYERS),
+        **streaming.uniform_depth(
+            config, "qformer_config", "num_hidden_layers", streaming.TRACED_LAYERS, kinds=kinds
+        ),
+    }
 
 
 class VisionWrapper(torch.nn.Module):

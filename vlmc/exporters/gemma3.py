@@ -19,7 +19,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, zoo
+from vlmc.exporters import base, generic, streaming, zoo
 from vlmc.exporters._facts import image_processor_config
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,18 @@ class Gemma3(generic.Family):
 
     def tokens_per_image(self, config) -> int:
         return int(config.mm_tokens_per_image)
+
+    def stream_depths(self, config) -> dict:
+        """The layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the SigLIP tower, whose
+        ``last_hidden_state`` (after its post-layernorm) reads only the last layer: two layers.
+
+        The decoder is not cut: Gemma3's RMSNorm multiplies by ``1 + weight``, which torch's exporter
+        folds into an unnamed constant per norm, so a layer's graph holds values that are no checkpoint
+        tensor and the stitcher cannot bind a copied layer to its weights (it refuses such a layer).
+        It loads whole (the sliding / full ``layer_types`` themselves would stitch: one traced layer of
+        each kind, see streaming.Cut.kinds).
+        """
+        return streaming.uniform_depth(config, "vision_config", "num_hidden_layers", streaming.TRACED_LAYERS)
 
     def vision_facts(self, source) -> dict:
         cfg = source.config
@@ -100,14 +112,14 @@ class Gemma3(generic.Family):
         positions belong to no block, which is exact for a prefill from an empty cache and for decode steps
         (their token is text, so no query is in a block).
         """
-        from transformers.models.gemma3 import modeling_gemma3 as G
+        from transformers.models.gemma3 import modeling_gemma3
 
         q_len, kv_len = inputs_embeds.shape[1], attention_mask.shape[1]
         past = kv_len - q_len
         q = torch.arange(q_len).unsqueeze(1) + past  # [Q, 1]
         k = torch.arange(kv_len).unsqueeze(0)  # [1, K]
         causal = (k <= q).unsqueeze(0)  # [1, Q, K]
-        blocks = G.get_block_sequence_ids_for_mask(token_type_ids)  # [B, Q]
+        blocks = modeling_gemma3.get_block_sequence_ids_for_mask(token_type_ids)  # [B, Q]
         kv_blocks = torch.cat([torch.full_like(attention_mask[:, :past], -1), blocks], dim=1)  # [B, K]
         same = (blocks.unsqueeze(2) == kv_blocks.unsqueeze(1)) & (blocks.unsqueeze(2) >= 0)  # [B, Q, K]
         padding = attention_mask.bool().unsqueeze(1)  # [B, 1, K]

@@ -32,7 +32,7 @@ import torch
 
 from vlmc import samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base
+from vlmc.exporters import base, streaming
 from vlmc.exporters._facts import kv_facts, text_facts
 from vlmc.package import Package
 
@@ -96,6 +96,15 @@ class Family(abc.ABC):
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText
+
+    def stream_depths(self, config) -> dict:
+        """The layer stacks a streaming export cuts (vlmc/exporters/streaming.py), {(sub-config, field): Cut}.
+
+        Default: the text decoder (by its ``layer_types``, when they differ), and the vision tower when
+        the features are one layer's ``hidden_states[f]`` with f < 0 (:func:`streaming.feature_layer_depth`).
+        A family whose tower reads its features otherwise states its own cut.
+        """
+        return {**streaming.decoder_depths(config), **streaming.feature_layer_depth(config)}
 
     # ---- facts ----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -223,4 +232,5 @@ def module_api(family: Family) -> dict:
         "model_class": family.model_class,
         "export": family.export,
         "tokens_per_image": family.tokens_per_image,
+        "stream_depths": family.stream_depths,
     }

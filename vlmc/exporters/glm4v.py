@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from vlmc.exporters import base, qwen2_vl, zoo
+from vlmc.exporters import base, qwen2_vl, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -48,6 +48,15 @@ def model_class(config=None):
 
 
 # ---- built-ins ---------------------------------------------------------------------------------
+
+
+def stream_depths(config) -> dict:
+    """Layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the text decoder and the ViT,
+    whose features are its last block's output (then post_layernorm, downsample and merger): two blocks."""
+    return {
+        **streaming.decoder_depths(config),
+        **streaming.uniform_depth(config, "vision_config", "depth", streaming.TRACED_LAYERS),
+    }
 
 
 def tiny_glm4v_config(vision_over: dict | None = None, **text_over):
@@ -171,10 +180,7 @@ class VisionWrapper(torch.nn.Module):
         hidden = hidden + self._position_embeddings(image_grid_thw, hpos, wpos, hidden.dtype)
         mask = qwen2_vl._additive_mask(segment.unsqueeze(1) == segment.unsqueeze(0))
         for blk in v.blocks:
-            hidden = hidden + qwen2_vl._vision_attention(
-                blk.attn, blk.norm1(hidden), cos, sin, mask, self.apply_rope
-            )
-            hidden = hidden + blk.mlp(blk.norm2(hidden))
+            hidden = qwen2_vl.vision_block(blk, hidden, cos, sin, mask, self.apply_rope)
         hidden = v.post_layernorm(hidden)
         # [tokens, merge, merge, C] -> [tokens, C, merge, merge] flattened: the Conv2d weight's layout
         width = hidden.shape[-1]

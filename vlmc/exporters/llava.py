@@ -28,11 +28,7 @@ def stream_depths(config) -> dict:
     """Layer stacks a streaming export may cut (vlmc/exporters/streaming.py): the decoder, and the
     vision tower when its feature layer counts from the end (hidden_states[f], f < 0: the layers
     after the picked one are dead, so a tower cut to 1 - f layers traces two live ones)."""
-    depths = streaming.decoder_depths(config)
-    f = config.vision_feature_layer
-    if isinstance(f, int) and f < 0:
-        depths.update(streaming.uniform_depth(config, "vision_config", "num_hidden_layers", 1 - f))
-    return depths
+    return {**streaming.decoder_depths(config), **streaming.feature_layer_depth(config)}
 
 
 class VisionWrapper(torch.nn.Module):

@@ -23,7 +23,7 @@ import logging
 import torch
 
 from vlmc import attention, graphs, samples
-from vlmc.exporters import base, zoo
+from vlmc.exporters import base, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -57,6 +57,22 @@ def model_class(config=None):
     if getattr(config, "model_type", None) == "qwen2_5_vl":
         return Qwen2_5_VLForConditionalGeneration
     return Qwen2VLForConditionalGeneration
+
+
+def stream_depths(config) -> dict:
+    """Layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the M-RoPE decoder and the ViT.
+
+    The ViT's features are its last block's output (then the merger): two blocks. Qwen2.5-VL's blocks
+    are of two kinds, windowed attention and the full-attention ones (``fullatt_block_indexes``, every
+    8th in the real checkpoints): the trace holds one of each after block 0 (8 of 32).
+    """
+    vcfg = config.vision_config
+    full = getattr(vcfg, "fullatt_block_indexes", None)
+    kinds = None if full is None else ["full" if i in full else "window" for i in range(int(vcfg.depth))]
+    return {
+        **streaming.decoder_depths(config),
+        **streaming.uniform_depth(config, "vision_config", "depth", streaming.TRACED_LAYERS, kinds=kinds),
+    }
 
 
 # ---- built-ins ---------------------------------------------------------------------------------
@@ -208,6 +224,26 @@ def _vision_attention(attn, hidden: torch.Tensor, cos, sin, mask: torch.Tensor, 
     return attn.proj(out)
 
 
+def vision_block(block, hidden: torch.Tensor, cos, sin, mask: torch.Tensor, apply_rope) -> torch.Tensor:
+    """One ViT block: masked attention (:func:`_vision_attention`) and MLP, both with their residual.
+
+    Run as the block's own call (its forward swapped for this one while it runs), so the tracer scopes
+    every node of it, the attention math included, to the block (``/visual/blocks.N/...``): that is how
+    the streaming export's stitcher (vlmc/exporters/streaming.py) tells one block's subgraph from the
+    next. The block itself is unchanged afterwards.
+    """
+
+    def forward(hidden, cos, sin, mask):
+        hidden = hidden + _vision_attention(block.attn, block.norm1(hidden), cos, sin, mask, apply_rope)
+        return hidden + block.mlp(block.norm2(hidden))
+
+    block.forward = forward
+    try:
+        return block(hidden, cos, sin, mask)
+    finally:
+        del block.forward
+
+
 class VisionWrapper(torch.nn.Module):
     """pixel_values [patches, C*T*P*P], image_grid_thw [images, 3] -> image_features [image_tokens, hidden]."""
 
@@ -251,8 +287,7 @@ class VisionWrapper(torch.nn.Module):
             )
         for i, blk in enumerate(self.visual.blocks):
             mask = full_mask if i in self.full_blocks else window_mask
-            hidden = hidden + _vision_attention(blk.attn, blk.norm1(hidden), cos, sin, mask, self.apply_rope)
-            hidden = hidden + blk.mlp(blk.norm2(hidden))
+            hidden = vision_block(blk, hidden, cos, sin, mask, self.apply_rope)
         return self.visual.merger(hidden)
 
 
@@ -307,8 +342,7 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
     blocks = int(vcfg.depth)
     full = getattr(vcfg, "fullatt_block_indexes", None)
     layer = max(full) if full else blocks - 1
-    # The attention math is a free function in VisionWrapper, so its nodes carry no block scope; the
-    # graph has exactly one Softmax per block, in block order.
+    # The graph has exactly one Softmax per block, in block order (each in its block's scope).
     vision_graph = graphs.as_ir(vision_graph)  # the exported graph without its weights
     nodes = attention.softmax_nodes(vision_graph)
     if len(nodes) != blocks:

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from vlmc.exporters import base, qwen2_vl, zoo
+from vlmc.exporters import base, qwen2_vl, streaming, zoo
 from vlmc.exporters._facts import image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -48,6 +48,19 @@ def model_class(config=None):
     from transformers import AutoModelForImageTextToText, Qwen3VLForConditionalGeneration
 
     return AutoModelForImageTextToText if config is None else Qwen3VLForConditionalGeneration
+
+
+def stream_depths(config) -> dict:
+    """Layer stacks a streaming export cuts (vlmc/exporters/streaming.py): the decoder, deepstack included.
+
+    The text model adds deepstack embedding k after decoder layer k (k < deepstack layers), outside the
+    layers: layers 0..k are wired to the graph by their index, so they are traced as they are
+    (``fixed``) with two plain layers after them; every further layer copies the last one.
+    The vision tower is not cut: its deepstack taps read block outputs by index up to near its top
+    (8, 16, 24 of Qwen3-VL-8B's 27 blocks), so a trace that keeps them fixed is nearly the whole tower
+    (about 0.4 B params, loaded whole).
+    """
+    return streaming.decoder_depths(config, fixed=len(config.vision_config.deepstack_visual_indexes))
 
 
 # ---- built-ins ---------------------------------------------------------------------------------
@@ -159,10 +172,7 @@ class VisionWrapper(qwen2_vl.VisionWrapper):
         mask = qwen2_vl._additive_mask(segment.unsqueeze(1) == segment.unsqueeze(0))
         deepstack = []
         for i, blk in enumerate(self.visual.blocks):
-            hidden = hidden + qwen2_vl._vision_attention(
-                blk.attn, blk.norm1(hidden), cos, sin, mask, self.apply_rope
-            )
-            hidden = hidden + blk.mlp(blk.norm2(hidden))
+            hidden = qwen2_vl.vision_block(blk, hidden, cos, sin, mask, self.apply_rope)
             if i in self.deepstack:
                 deepstack.append(self.visual.deepstack_merger_list[self.deepstack.index(i)](hidden))
         return self.visual.merger(hidden), torch.stack(deepstack, 0)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from pathlib import Path
 
 from vlmc import outdir
-from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import soc
 from vlmc.backends.ascend import write as writer
 from vlmc.backends.ascend.options import (
     DEFAULT_SEQUENCE_BUCKETS,
@@ -67,10 +68,14 @@ def compile(package: Package, out_dir: Path, target: dict, force: bool = False) 
     opts = options(target)
     out_dir = Path(out_dir)  # not resolved: a symlink output is refused, never followed
     outdir.check(out_dir, force, source=package.root)
-    resolution = S.resolve(opts["soc"], opts.get("soc_variant"))
-    plan = prepare(package, opts, resolution.soc_version)
-    summary = writer.summary(package, opts, resolution, plan)
-    writer.write(out_dir, plan, summary, force, package)
+    resolution = soc.resolve(opts["soc"], opts.get("soc_variant"))
+    # The lowering's deploy-form weights are written here as they are made (beside the output, so
+    # on its disk, not in a RAM-backed /tmp), streamed into the build, and removed.
+    with tempfile.TemporaryDirectory(prefix=".vlmc-lower-", dir=_existing_parent(out_dir)) as scratch:
+        plan = prepare(package, opts, resolution.soc_version, scratch=Path(scratch))
+        summary = writer.summary(package, opts, resolution, plan)
+        writer.write(out_dir, plan, summary, force, package)
+        del plan["files"]  # close the lowered graphs' maps of the scratch file before it goes
     if opts["run"]:
         summary["run"] = run_builds(out_dir, plan["commands"])
         (out_dir / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
@@ -80,3 +85,11 @@ def compile(package: Package, out_dir: Path, target: dict, force: bool = False) 
             first = r["errors"][0] if r["errors"] else "see the log"
             raise CheckFailed(f"ATC failed for {failed[0]}: {first} (log: {r['log']})")
     return summary
+
+
+def _existing_parent(path: Path) -> Path:
+    """The nearest directory above ``path`` that exists (compile creates the rest)."""
+    p = path.absolute().parent
+    while not p.is_dir():
+        p = p.parent
+    return p

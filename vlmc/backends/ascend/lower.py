@@ -22,10 +22,10 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
-from vlmc.backends.ascend import rules as R
+from vlmc import graphs, tensor_names
+from vlmc.backends.ascend import rules
 from vlmc.backends.ascend.rules import Graph
 from vlmc.errors import CheckFailed
 
@@ -75,9 +75,16 @@ class LowerReport:
 
 
 def lower(
-    model: onnx.ModelProto, name: str, info: dict | None = None, int4_weights: str = "int8"
-) -> tuple[onnx.ModelProto, LowerReport]:
+    model: ir.Model,
+    name: str,
+    info: dict | None = None,
+    int4_weights: str = "int8",
+    store: graphs.TensorStore | None = None,
+) -> tuple[ir.Model, LowerReport]:
     """Lower one graph in place for ATC.
+
+    Weights are read one at a time (memory-mapped) where a rule needs them; each deploy-form weight
+    a rule makes goes to ``store`` as it is made, so the lowering holds at most one weight.
 
     Args:
         model: the portable graph (a copy the caller owns; it is rewritten in place).
@@ -85,6 +92,7 @@ def lower(
         info: the graph's manifest entry; its ``quantization`` facts are what the rules read.
         int4_weights: INT4 weight storage, "int8" (one value per int8) or "int4" (ONNX INT4, see
             docs/ascend.md "INT4 on Ascend").
+        store: where new weights are written (None keeps them in memory: small graphs, tests).
 
     Returns:
         The lowered model and what was done.
@@ -96,12 +104,12 @@ def lower(
     info = info or {}
     facts = info.get("quantization") or {}
     report = LowerReport()
-    gr = Graph(model)
-    ctx = R.Context(gr, name, facts, report, int4_weights=int4_weights)
-    for rule in R.default_rules():
-        report.rules[rule.name] = {**R.apply(ctx, rule), "source": rule.source}
+    gr = Graph(model, store)
+    ctx = rules.Context(gr, name, facts, report, int4_weights=int4_weights)
+    for rule in rules.default_rules():
+        report.rules[rule.name] = {**rules.apply(ctx, rule), "source": rule.source}
     logger.info("%s: rewrites %s", name, ", ".join(f"{k}={v['applied']}" for k, v in report.rules.items()))
-    for node in gr.g.node:
+    for node in gr.g:
         if node.op_type in ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"):
             ctx.problems.append(
                 f"{node.name} ({node.op_type}) is not part of a pattern vlmc can lower; quantize "
@@ -109,7 +117,7 @@ def lower(
             )
     if ctx.problems:
         raise CheckFailed(f"{name}: cannot lower for Ascend: {'; '.join(ctx.problems)}")
-    names = {n.name for n in gr.g.node}
+    names = {n.name for n in gr.g}
     recorded = next((facts[k] for k in _KEPT_FP32_KEYS if isinstance(facts.get(k), list)), None)
     if recorded is not None:
         # The quantize pass says which nodes it kept in FP32; nodes it merely skipped follow the precision.
@@ -120,24 +128,22 @@ def lower(
         lowered = set(report.quantized_layers) | set(report.weight_only_layers)
         report.kept_fp32 = [
             n.name
-            for n in gr.g.node
+            for n in gr.g
             if n.op_type in QUANT_CORE_OPS
             and n.name not in lowered
-            and not _is_int8_input(gr, n)
-            and gr.const_subgraph(n.input[1]) is not None
+            and not _is_int8_input(n)
+            and gr.const_subgraph(n.inputs[1]) is not None
         ]
     return model, report
 
 
-def _is_int8_input(gr: Graph, node: onnx.NodeProto) -> bool:
-    p = gr.producer.get(node.input[0])
+def _is_int8_input(node: ir.Node) -> bool:
+    p = node.inputs[0].producer()
     return p is not None and p.op_type == "AscendQuant"
 
 
-def strip_past(
-    model: onnx.ModelProto, name: str, prefix: str = "past_key_values."
-) -> tuple[onnx.ModelProto, int]:
-    """Make the prefill form of a decoder: drop its past inputs (the past is empty in prefill).
+def strip_past(model: ir.Model, name: str, prefix: str = tensor_names.PAST_PREFIX) -> tuple[ir.Model, int]:
+    """Make the prefill form of a decoder: drop its past inputs (the past is empty in prefill), in place.
 
     Each past input is removed from the Concat that appends the new keys/values; a Concat left with
     one input becomes Identity. Any other consumer (e.g. a Shape that measures the past) gets an
@@ -150,68 +156,72 @@ def strip_past(
         CheckFailed: a past input's shape has dims other than batch, past_sequence and constants.
     """
     gr = Graph(model)
-    past = [i for i in gr.g.input if i.name.startswith(prefix)]
+    past = [i for i in gr.g.inputs if i.name.startswith(prefix)]
     empties = 0
     for inp in past:
-        for cons in list(gr.consumers.get(inp.name, [])):
-            if cons.op_type == "Concat":
-                rest = [i for i in cons.input if i != inp.name]
-                if not rest:
-                    # A Concat of the past alone (an identity the exporter left) keeps it and so is fed
-                    # the empty past below; a Concat with no inputs is not valid ONNX.
-                    continue
-                if len(rest) == 1:
-                    ident = helper.make_node("Identity", rest, list(cons.output), name=cons.name)
-                    gr.replace(cons, [ident], [])
-                else:
-                    del cons.input[:]
-                    cons.input.extend(rest)
-                    gr.refresh()
-        if gr.consumers.get(inp.name):
+        for cons in list(dict.fromkeys(inp.consumers())):
+            if cons.op_type != "Concat":
+                continue
+            rest = [i for i in cons.inputs if i is not inp]
+            if not rest:
+                # A Concat of the past alone (an identity the exporter left) keeps it and so is fed
+                # the empty past below; a Concat with no inputs is not valid ONNX.
+                continue
+            if len(rest) == 1:
+                out = ir.Value(name=cons.outputs[0].name)
+                ident = ir.node("Identity", rest, outputs=[out], name=cons.name)
+                gr.replace(cons, [ident], [], [(cons.outputs[0], out)])
+            else:
+                gr.replace_inputs(cons, rest)
+        if inp.uses():
             _feed_empty(gr, inp, name)
             empties += 1
-        gr.g.input.remove(inp)
-    gr.refresh()
+        gr.g.inputs.remove(inp)
     return model, empties
 
 
-def _feed_empty(gr: Graph, inp: onnx.ValueInfoProto, name: str) -> None:
+def _feed_empty(gr: Graph, inp: ir.Value, name: str) -> None:
     dims = []
     batch_at = None
-    for i, d in enumerate(inp.type.tensor_type.shape.dim):
-        if d.HasField("dim_value"):
-            dims.append(d.dim_value)
-        elif d.dim_param == "batch":
+    for i, d in enumerate(inp.shape or ()):
+        if isinstance(d, int):
+            dims.append(d)
+        elif d.value == "batch":
             dims.append(1)
             batch_at = i
-        elif d.dim_param == "past_sequence":
+        elif d.value == "past_sequence":
             dims.append(0)
         else:
-            raise CheckFailed(f"{name}: cannot build the prefill graph: {inp.name} has dim {d.dim_param!r}")
-    dtype = helper.tensor_dtype_to_np_dtype(inp.type.tensor_type.elem_type)
+            raise CheckFailed(f"{name}: cannot build the prefill graph: {inp.name} has dim {d.value!r}")
+    dtype = inp.dtype.numpy()
     out = inp.name
-    fill = numpy_helper.from_array(np.zeros(1, dtype=dtype))
+    fill = {"value": ir.tensor(np.zeros(1, dtype=dtype))}
+    empty = ir.Value(name=None)
     if batch_at is None:
         shape = gr.add_init(f"{out}_empty_shape", np.array(dims, dtype=np.int64))
-        nodes = [
-            helper.make_node("ConstantOfShape", [shape], [out], name=gr.unique(f"{out}_empty"), value=fill)
-        ]
+        nodes = [ir.node("ConstantOfShape", [shape], fill, outputs=[empty], name=gr.unique(f"{out}_empty"))]
     else:
-        embeds = next((i.name for i in gr.g.input if i.name == "inputs_embeds"), gr.g.input[0].name)
-        shp, bat = gr.unique(f"{out}_embeds_shape"), gr.unique(f"{out}_batch")
-        full = gr.unique(f"{out}_empty_shape")
+        embeds = next((i for i in gr.g.inputs if i.name == "inputs_embeds"), gr.g.inputs[0])
+        shp, bat = gr.value(f"{out}_embeds_shape"), gr.value(f"{out}_batch")
+        full = gr.value(f"{out}_empty_shape")
         before = gr.add_init(f"{out}_dims_before", np.array(dims[:batch_at], dtype=np.int64))
         after = gr.add_init(f"{out}_dims_after", np.array(dims[batch_at + 1 :], dtype=np.int64))
-        start, end = (
-            gr.add_init(f"{out}_b0", np.array([0], np.int64)),
-            gr.add_init(f"{out}_b1", np.array([1], np.int64)),
-        )
+        start = gr.add_init(f"{out}_b0", np.array([0], np.int64))
+        end = gr.add_init(f"{out}_b1", np.array([1], np.int64))
         nodes = [
-            helper.make_node("Shape", [embeds], [shp], name=gr.unique(f"{out}_Shape")),
-            helper.make_node("Slice", [shp, start, end], [bat], name=gr.unique(f"{out}_Slice")),
-            helper.make_node("Concat", [before, bat, after], [full], name=gr.unique(f"{out}_Concat"), axis=0),
-            helper.make_node("ConstantOfShape", [full], [out], name=gr.unique(f"{out}_empty"), value=fill),
+            ir.node("Shape", [embeds], outputs=[shp], name=gr.unique(f"{out}_Shape")),
+            ir.node("Slice", [shp, start, end], outputs=[bat], name=gr.unique(f"{out}_Slice")),
+            ir.node(
+                "Concat", [before, bat, after], {"axis": 0}, outputs=[full], name=gr.unique(f"{out}_Concat")
+            ),
+            ir.node("ConstantOfShape", [full], fill, outputs=[empty], name=gr.unique(f"{out}_empty")),
         ]
-    for k, n in enumerate(nodes):
-        gr.g.node.insert(k, n)
-    gr.refresh()
+    first = next(iter(gr.g), None)
+    if first is None:
+        gr.g.extend(nodes)
+    else:
+        gr.g.insert_before(first, nodes)
+    # the empty tensor takes the input's place (and name) for every consumer left
+    inp.replace_all_uses_with(empty)
+    inp_name, inp.name = inp.name, f"{out}__removed"
+    empty.name = inp_name

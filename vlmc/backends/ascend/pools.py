@@ -22,17 +22,24 @@ from __future__ import annotations
 import logging
 import re
 
-import onnx
-from onnx import TensorProto, helper
+import onnx_ir as ir
+
+from vlmc import tensor_names
 
 logger = logging.getLogger(__name__)
 
-POOL_RE = re.compile(r"^(key|value)_cache\.\d+$")
-ROWS_RE = re.compile(r"^new_(key|value)\.\d+$")
 POOL_DTYPE = "float16"
 
 
-def fp16_pool_io(model: onnx.ModelProto) -> list[str]:
+# new_key.{i} / new_value.{i}: a paged step's rows out (tensor_names.new_rows)
+_ROWS_RE = re.compile("^(?:" + "|".join(re.escape(p) for p in tensor_names.NEW_PREFIX.values()) + r")\d+$")
+
+
+def _is_rows(name: str) -> bool:
+    return _ROWS_RE.match(name) is not None
+
+
+def fp16_pool_io(model: ir.Model) -> list[str]:
     """Make a paged decoder's float32 pool inputs and row outputs float16, in place.
 
     Returns:
@@ -40,46 +47,35 @@ def fp16_pool_io(model: onnx.ModelProto) -> list[str]:
     """
     g = model.graph
     changed: list[str] = []
-    head: list[onnx.NodeProto] = []
-    for inp in g.input:
-        if not POOL_RE.match(inp.name) or inp.type.tensor_type.elem_type != TensorProto.FLOAT:
+    head: list[ir.Node] = []
+    for inp in g.inputs:
+        if not tensor_names.is_cache(inp.name) or inp.dtype != ir.DataType.FLOAT:
             continue
-        inner = f"{inp.name}__fp32"
-        _rename_uses(g, inp.name, inner)
+        inner = ir.Value(name=f"{inp.name}__fp32")
+        inp.replace_all_uses_with(inner)
         head.append(
-            helper.make_node("Cast", [inp.name], [inner], name=f"{inp.name}__to_fp32", to=TensorProto.FLOAT)
+            ir.node("Cast", [inp], {"to": ir.DataType.FLOAT}, outputs=[inner], name=f"{inp.name}__to_fp32")
         )
-        inp.type.tensor_type.elem_type = TensorProto.FLOAT16
+        inp.dtype = ir.DataType.FLOAT16
         changed.append(inp.name)
-    tail: list[onnx.NodeProto] = []
-    for out in g.output:
-        if not ROWS_RE.match(out.name) or out.type.tensor_type.elem_type != TensorProto.FLOAT:
+    tail: list[ir.Node] = []
+    for i, out in enumerate(list(g.outputs)):
+        if not _is_rows(out.name) or out.dtype != ir.DataType.FLOAT:
             continue
-        inner = f"{out.name}__fp32"
-        for node in g.node:
-            node.output[:] = [inner if o == out.name else o for o in node.output]
-        _rename_uses(g, out.name, inner)
+        rows = ir.Value(name=out.name, type=ir.TensorType(ir.DataType.FLOAT16), shape=out.shape)
+        # the float32 value stays where it is computed, under a new name and without the output's type
+        out.name, out.type, out.shape = f"{out.name}__fp32", None, None
         tail.append(
-            helper.make_node("Cast", [inner], [out.name], name=f"{out.name}__to_fp16", to=TensorProto.FLOAT16)
+            ir.node("Cast", [out], {"to": ir.DataType.FLOAT16}, outputs=[rows], name=f"{rows.name}__to_fp16")
         )
-        out.type.tensor_type.elem_type = TensorProto.FLOAT16
-        changed.append(out.name)
+        g.outputs[i] = rows
+        changed.append(rows.name)
     if changed:
-        nodes = head + list(g.node) + tail
-        del g.node[:]
-        g.node.extend(nodes)
+        first = next(iter(g), None)
+        if head and first is not None:
+            g.insert_before(first, head)
+        else:
+            g.extend(head)
+        g.extend(tail)
         logger.info("paged pools in float16: %d inputs/outputs retyped", len(changed))
     return changed
-
-
-def _rename_uses(g: onnx.GraphProto, old: str, new: str) -> None:
-    """Point every node input (and value_info entry) that reads ``old`` at ``new``."""
-    for node in g.node:
-        if old in node.input:
-            node.input[:] = [new if i == old else i for i in node.input]
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                _rename_uses(attr.g, old, new)
-    for vi in g.value_info:
-        if vi.name == old:
-            vi.name = new

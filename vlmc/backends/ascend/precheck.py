@@ -6,9 +6,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
+import onnx_ir as ir
 
-from vlmc import graphs as G
+from vlmc import graphs
 from vlmc.backends.ascend import ops
 
 logger = logging.getLogger(__name__)
@@ -36,18 +36,7 @@ class Finding:
         return f"{where}: {self.message}"
 
 
-def _iter_nodes(graph: onnx.GraphProto):
-    for n in graph.node:
-        yield n
-        for a in n.attribute:
-            if a.type == onnx.AttributeProto.GRAPH:
-                yield from _iter_nodes(a.g)
-            elif a.type == onnx.AttributeProto.GRAPHS:
-                for sub in a.graphs:
-                    yield from _iter_nodes(sub)
-
-
-def check_ops(model: onnx.ModelProto, graph: str, lowered: bool) -> list[Finding]:
+def check_ops(model: ir.Model, graph: str, lowered: bool) -> list[Finding]:
     """Every node's op type at the model's opset against ATC's parser table.
 
     Args:
@@ -55,7 +44,7 @@ def check_ops(model: onnx.ModelProto, graph: str, lowered: bool) -> list[Finding
         graph: its name, for messages.
         lowered: False for a portable graph (QDQ allowed: the lowering removes it), True for what ATC reads.
     """
-    versions = {o.domain or "": int(o.version) for o in model.opset_import}
+    versions = {domain or "": int(version) for domain, version in model.opset_imports.items()}
     if "ai.onnx" in versions and "" not in versions:
         versions[""] = versions["ai.onnx"]
     opset = versions.get("")
@@ -69,7 +58,7 @@ def check_ops(model: onnx.ModelProto, graph: str, lowered: bool) -> list[Finding
             )
         )
     unsupported: dict[str, list[str]] = {}
-    for i, n in enumerate(_iter_nodes(model.graph)):
+    for i, n in enumerate(ir.traversal.RecursiveGraphIterator(model.graph)):
         name = n.name or f"{n.op_type}_{i}"
         domain = n.domain or ""
         label = f"{domain}::{n.op_type}" if domain not in ("", "ai.onnx") else n.op_type
@@ -108,28 +97,36 @@ def check_ops(model: onnx.ModelProto, graph: str, lowered: bool) -> list[Finding
     return out
 
 
-def _attr_str(node: onnx.NodeProto, name: str) -> str | None:
-    for a in node.attribute:
-        if a.name == name:
-            v = onnx.helper.get_attribute_value(a)
-            return v.decode() if isinstance(v, bytes) else str(v)
-    return None
+def _attr_str(node: ir.Node, name: str) -> str | None:
+    a = node.attributes.get(name)
+    if a is None:
+        return None
+    return a.value.decode() if isinstance(a.value, bytes) else str(a.value)
 
 
-def protobuf_bytes(model: onnx.ModelProto) -> int:
-    """Size of the .onnx protobuf once large tensors are moved to external data (as graphs.save does)."""
-    total = 0
-    for t in model.graph.initializer:
-        size = t.ByteSize()
-        if t.data_location != onnx.TensorProto.EXTERNAL and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD:
-            size -= len(t.raw_data)
-        total += size
-    for part in (model.graph.node, model.graph.input, model.graph.output, model.graph.value_info):
-        total += sum(p.ByteSize() for p in part)
-    return total
+def protobuf_bytes(model: ir.Model) -> int:
+    """Size of the .onnx protobuf once large tensors are moved to external data (as graphs.save does).
+
+    The graph is serialized with every large initializer as a stub that only names its place, so
+    no weight is read; what is left is what the file will hold (nodes, small tensors, IO).
+    """
+    swaps = []
+    try:
+        for g in model.graphs():
+            for v in g.initializers.values():
+                t = v.const_value
+                if t is not None and t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+                    swaps.append((v, t))
+                    v.const_value = ir.ExternalTensor(
+                        f"{v.name}.data", 0, t.nbytes, t.dtype, shape=t.shape, name=t.name
+                    )
+        return ir.serde.serialize_model(model).ByteSize()
+    finally:
+        for v, t in reversed(swaps):
+            v.const_value = t
 
 
-def check_size(model: onnx.ModelProto, graph: str) -> list[Finding]:
+def check_size(model: ir.Model, graph: str) -> list[Finding]:
     size = protobuf_bytes(model)
     if size >= PROTOBUF_LIMIT:
         return [
@@ -143,19 +140,19 @@ def check_size(model: onnx.ModelProto, graph: str) -> list[Finding]:
 
 
 def check_external_data(path: Path, graph: str) -> list[Finding]:
-    """External data files referenced by an on-disk graph exist and are long enough."""
+    """External data files referenced by an on-disk graph exist and are long enough (nothing is read)."""
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        model = ir.load(str(path))
     except Exception as exc:  # protobuf raises several types for truncated files
         return [Finding(graph, f"{path.name} is not a readable ONNX file ({type(exc).__name__})")]
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
-
+    tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        tensors += [a.value for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR]
     out = []
-    for t in _get_all_tensors(model):
-        if not uses_external_data(t):
+    for t in tensors:
+        if not isinstance(t, ir.ExternalTensor):
             continue
-        info = {e.key: e.value for e in t.external_data}
-        loc = path.parent / info.get("location", "")
+        loc = path.parent / t.location
         if not loc.is_file():
             out.append(
                 Finding(
@@ -165,36 +162,31 @@ def check_external_data(path: Path, graph: str) -> list[Finding]:
                 )
             )
             break
-        end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        if end > loc.stat().st_size:
+        if t.offset + t.length > loc.stat().st_size:
             out.append(Finding(graph, f"external data {loc.name} is truncated (tensor {t.name!r})"))
             break
     return out
 
 
-def check_inputs(
-    model: onnx.ModelProto, graph: str, known: set[str], sample_inputs: set[str]
-) -> list[Finding]:
+def check_inputs(model: ir.Model, graph: str, known: set[str], sample_inputs: set[str]) -> list[Finding]:
     """Every dynamic input axis must be a dim vlmc plans gears for, a dim the target sizes, or sampled."""
     out = []
-    inits = {t.name for t in model.graph.initializer}
-    for vi in model.graph.input:
-        if vi.name in inits:
+    for vi in model.graph.inputs:
+        if vi.is_initializer():
             continue
-        tt = vi.type.tensor_type
-        if not tt.HasField("shape"):
+        if vi.shape is None:
             out.append(Finding(graph, f"input {vi.name} has no shape; export with named dynamic axes"))
             continue
-        for i, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value"):
+        for i, d in enumerate(vi.shape):
+            if isinstance(d, int):
                 continue
-            sym = d.dim_param or f"{vi.name}[{i}]"
+            sym = d.value or f"{vi.name}[{i}]"
             if sym in KNOWN_DIMS or sym in known or vi.name in sample_inputs:
                 continue
             out.append(
                 Finding(
                     graph,
-                    f"input {vi.name} dim {i} ({d.dim_param or 'unnamed'}) is dynamic and vlmc "
+                    f"input {vi.name} dim {i} ({d.value or 'unnamed'}) is dynamic and vlmc "
                     f"cannot size it; name it at export or give target dims {{{sym!r}: N}}",
                 )
             )

@@ -6,34 +6,36 @@ import json
 import logging
 from pathlib import Path
 
-import onnx
+import onnx_ir as ir
 
-from vlmc import graphs as G
-from vlmc import samples
+from vlmc import ascend_limits, graphs, samples, tensor_names
 from vlmc.backends.ascend import atc, gears, lower, pools, precheck
-from vlmc.backends.ascend.options import QUANTIZED_PRECISIONS
 from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
 
-def prepare(package: Package, opts: dict, soc_version: str) -> dict:
-    """Everything compile writes, in memory: lowered graphs, builds and ATC commands.
+def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None = None) -> dict:
+    """Everything compile writes, planned: lowered graphs (IR), builds and ATC commands.
+
+    Weights are never all in memory: each graph is an onnx-ir model whose weights stay in their
+    files (memory-mapped when a rule reads one), and the deploy-form weights the lowering makes go
+    to a data file under ``scratch`` one tensor at a time, from where the writer streams them.
 
     Args:
-        package: the package.
+        package: the package (not modified).
         opts: validated target options (see :func:`options`).
         soc_version: the exact --soc_version (see ``soc.resolve``).
+        scratch: a directory the caller owns (and removes after writing) for the lowered weights;
+            None keeps them in memory (small graphs).
 
     Returns:
-        ``{"graphs": {name: ModelProto}, "shared": {file: base file}, "reports": {...}, "builds": [...],
+        ``{"files": {file: ir.Model}, "shared": {file: base file}, "reports": {...}, "builds": [...],
         "commands": {build: AtcCommand}, "warnings": [...]}``
     """
     findings: list[precheck.Finding] = []
-    bases: dict[str, Path] = {}  # build file -> directory its external weights are read from
-    models: dict[str, onnx.ModelProto] = {}
-    private: set[str] = set()  # graphs read from disk here: lowered in place, no copy needed
+    models: dict[str, ir.Model] = {}
     known = set((opts.get("dims") or {}).keys())
     for name in package.graph_names:
         path = package.path_of(name)
@@ -42,17 +44,12 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             if missing:
                 findings += missing
                 continue
-        # A graph on disk is read privately (not cached in the package), so lowering may rewrite it
-        # in place: the package's copy and a CopyFrom of it would be two more copies of the weights.
-        # The lowering rules read weight values only in quantized graphs; a float graph is read
-        # without its weights, which are streamed from the package's file when the build is written.
-        info = package.info(name)
-        needs_weights = bool(info.get("quantization")) or info.get("precision") not in ("fp32", "fp16")
-        model = G.load(path, load_weights=needs_weights) if path is not None else package.graph(name)
-        if path is not None:
-            private.add(name)
-            if not needs_weights:
-                bases[f"{name}.onnx"] = path.parent
+            # A graph on disk is opened privately (weights memory-mapped, nothing read), so the
+            # lowering may rewrite it in place without touching the package's copy.
+            model = graphs.load_ir(path)
+        else:
+            # In memory only: a structural copy, sharing the (never mutated) weight tensors.
+            model = package.model(name).clone()
         findings += precheck.check_ops(model, name, lowered=False)
         sample = samples.load(package, name) or {}
         findings += precheck.check_inputs(model, name, known, set(sample))
@@ -60,17 +57,18 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
     _raise_errors(findings)
     warnings = [str(f) for f in findings if f.severity == "warning"]
 
-    lowered: dict[str, onnx.ModelProto] = {}
+    lowered: dict[str, ir.Model] = {}
     reports: dict[str, lower.LowerReport] = {}
     for name in list(models):
         model = models.pop(name)
-        if name not in private:
-            copy = onnx.ModelProto()
-            copy.CopyFrom(model)
-            model = copy
-        lowered[name], reports[name] = lower.lower(
-            model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8"
-        )
+        store = graphs.TensorStore(Path(scratch) / f"{name}.lowered.data") if scratch is not None else None
+        try:
+            lowered[name], reports[name] = lower.lower(
+                model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8", store=store
+            )
+        finally:
+            if store is not None:
+                store.close()
         # Paged pools live on the device in float16 (see pools.py); a no-op for graphs without pools.
         pools.fp16_pool_io(lowered[name])
     # Lowering notes (INT4 held as INT8 on the NPU, asymmetric activations unverified) go to the
@@ -99,7 +97,7 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             **{**ctx.__dict__, "fixed": {**ctx.fixed, dim: 1 if variant == "decode" else rows}}
         )
 
-    files: dict[str, onnx.ModelProto] = {}
+    files: dict[str, ir.Model] = {}
     shared: dict[str, str] = {}
     builds: list[gears.Build] = []
     for name, model in lowered.items():
@@ -109,18 +107,13 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         ctx = gears.DimContext(
             **{**ctx_base.__dict__, "sample_shapes": {k: list(v.shape) for k, v in sample.items()}}
         )
-        input_names = [i.name for i in model.graph.input]
+        input_names = [i.name for i in model.graph.inputs]
         file = f"{name}.onnx"
         files[file] = model
-        if role == "decoder" and any(n.startswith("past_key_values.") for n in input_names):
+        if role == "decoder" and any(tensor_names.is_past(n) for n in input_names):
             # The prefill graph shares every weight with the decode graph (_save_sharing points them
-            # at its data file), so it is built from a weightless copy: no second copy of the weights.
-            prefill, moved = G.weightless_copy(model)
-            for t, src in moved:
-                if not isinstance(src, onnx.TensorProto):  # a node-attribute tensor: not in the base's data
-                    t.ClearField("data_location")
-                    t.raw_data = src
-            prefill, empties = lower.strip_past(prefill, name)
+            # at its data file): a structural clone holds the same tensors, so nothing is copied or read.
+            prefill, empties = lower.strip_past(model.clone(), name)
             if empties:
                 warnings.append(
                     f"{name}: the prefill graph feeds an empty past to {empties} non-Concat consumer(s)"
@@ -134,7 +127,7 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
             builds.append(
                 _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
             )
-        elif role == "decoder" and any(n.startswith("key_cache.") for n in input_names):
+        elif role == "decoder" and any(tensor_names.is_cache(n) for n in input_names):
             builds.append(
                 _plan(f"{name}_prefill", name, file, "prefill", role, model, opts, _ds(ctx, "prefill"))
             )
@@ -154,7 +147,6 @@ def prepare(package: Package, opts: dict, soc_version: str) -> dict:
         commands[b.name] = _command(b, package.info(b.graph), reports[b.graph], opts, soc_version)
     return {
         "files": files,
-        "bases": bases,
         "shared": shared,
         "reports": reports,
         "builds": builds,
@@ -211,18 +203,18 @@ def _plan(
     file: str,
     variant: str,
     role: str,
-    model: onnx.ModelProto,
+    model: ir.Model,
     opts: dict,
     ctx: gears.DimContext,
 ) -> gears.Build:
-    b = gears.plan(build, graph, variant, role, G.signature(model)["inputs"], opts, ctx)
+    b = gears.plan(build, graph, variant, role, graphs.signature(model)["inputs"], opts, ctx)
     b.file = file
     return b
 
 
 def _precision(info: dict, report: lower.LowerReport, opts: dict) -> str:
     """--precision_mode_v2 for a graph: the target's choice, or one derived from the package precision."""
-    quantized = report.quantized or info.get("precision") in QUANTIZED_PRECISIONS
+    quantized = report.quantized or info.get("precision") in ascend_limits.QUANTIZED_PRECISIONS
     chosen = opts["precision"]
     if chosen == "auto":
         chosen = "mixed_float16" if info.get("precision") == "mixed" else "fp16"
@@ -237,7 +229,7 @@ def _precision(info: dict, report: lower.LowerReport, opts: dict) -> str:
 def _command(
     b: gears.Build, info: dict, report: lower.LowerReport, opts: dict, soc_version: str
 ) -> atc.AtcCommand:
-    quantized = report.quantized or info.get("precision") in QUANTIZED_PRECISIONS
+    quantized = report.quantized or info.get("precision") in ascend_limits.QUANTIZED_PRECISIONS
     precision = _precision(info, report, opts)
     args: dict[str, str] = {
         "model": f"../../graphs/{b.file}",

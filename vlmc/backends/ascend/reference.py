@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops.op_conv import Conv as _OnnxConv
 
-from vlmc import ascend_limits
+from vlmc import ascend_limits, graphs, interop
 
 logger = logging.getLogger(__name__)
 
@@ -206,72 +206,83 @@ def _ops(fp16: bool) -> list[type[OpRun]]:
     return [AscendQuant, AscendDequant, AscendAntiQuant, NPUWeightQuantBatchMatmulV2, MatMul, Conv]
 
 
-def ge_offset_correction(model: onnx.ModelProto) -> tuple[onnx.ModelProto, int]:
+def ge_offset_correction(model: ir.Model | onnx.ModelProto) -> tuple[ir.Model, int]:
     """A copy of ``model`` with GE's AscendQuant offset correction made explicit; and how many ops it touched.
 
     For every int8 MatMul/Conv fed by an AscendQuant with a non-zero offset, GE's quant fusion adds
     ``-offset * sum(w)`` (over k, per output channel) to the int32 accumulator. Here that is an Add
-    of the int32 correction right after the op.
+    of the int32 correction right after the op. The copy shares the model's weights (nothing is read
+    but the int8 weights corrected).
     """
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    out = _as_ir(model).clone()
     g = out.graph
-    inits = {t.name: t for t in g.initializer}
-    prod = {o: n for n in g.node for o in n.output}
-    new_nodes: list[onnx.NodeProto] = []
     touched = 0
-    for node in g.node:
-        new_nodes.append(node)
-        if node.op_type not in ("MatMul", "Conv") or len(node.input) < 2 or node.input[1] not in inits:
+    for node in list(g):
+        if node.op_type not in ("MatMul", "Conv") or len(node.inputs) < 2:
             continue
-        q = prod.get(node.input[0])
+        weight = node.inputs[1]
+        if weight is None or not weight.is_initializer() or weight.const_value is None:
+            continue
+        q = node.inputs[0].producer()
         if q is None or q.op_type != "AscendQuant":
             continue
-        offset = next((a.f for a in q.attribute if a.name == "offset"), 0.0)
-        w = numpy_helper.to_array(inits[node.input[1]])
-        if not offset or w.dtype != np.int8:
+        offset = q.attributes["offset"].value if "offset" in q.attributes else 0.0
+        if not offset or weight.const_value.dtype != ir.DataType.INT8:
             continue
+        w = weight.const_value.numpy()
         if node.op_type == "MatMul":
             corr = (-round(offset) * w.astype(np.int64).sum(axis=0)).astype(np.int32)  # (n,)
         else:
             cout = w.shape[0]
             corr = (-round(offset) * w.astype(np.int64).reshape(cout, -1).sum(axis=1)).astype(np.int32)
             corr = corr.reshape(1, cout, *([1] * (w.ndim - 2)))
-        raw = f"{node.output[0]}__before_ge_offset"
-        cname = f"{node.output[0]}__ge_offset"
-        g.initializer.append(numpy_helper.from_array(corr, cname))
-        acc = node.output[0]
-        node.output[0] = raw
-        new_nodes.append(onnx.helper.make_node("Add", [raw, cname], [acc], name=f"{node.name}__ge_offset"))
+        acc = node.outputs[0]
+        cname = f"{acc.name}__ge_offset"
+        correction = ir.Value(name=cname, const_value=ir.tensor(corr, name=cname))
+        g.register_initializer(correction)
+        corrected = ir.Value(name=acc.name, type=acc.type, shape=acc.shape)
+        acc.replace_all_uses_with(corrected, replace_graph_outputs=True)
+        acc.name = f"{corrected.name}__before_ge_offset"
+        g.insert_after(
+            node, ir.node("Add", [acc, correction], outputs=[corrected], name=f"{node.name}__ge_offset")
+        )
         touched += 1
-    del g.node[:]
-    g.node.extend(new_nodes)
     return out, touched
+
+
+def _as_ir(model: ir.Model | onnx.ModelProto) -> ir.Model:
+    # Tests and tools may hand in a ModelProto they built; the executor itself works on the IR.
+    return interop.from_proto(model) if isinstance(model, onnx.ModelProto) else model
 
 
 class Session:
     """A lowered graph ready to run repeatedly as the NPU would (its weights read and corrected once).
 
+    ``onnx.reference.ReferenceEvaluator`` takes a ModelProto with every value inside, so the graph
+    crosses the interop seam with its weights read in: the executor is for CPU checks of graphs that
+    fit in memory, like onnxruntime's.
+
     Args:
-        model: a lowered graph, or the path of one (its external data is read beside it).
+        model: a lowered graph (IR or ModelProto), or the path of one (its external data beside it).
         fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
     """
 
-    def __init__(self, model: onnx.ModelProto | str | Path, fp16: bool = True) -> None:
-        if not isinstance(model, onnx.ModelProto):
-            from vlmc import graphs
-
-            model = graphs.load(Path(model))
+    def __init__(self, model: ir.Model | onnx.ModelProto | str | Path, fp16: bool = True) -> None:
+        if isinstance(model, (str, Path)):
+            model = graphs.load_ir(Path(model))
         model, self.offset_corrections = ge_offset_correction(model)
-        self.outputs = [o.name for o in model.graph.output]
-        self._eval = ReferenceEvaluator(model, new_ops=_ops(fp16))
+        self.outputs = [o.name for o in model.graph.outputs]
+        with interop.as_proto(model, weight_limit=None) as seam:
+            self._eval = ReferenceEvaluator(seam.proto, new_ops=_ops(fp16))
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every graph output by name."""
         return dict(zip(self.outputs, self._eval.run(None, feeds)))
 
 
-def run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True) -> dict[str, np.ndarray]:
+def run(
+    model: ir.Model | onnx.ModelProto, feeds: dict[str, np.ndarray], fp16: bool = True
+) -> dict[str, np.ndarray]:
     """Execute a lowered graph as the NPU would; returns every graph output by name.
 
     Args:

@@ -9,22 +9,19 @@ import shlex
 import shutil
 from pathlib import Path
 
-import onnx
+import onnx_ir as ir
 
-from vlmc import graphs as G
-from vlmc import outdir, paths
+from vlmc import graphs, outdir, paths, tensor_names
 from vlmc.backends import BUILD_MARKER
-from vlmc.backends.ascend import atc, gears, pools
-from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import atc, gears, pools, soc
 from vlmc.backends.ascend import tensor_parallel as tp_builds
 from vlmc.backends.ascend.options import NAME
-from vlmc.errors import VlmcError
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
 
 
-def summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict) -> dict:
+def summary(package: Package, opts: dict, resolution: soc.Resolution, plan: dict) -> dict:
     """compile.json: the SoC, each graph's lowering report, every build with what a host runner needs."""
     builds = []
     for b in plan["builds"]:
@@ -47,7 +44,7 @@ def summary(package: Package, opts: dict, resolution: S.Resolution, plan: dict) 
                 "config_files": sorted(cmd.files),
                 "om": f"om/{b.name}.om",
                 "log": f"logs/{b.name}.log",
-                **runner_facts(b, G.signature(plan["files"][b.file])),
+                **runner_facts(b, graphs.signature(plan["files"][b.file])),
             }
         )
         info = package.info(b.graph)
@@ -119,7 +116,7 @@ def dims_vector_order(input_shape: list[tuple[str, list[int]]]) -> list[str]:
 
 
 def _pool_shapes(b: gears.Build) -> list[list[int]]:
-    return [dims for name, dims in b.input_shape if name.startswith("key_cache.")]
+    return [dims for name, dims in b.input_shape if name.startswith(tensor_names.CACHE_PREFIX["key"])]
 
 
 # Public CANN documentation the host-side write below follows (docs/ascend.md, "Paged decoder builds").
@@ -180,7 +177,9 @@ def write(out_dir: Path, plan: dict, summary: dict, force: bool, package: Packag
         (tmp / "graphs").mkdir(parents=True)
         for file, model in plan["files"].items():
             if file not in plan["shared"]:
-                G.save(model, tmp / "graphs" / file, base_dir=plan["bases"].get(file))
+                # weights stream one tensor at a time from where they are (the package's data file,
+                # the lowering's store) to the build's data file
+                graphs.save(model, tmp / "graphs" / file)
         for file, base in plan["shared"].items():
             _save_sharing(plan["files"][file], tmp / "graphs" / file, tmp / "graphs" / base)
         for b in plan["builds"]:
@@ -241,63 +240,65 @@ def _copy_inside(dest: Path, rel: str, blob: bytes) -> None:
     target.write_bytes(blob)
 
 
-def _save_sharing(model: onnx.ModelProto, path: Path, base: Path) -> None:
-    """Write ``model`` so that tensors identical to ones in ``base`` point at base's external data."""
-    saved = onnx.load(str(base), load_external_data=False)
-    entries = {
-        t.name: list(t.external_data)
-        for t in saved.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
+def _save_sharing(model: ir.Model, path: Path, base: Path) -> None:
+    """Write ``model`` so that its weights also in ``base`` (same name and size) point at base's data.
+
+    Weights the base does not hold go to ``<path>.data``, one tensor at a time; nothing of the base is read.
+    """
+    stored = {
+        v.name: v.const_value
+        for v in ir.load(str(base)).graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
     }
-    moved = []
-    for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.EXTERNAL:
-            # a weightless stub (see prepare), or a weight still in the package's file: its bytes are
-            # the base graph's tensor of the same name, already written there
-            del t.external_data[:]
-            if t.name not in entries:
-                raise VlmcError(f"{path.name}: weight {t.name!r} is not in {base.name}")
-            t.external_data.extend(entries[t.name])
-            continue
-        if t.name in entries and t.raw_data:
-            info = {e.key: e.value for e in entries[t.name]}
-            if int(info.get("length", -1)) != len(t.raw_data):
-                continue
-            moved.append((t, t.raw_data))
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-            del t.external_data[:]
-            t.external_data.extend(entries[t.name])
+    swaps: list[tuple[ir.Value, object]] = []
+    own: list[ir.Value] = []
     try:
-        rest = [
-            t for t in model.graph.initializer if t.raw_data and len(t.raw_data) >= G.EXTERNAL_DATA_THRESHOLD
-        ]
-        if rest:
+        for v in model.graph.initializers.values():
+            t, there = v.const_value, stored.get(v.name)
+            if t is None:
+                continue
+            if there is not None and there.length == t.nbytes:
+                swaps.append((v, t))
+                v.const_value = ir.ExternalTensor(
+                    there.location,
+                    there.offset,
+                    there.length,
+                    t.dtype,
+                    shape=t.shape,
+                    name=t.name,
+                    base_dir=path.parent,
+                )
+            elif t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+                own.append(v)
+        if own:
             # Tensors the prefill graph does not share go to its own data file.
-            _externalize(rest, path)
-        path.write_bytes(model.SerializeToString(deterministic=True))
+            swaps += _externalize(own, path)
+        graphs._write_proto(ir.to_proto(model), model, path)
     finally:
-        for t, raw in moved:
-            del t.external_data[:]
-            t.data_location = onnx.TensorProto.DEFAULT
-            t.raw_data = raw
+        for v, t in reversed(swaps):
+            v.const_value = t
 
 
-def _externalize(tensors: list[onnx.TensorProto], path: Path) -> None:
-    """Move in-memory tensors' bytes to ``<path>.data`` (64-byte aligned), leaving other tensors as they are."""
+def _externalize(values: list[ir.Value], path: Path) -> list[tuple[ir.Value, object]]:
+    """Write the tensors to ``<path>.data`` (64-byte aligned), one at a time; returns (value, old tensor)."""
     data = path.name + ".data"
     offset = 0
+    swaps = []
     with open(path.parent / data, "wb") as f:
-        for t in tensors:
+        for v in values:
+            t = v.const_value
             pad = (-offset) % 64
             f.write(b"\0" * pad)
             offset += pad
-            raw = t.raw_data
+            raw = t.tobytes()
             f.write(raw)
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-            G._point_at(t, data, offset, len(raw))
+            swaps.append((v, t))
+            v.const_value = ir.ExternalTensor(
+                data, offset, len(raw), t.dtype, shape=t.shape, name=t.name, base_dir=path.parent
+            )
             offset += len(raw)
+            del raw
+    return swaps
 
 
 def _build_sh(plan: dict) -> str:

@@ -1,10 +1,10 @@
 """The rewrite-rule shape the Ascend lowering uses: match -> check -> rewrite, with reasons and counts.
 
 Modelled on onnxscript's rewriter (pattern, check that gives a reason, replacement; a count of
-rewrites per rule), but hand-written: the rules read constant values (scales, integer weights,
-recorded quantization facts) from the package's ModelProto and emit Ascend ops in the default domain
-that no ONNX schema knows. onnxscript's rewriter works on onnx_ir models, so using it would mean a
-ModelProto <-> IR round trip of multi-GB graphs inside compile and a new dependency for ~80 lines.
+rewrites per rule), but hand-written over onnx-ir: the rules read constant values (scales, integer
+weights, recorded quantization facts) and emit Ascend ops in the default domain that no ONNX schema
+knows, and every "no match" and "cannot lower" needs its own reason in compile.json. onnxscript's
+rewriter reports neither and would be a new dependency for ~80 lines.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import onnx
+import onnx_ir as ir
 
 from ._graph import Graph
 
@@ -40,7 +40,7 @@ class Context:
     quant_cache: dict[tuple, str] = field(default_factory=dict)  # one AscendQuant per (tensor, scale, zp)
     int4_weights: str = "int8"  # INT4 weight storage: "int8" (one per int8) or "int4" (ONNX INT4)
 
-    def node_facts(self, node: onnx.NodeProto) -> dict | None:
+    def node_facts(self, node: ir.Node) -> dict | None:
         """The quantize pass's record for one node's weight, if it made one."""
         nodes = (self.facts.get("weights") or {}).get("nodes") or {}
         entry = nodes.get(node.name)
@@ -64,7 +64,7 @@ class Rule:
     name: str
     anchors: tuple[str, ...]
     source: str
-    match: Callable[[Context, onnx.NodeProto], Any]
+    match: Callable[[Context, ir.Node], Any]
     check: Callable[[Context, Any], str | None]
     rewrite: Callable[[Context, Any], None]
 
@@ -74,11 +74,10 @@ def apply(ctx: Context, rule: Rule) -> dict:
     applied = 0
     skipped: dict[str, int] = {}
     gr = ctx.graph
-    # A snapshot of names: each node is visited once, as it is when its turn comes (an earlier rewrite
-    # may have removed it, or replaced it under the same name with a node the rule does not anchor on).
-    for name in [n.name for n in gr.g.node]:
-        node = gr.by_name.get(name)
-        if node is None or node.op_type not in rule.anchors:
+    # A snapshot of the nodes: each is visited once, unless an earlier rewrite removed it (the nodes a
+    # rewrite makes are not in the snapshot).
+    for node in list(gr.g):
+        if node.graph is not gr.g or node.op_type not in rule.anchors:
             continue
         m = rule.match(ctx, node)
         if isinstance(m, NoMatch):

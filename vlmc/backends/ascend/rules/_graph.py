@@ -1,53 +1,69 @@
-"""Producer/consumer maps, constant lookups and node surgery over a GraphProto being lowered."""
+"""The onnx-ir graph the Ascend rules rewrite: unique names, constant lookups, node surgery, weight output.
+
+Producers and consumers come from the IR itself (``value.producer()``, ``value.uses()``); dead-node
+removal and naming are onnx-ir's common passes (RemoveUnusedNodesPass, NameFixPass). What is left
+here is what those do not cover: fresh names that follow the lowering's ``<node>_<what>`` scheme,
+the constant a value holds (initializer or Constant node), and new deploy-form weights, which go to
+a :class:`vlmc.graphs.TensorStore` one tensor at a time so a lowering never holds more than the
+weight it is working on.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
+from onnx_ir.passes.common import NameFixPass, RemoveUnusedNodesPass
+
+from vlmc import graphs
 
 logger = logging.getLogger(__name__)
 
 
-class Graph:
-    """A GraphProto under rewrite, with the maps the rules match against."""
+class _IndexedNames:
+    """NameFixPass naming: an unnamed node is ``<op_type>_<its index in the graph>``."""
 
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, graph: ir.Graph) -> None:
+        self._index = {node: i for i, node in enumerate(graph)}
+
+    def generate_node_name(self, node: ir.Node) -> str:
+        return node.name or f"{node.op_type}_{self._index.get(node, 0)}"
+
+    def generate_value_name(self, value: ir.Value) -> str:
+        return value.name or "v"
+
+
+class Graph:
+    """An onnx-ir model under rewrite (the lowering's own copy), with the lookups the rules match on.
+
+    Args:
+        model: the model; it is rewritten in place.
+        store: where new weights of :data:`vlmc.graphs.EXTERNAL_DATA_THRESHOLD` bytes or more are
+            written as they are made (None keeps them in memory: small graphs and tests).
+    """
+
+    def __init__(self, model: ir.Model, store: graphs.TensorStore | None = None) -> None:
         self.model = model
         self.g = model.graph
-        self.inits = {t.name: t for t in self.g.initializer}
-        self._names: set[str] = set()
-        # Nodes are identified by name, never by Python identity: protobuf hands out new wrapper
-        # objects after the node list is rebuilt, and ids of freed wrappers are reused. So every node
-        # gets a unique name (this graph is the lowering's own copy).
-        seen: set[str] = set()
-        for i, n in enumerate(self.g.node):
-            if not n.name or n.name in seen:
-                base = n.name or f"{n.op_type}_{i}"
-                name, k = base, 1
-                while name in seen:
-                    name, k = f"{base}_{k}", k + 1
-                n.name = name
-            seen.add(n.name)
-        self.refresh()
+        self.store = store
+        # Rules identify nodes by name in messages and in the quantize pass's facts, so every node
+        # gets a unique name. NameFixPass also names unnamed values; an omitted optional output
+        # ("") must stay omitted, so those keep their empty name.
+        omitted = [o for n in self.g.all_nodes() for o in n.outputs if not o.name]
+        NameFixPass(_IndexedNames(self.g))(model)
+        for o in omitted:
+            o.name = ""
+        self._names = self._live_names()
 
-    def refresh(self) -> None:
-        self.by_name: dict[str, onnx.NodeProto] = {n.name: n for n in self.g.node}
-        self.producer: dict[str, onnx.NodeProto] = {}
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        self._names = {n.name for n in self.g.node} | set(self.inits)
-        for n in self.g.node:
-            for o in n.output:
-                self.producer[o] = n
-                self._names.add(o)
-            for i in n.input:
-                if i:
-                    self.consumers.setdefault(i, []).append(n)
-        self.outputs = {o.name for o in self.g.output}
+    def _live_names(self) -> set[str]:
+        names = {n.name for n in self.g} | set(self.g.initializers)
+        names |= {o.name for n in self.g for o in n.outputs if o.name}
+        return names
 
+    # ---- names and constants ------------------------------------------------------------------
     def unique(self, base: str) -> str:
         name, k = base, 1
         while name in self._names:
@@ -55,101 +71,151 @@ class Graph:
         self._names.add(name)
         return name
 
-    def const(self, name: str) -> np.ndarray | None:
-        if not name:
+    def value(self, base: str) -> ir.Value:
+        """A new, unnamed-before value with a unique name (the output of a node the rule makes)."""
+        return ir.Value(name=self.unique(base))
+
+    def const(self, value: ir.Value | None) -> np.ndarray | None:
+        """The value's constant (an initializer, memory-mapped, or a Constant node's tensor)."""
+        if value is None:
             return None
-        if name in self.inits:
-            return numpy_helper.to_array(self.inits[name])
-        p = self.producer.get(name)
-        if p is not None and p.op_type == "Constant":
-            for a in p.attribute:
-                if a.name == "value":
-                    return numpy_helper.to_array(a.t)
+        if value.const_value is not None:
+            return value.const_value.numpy()
+        p = value.producer()
+        if p is not None and p.op_type == "Constant" and p.domain == "" and "value" in p.attributes:
+            return p.attributes["value"].as_tensor().numpy()
         return None
 
-    def add_init(self, base: str, value: np.ndarray) -> str:
+    def add_init(self, base: str, array: np.ndarray) -> ir.Value:
+        """A new initializer; a large one is written to the store at once and read back memory-mapped."""
         name = self.unique(base)
-        t = numpy_helper.from_array(np.ascontiguousarray(value), name)
-        self.g.initializer.append(t)
-        self.inits[name] = t
-        return name
+        array = np.ascontiguousarray(array)
+        tensor = ir.tensor(array, name=name)
+        if self.store is not None and tensor.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+            if tensor.dtype.bitwidth == 4:
+                # numpy holds 4-bit values one per byte; the file holds them packed, as ONNX does
+                stored = self.store.put(np.frombuffer(tensor.tobytes(), np.uint8), name)
+                tensor = ir.ExternalTensor(
+                    stored.location,
+                    stored.offset,
+                    stored.length,
+                    tensor.dtype,
+                    shape=tensor.shape,
+                    name=name,
+                    base_dir=stored.base_dir,
+                )
+            else:
+                tensor = self.store.put(array, name)
+        del array
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
+        self.g.register_initializer(value)
+        return value
 
-    def only_consumer(self, tensor: str) -> onnx.NodeProto | None:
-        cons = self.consumers.get(tensor, [])
-        if len(cons) == 1 and tensor not in self.outputs:
-            return cons[0]
+    # ---- structure ----------------------------------------------------------------------------
+    @staticmethod
+    def only_consumer(value: ir.Value) -> ir.Node | None:
+        users = value.consumers()
+        if len(users) == 1 and not value.is_graph_output():
+            return users[0]
         return None
 
-    def _index(self, node: onnx.NodeProto) -> int:
-        return next(i for i, n in enumerate(self.g.node) if n.name == node.name)
+    def insert_before(self, anchor: ir.Node, nodes: list[ir.Node]) -> None:
+        self.g.insert_before(anchor, nodes)
 
-    def insert_before(self, anchor: onnx.NodeProto, nodes: list[onnx.NodeProto]) -> None:
-        idx = self._index(anchor)
-        for k, n in enumerate(nodes):
-            self.g.node.insert(idx + k, n)
-        self.refresh()
+    def replace(
+        self,
+        old: ir.Node,
+        new: list[ir.Node],
+        drop: list[ir.Node],
+        takes_over: list[tuple[ir.Value, ir.Value]],
+    ) -> None:
+        """Put ``new`` where ``old`` was, take ``drop`` out, and let each new value take over an old one.
 
-    def replace(self, old: onnx.NodeProto, new: list[onnx.NodeProto], drop: list[onnx.NodeProto]) -> None:
-        """Put ``new`` where ``old`` was and take ``drop`` out (nodes are matched by name)."""
-        nodes = list(self.g.node)
-        idx = self._index(old)
-        dropped = {n.name for n in drop} | {old.name}
-        kept = (
-            [n for n in nodes[:idx] if n.name not in dropped]
-            + new
-            + [n for n in nodes[idx + 1 :] if n.name not in dropped]
+        A new value that takes over keeps the old one's name (and its place among the graph outputs),
+        so the rewritten graph reads the same to everything around it.
+        """
+        self.g.insert_before(old, new)
+        for before, after in takes_over:
+            name = before.name
+            before.replace_all_uses_with(after, replace_graph_outputs=True)
+            before.name = None
+            after.name = name
+            # what was known of the old value (its value_info, or its graph output type) is the new one's
+            after.type, after.shape = before.type, before.shape
+        self._remove([old, *drop])
+
+    def replace_inputs(self, old: ir.Node, inputs: list[ir.Value | None]) -> ir.Node:
+        """``old`` with other inputs (same op, attributes, name and outputs)."""
+        outs = [ir.Value(name=o.name) for o in old.outputs]
+        new = ir.Node(
+            old.domain,
+            old.op_type,
+            inputs,
+            attributes=list(old.attributes.values()),
+            outputs=outs,
+            name=old.name,
         )
-        del self.g.node[:]
-        self.g.node.extend(kept)
-        self.refresh()
+        self.replace(old, [new], [], list(zip(old.outputs, outs)))
+        return new
+
+    def _remove(self, nodes: list[ir.Node]) -> None:
+        for n in nodes:
+            self._names.discard(n.name)
+            self._names.difference_update(o.name for o in n.outputs if o.name)
+        self.g.remove(nodes, safe=True)
 
     def dce(self) -> None:
-        """Remove nodes whose outputs nobody uses, then unused initializers."""
-        changed = True
-        while changed:
-            changed = False
-            used = {i for n in self.g.node for i in n.input} | self.outputs
-            keep = [n for n in self.g.node if any(o in used for o in n.output if o)]
-            if len(keep) != len(self.g.node):
-                del self.g.node[:]
-                self.g.node.extend(keep)
-                changed = True
-        used = {i for n in self.g.node for i in n.input} | self.outputs
-        dead = [t for t in self.g.initializer if t.name not in used]
-        for t in dead:
-            self.g.initializer.remove(t)
-            self.inits.pop(t.name, None)
-        self.refresh()
+        """Remove nodes whose outputs nobody uses, then unused initializers (onnx-ir's pass)."""
+        RemoveUnusedNodesPass()(self.model)
+        self._names = self._live_names()
 
-    def const_subgraph(self, tensor: str) -> tuple[list[onnx.NodeProto], list[str]] | None:
-        """The nodes computing ``tensor`` from constants only (topological), and the initializers they read."""
-        nodes: list[onnx.NodeProto] = []
-        leaves: list[str] = []
-        stack, seen = [tensor], set()
+    def const_subgraph(self, value: ir.Value) -> tuple[list[ir.Node], list[ir.Value]] | None:
+        """The nodes computing ``value`` from constants only (in graph order), and the initializers they read."""
+        nodes: list[ir.Node] = []
+        leaves: list[ir.Value] = []
+        stack, seen = [value], set()
         while stack:
-            t = stack.pop()
-            if t in seen or not t:
+            v = stack.pop()
+            if v is None or v in seen:
                 continue
-            seen.add(t)
-            if t in self.inits:
-                leaves.append(t)
+            seen.add(v)
+            if v.is_initializer():
+                leaves.append(v)
                 continue
-            p = self.producer.get(t)
+            p = v.producer()
             if p is None:
                 return None  # a graph input: not constant
-            if all(q.name != p.name for q in nodes):
+            if p not in nodes:
                 nodes.append(p)
-            stack.extend(p.input)
-        order = {n.name: i for i, n in enumerate(self.g.node)}
-        nodes.sort(key=lambda n: order[n.name])
+            stack.extend(p.inputs)
+        order = {n: i for i, n in enumerate(self.g)}
+        nodes.sort(key=order.__getitem__)
         return nodes, leaves
 
+    def opset(self, default: int = 17) -> int:
+        return self.g.opset_imports.get("", self.g.opset_imports.get("ai.onnx", default))
 
-def attr(node: onnx.NodeProto, name: str, default=None):
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
+
+def attr(node: ir.Node, name: str, default=None):
+    a = node.attributes.get(name)
+    return default if a is None else a.value
+
+
+def release(*values: ir.Value | None) -> None:
+    """Drop the memory maps of weights a rule has read (their pages count as resident while mapped).
+
+    Best effort: a tensor someone else still holds a numpy view of keeps its map (closing it would
+    pull the memory from under that view; mmap refuses with BufferError).
+    """
+    for v in values:
+        t = v.const_value if v is not None else None
+        if isinstance(t, ir.ExternalTensor):
+            with contextlib.suppress(BufferError):
+                t.release()
+
+
+def input_at(node: ir.Node, i: int) -> ir.Value | None:
+    return node.inputs[i] if len(node.inputs) > i else None
 
 
 @dataclass
@@ -163,19 +229,16 @@ class QParams:
         return self.scale.size == 1
 
 
-def qparams(gr: Graph, node: onnx.NodeProto) -> QParams | None:
+def qparams(gr: Graph, node: ir.Node) -> QParams | None:
     """Scale/zero point of a Q or DQ node when both are constants."""
-    scale = gr.const(node.input[1])
+    scale = gr.const(node.inputs[1])
     if scale is None:
         return None
-    zp = (
-        gr.const(node.input[2])
-        if len(node.input) > 2 and node.input[2]
-        else np.zeros_like(scale, dtype=np.uint8)
-    )
+    zp_value = input_at(node, 2)
+    zp = gr.const(zp_value) if zp_value is not None else np.zeros_like(scale, dtype=np.uint8)
     if zp is None:
         return None
-    return QParams(scale.astype(np.float32), zp, int(attr(node, "axis", 1)))
+    return QParams(scale.astype(np.float32), np.array(zp), int(attr(node, "axis", 1)))
 
 
 def as_int8(q: np.ndarray, zp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -193,14 +256,14 @@ def broadcast_shape(p: QParams, ndim: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def folded_value(gr: Graph, tensor: str) -> np.ndarray | None:
+def folded_value(gr: Graph, value: ir.Value | None) -> np.ndarray | None:
     """A float constant, looking through a DequantizeLinear of constants."""
-    v = gr.const(tensor)
+    v = gr.const(value)
     if v is not None:
         return v.astype(np.float32)
-    p = gr.producer.get(tensor)
+    p = value.producer() if value is not None else None
     if p is not None and p.op_type == "DequantizeLinear":
-        q = gr.const(p.input[0])
+        q = gr.const(p.inputs[0])
         params = qparams(gr, p)
         if q is not None and params is not None:
             zp = params.zero_point.astype(np.float32).reshape(broadcast_shape(params, q.ndim))

@@ -12,11 +12,10 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
 from ._base import Context, NoMatch, Rule
-from ._graph import QParams, as_int8, folded_value, qparams
+from ._graph import QParams, as_int8, folded_value, qparams, release
 
 logger = logging.getLogger(__name__)
 
@@ -30,19 +29,19 @@ SOURCE = "; ".join(
 
 @dataclass
 class LeftoverMatch:
-    dq: onnx.NodeProto
+    dq: ir.Node
     kind: str  # "fake_quant" | "constant"
-    q: onnx.NodeProto | None = None
+    q: ir.Node | None = None
     data: np.ndarray | None = None
     params: QParams | None = None
 
 
-def _match(ctx: Context, dq: onnx.NodeProto) -> LeftoverMatch | NoMatch:
+def _match(ctx: Context, dq: ir.Node) -> LeftoverMatch | NoMatch:
     gr = ctx.graph
-    p = gr.producer.get(dq.input[0])
+    p = dq.inputs[0].producer()
     if p is not None and p.op_type == "QuantizeLinear":
         return LeftoverMatch(dq, "fake_quant", q=p, params=qparams(gr, dq))
-    data = gr.const(dq.input[0])
+    data = gr.const(dq.inputs[0])
     if data is not None:
         return LeftoverMatch(dq, "constant", data=data, params=qparams(gr, dq))
     return NoMatch("neither a QuantizeLinear pair nor a constant")
@@ -59,48 +58,45 @@ def _check(ctx: Context, m: LeftoverMatch) -> str | None:
 def _rewrite(ctx: Context, m: LeftoverMatch) -> None:
     gr, dq, report = ctx.graph, m.dq, ctx.report
     params = m.params
+    out = ir.Value(name=dq.outputs[0].name)
     if m.kind == "fake_quant":
         s = float(params.scale.reshape(-1)[0])
         zp = float(params.zero_point.reshape(-1)[0])
         info = np.iinfo(params.zero_point.dtype)
         lo, hi = np.float32(s * (info.min - zp)), np.float32(s * (info.max - zp))
-        opset = next((o.version for o in gr.model.opset_import if o.domain in ("", "ai.onnx")), 17)
-        if opset >= 11:
-            clip = helper.make_node(
-                "Clip",
-                [
-                    m.q.input[0],
-                    gr.add_init(f"{dq.name}_min", np.array(lo)),
-                    gr.add_init(f"{dq.name}_max", np.array(hi)),
-                ],
-                [dq.output[0]],
-                name=dq.name,
-            )
+        if gr.opset() >= 11:
+            bounds = [
+                gr.add_init(f"{dq.name}_min", np.array(lo)),
+                gr.add_init(f"{dq.name}_max", np.array(hi)),
+            ]
+            clip = ir.node("Clip", [m.q.inputs[0], *bounds], outputs=[out], name=dq.name)
         else:
-            clip = helper.make_node(
-                "Clip", [m.q.input[0]], [dq.output[0]], name=dq.name, min=float(lo), max=float(hi)
+            clip = ir.node(
+                "Clip", [m.q.inputs[0]], {"max": float(hi), "min": float(lo)}, outputs=[out], name=dq.name
             )
-        gr.replace(dq, [clip], [])
+        gr.replace(dq, [clip], [], [(dq.outputs[0], out)])
         report.fake_quant_clips += 1
         return
     if params.per_tensor and m.data.dtype in (np.int8, np.uint8):
         q8, zp8 = as_int8(m.data, params.zero_point.reshape(-1))
-        anti = helper.make_node(
+        anti = ir.node(
             "AscendAntiQuant",
             [gr.add_init(f"{dq.name}_int8", q8)],
-            [dq.output[0]],
+            {"offset": float(zp8[0]), "scale": float(params.scale.reshape(-1)[0])},
+            outputs=[out],
             name=dq.name,
-            scale=float(params.scale.reshape(-1)[0]),
-            offset=float(zp8[0]),
         )
-        gr.replace(dq, [anti], [])
+        m.data = None
+        release(dq.inputs[0])
+        gr.replace(dq, [anti], [], [(dq.outputs[0], out)])
         report.antiquant_constants += 1
         return
-    value = folded_value(gr, dq.output[0])
-    c = helper.make_node(
-        "Identity", [gr.add_init(f"{dq.name}_folded", value.astype(np.float32))], [dq.output[0]], name=dq.name
-    )
-    gr.replace(dq, [c], [])
+    value = folded_value(gr, dq.outputs[0])
+    folded = gr.add_init(f"{dq.name}_folded", value.astype(np.float32))
+    del value
+    m.data = None
+    release(dq.inputs[0])
+    gr.replace(dq, [ir.node("Identity", [folded], outputs=[out], name=dq.name)], [], [(dq.outputs[0], out)])
     report.folded_constants += 1
 
 

@@ -16,14 +16,13 @@ import logging
 from dataclasses import dataclass, field
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
 from vlmc import ascend_limits
-from vlmc.backends.ascend import reference as ref
+from vlmc.backends.ascend import reference
 
 from ._base import Context, NoMatch
-from ._graph import QParams, qparams
+from ._graph import QParams, qparams, release
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +38,18 @@ ASYMMETRIC_NOTE = (
 class QdqMatch:
     """A ``DQ(Q(x)) -> op <- DQ(int8 weight)`` pattern, as found (nothing checked yet)."""
 
-    node: onnx.NodeProto
-    q_node: onnx.NodeProto
-    a_dq: onnx.NodeProto
-    w_dq: onnx.NodeProto
-    wq: np.ndarray
+    node: ir.Node
+    q_node: ir.Node
+    a_dq: ir.Node
+    w_dq: ir.Node
+    wq: np.ndarray  # memory-mapped from the weight's file
     # filled by check():
     s_x: float = 0.0
     zp_x: int = 0
     w_int: np.ndarray | None = None
     s_w: np.ndarray | None = None
     bias_f: np.ndarray | None = None
-    out_name: str = ""
+    out: ir.Value | None = None  # the value the rewrite's dequant output takes over
     drop: list = field(default_factory=list)
     channels: int = 0
     bias_i: np.ndarray | None = None
@@ -58,20 +57,20 @@ class QdqMatch:
     w_params: QParams | None = None
 
 
-def match_qdq(ctx: Context, node: onnx.NodeProto) -> QdqMatch | NoMatch:
+def match_qdq(ctx: Context, node: ir.Node) -> QdqMatch | NoMatch:
     gr = ctx.graph
-    if len(node.input) < 2:
+    if len(node.inputs) < 2:
         return NoMatch("fewer than two inputs")
-    a_dq = gr.producer.get(node.input[0])
-    w_dq = gr.producer.get(node.input[1])
+    a_dq = node.inputs[0].producer() if node.inputs[0] is not None else None
+    w_dq = node.inputs[1].producer() if node.inputs[1] is not None else None
     if a_dq is None or a_dq.op_type != "DequantizeLinear":
         return NoMatch("input 0 is not a DequantizeLinear")
     if w_dq is None or w_dq.op_type != "DequantizeLinear":
         return NoMatch("input 1 is not a DequantizeLinear")
-    q_node = gr.producer.get(a_dq.input[0])
+    q_node = a_dq.inputs[0].producer()
     if q_node is None or q_node.op_type != "QuantizeLinear":
         return NoMatch("the activation DequantizeLinear is not fed by a QuantizeLinear")
-    wq = gr.const(w_dq.input[0])
+    wq = gr.const(w_dq.inputs[0])
     if wq is None:
         return NoMatch("the weight DequantizeLinear does not read a constant")
     return QdqMatch(node, q_node, a_dq, w_dq, wq)
@@ -143,22 +142,25 @@ def int_bias(m: QdqMatch) -> str | None:
     return None
 
 
-def ascend_quant(ctx: Context, m: QdqMatch) -> str:
+def ascend_quant(ctx: Context, m: QdqMatch) -> ir.Value:
     """The int8 tensor of ``x``: one AscendQuant per (tensor, scale, offset), shared by its consumers."""
     gr = ctx.graph
-    x = m.q_node.input[0]
+    x = m.q_node.inputs[0]
     key = (x, m.s_x, m.zp_x)
     if key not in ctx.quant_cache:
-        xq = gr.unique(f"{x}_int8")
-        quant = helper.make_node(
+        xq = gr.value(f"{x.name}_int8")
+        quant = ir.node(
             "AscendQuant",
             [x],
-            [xq],
+            # in name order, as onnx.helper.make_node writes attributes
+            {
+                "dst_type": "INT8",
+                "offset": float(m.zp_x),
+                "round_mode": "Round",
+                "scale": float(np.float32(1.0 / m.s_x)),
+            },
+            outputs=[xq],
             name=gr.unique(f"{m.node.name}_AscendQuant"),
-            scale=float(np.float32(1.0 / m.s_x)),
-            offset=float(m.zp_x),
-            dst_type="INT8",
-            round_mode="Round",
         )
         gr.insert_before(m.node, [quant])
         ctx.quant_cache[key] = xq
@@ -169,9 +171,24 @@ def ascend_quant(ctx: Context, m: QdqMatch) -> str:
     return ctx.quant_cache[key]
 
 
-def dequant(ctx: Context, m: QdqMatch, acc: str) -> onnx.NodeProto:
+def dequant(ctx: Context, m: QdqMatch, acc: ir.Value) -> tuple[ir.Node, ir.Value]:
+    """The AscendDequant of ``acc`` and its output (which takes over ``m.out``)."""
     gr = ctx.graph
-    deq = gr.add_init(f"{m.node.name}_deq_scale", ref.pack_deq_scale(m.s_deq))
-    return helper.make_node(
-        "AscendDequant", [acc, deq], [m.out_name], name=gr.unique(f"{m.node.name}_AscendDequant"), dtype=0
+    deq = gr.add_init(f"{m.node.name}_deq_scale", reference.pack_deq_scale(m.s_deq))
+    out = ir.Value(name=m.out.name)
+    node = ir.node(
+        "AscendDequant",
+        [acc, deq],
+        {"dtype": 0},
+        outputs=[out],
+        name=gr.unique(f"{m.node.name}_AscendDequant"),
     )
+    return node, out
+
+
+def int8_weight(ctx: Context, m: QdqMatch) -> ir.Value:
+    """The int8 weight initializer (written to the store), and the source weight's map dropped."""
+    value = ctx.graph.add_init(f"{m.node.name}_weight_int8", m.w_int)
+    m.w_int = m.wq = None  # the deploy weight is in the store; neither copy is kept
+    release(m.w_dq.inputs[0])
+    return value

@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
-from . import _qdq_common as C
+from . import _qdq_common
 from ._base import Context, Rule
-from ._graph import attr, folded_value
+from ._graph import attr, folded_value, input_at
 
 logger = logging.getLogger(__name__)
 
@@ -25,9 +24,9 @@ SOURCE = "; ".join(
 )
 
 
-def _check(ctx: Context, m: C.QdqMatch) -> str | None:
+def _check(ctx: Context, m: _qdq_common.QdqMatch) -> str | None:
     node = m.node
-    reason = C.check_activation(ctx, m)
+    reason = _qdq_common.check_activation(ctx, m)
     if reason:
         return reason
     if not m.w_params.per_tensor and m.w_params.axis % m.wq.ndim != 0:
@@ -39,27 +38,30 @@ def _check(ctx: Context, m: C.QdqMatch) -> str | None:
         # GE corrects the offset over every tap; padded taps would hold 0 rather than the offset.
         return "a padded Conv needs a symmetric activation quantization (zero point 0)"
     m.channels = m.w_int.shape[0]
-    m.bias_f = folded_value(ctx.graph, node.input[2]) if len(node.input) > 2 and node.input[2] else None
-    m.out_name, m.drop = node.output[0], []
-    return C.int_bias(m)
+    bias = input_at(node, 2)
+    m.bias_f = folded_value(ctx.graph, bias) if bias is not None else None
+    m.out, m.drop = node.outputs[0], []
+    return _qdq_common.int_bias(m)
 
 
-def _rewrite(ctx: Context, m: C.QdqMatch) -> None:
+def _rewrite(ctx: Context, m: _qdq_common.QdqMatch) -> None:
     gr, node = ctx.graph, m.node
-    xq = C.ascend_quant(ctx, m)
-    w_name = gr.add_init(f"{node.name}_weight_int8", m.w_int)
-    acc = gr.unique(f"{node.name}_acc_int32")
-    inputs = [xq, w_name]
+    xq = _qdq_common.ascend_quant(ctx, m)
+    weight = _qdq_common.int8_weight(ctx, m)
+    acc = gr.value(f"{node.name}_acc_int32")
+    inputs = [xq, weight]
     if m.bias_f is not None:
         inputs.append(gr.add_init(f"{node.name}_bias_int32", m.bias_i.astype(np.int32)))
-    core = helper.make_node("Conv", inputs, [acc], name=node.name)
-    core.attribute.extend(node.attribute)
-    gr.replace(node, [core, C.dequant(ctx, m, acc)], m.drop)
+    core = ir.Node(
+        "", "Conv", inputs, attributes=list(node.attributes.values()), outputs=[acc], name=node.name
+    )
+    deq, out = _qdq_common.dequant(ctx, m, acc)
+    gr.replace(node, [core, deq], m.drop, [(m.out, out)])
     ctx.report.quantized_layers.append(node.name)
 
 
-def _match(ctx: Context, node: onnx.NodeProto):
-    return C.match_qdq(ctx, node)
+def _match(ctx: Context, node: ir.Node):
+    return _qdq_common.match_qdq(ctx, node)
 
 
 def qdq_conv_rule() -> Rule:

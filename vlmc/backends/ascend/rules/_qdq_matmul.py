@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-import onnx
-from onnx import helper
+import onnx_ir as ir
 
-from . import _qdq_common as C
+from . import _qdq_common
 from ._base import Context, NoMatch, Rule
-from ._graph import Graph, attr, folded_value
+from ._graph import Graph, attr, folded_value, input_at
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +31,8 @@ SOURCE = "; ".join(
 )
 
 
-def _match(ctx: Context, node: onnx.NodeProto):
-    m = C.match_qdq(ctx, node)
+def _match(ctx: Context, node: ir.Node):
+    m = _qdq_common.match_qdq(ctx, node)
     if isinstance(m, NoMatch):
         return m
     if m.wq.ndim != 2:
@@ -41,14 +40,14 @@ def _match(ctx: Context, node: onnx.NodeProto):
     return m
 
 
-def _output_axis(node: onnx.NodeProto) -> int:
+def _output_axis(node: ir.Node) -> int:
     """The weight axis that indexes output channels: 1 for MatMul [k, n] and Gemm, 0 for Gemm transB."""
     return 0 if node.op_type == "Gemm" and attr(node, "transB", 0) else 1
 
 
-def _check(ctx: Context, m: C.QdqMatch) -> str | None:
+def _check(ctx: Context, m: _qdq_common.QdqMatch) -> str | None:
     node = m.node
-    reason = C.check_activation(ctx, m)
+    reason = _qdq_common.check_activation(ctx, m)
     if reason:
         return reason
     if node.op_type == "Gemm" and attr(node, "transA", 0):
@@ -73,32 +72,32 @@ def _check(ctx: Context, m: C.QdqMatch) -> str | None:
     alpha = float(attr(node, "alpha", 1.0))
     if alpha != 1.0:
         m.s_w = m.s_w * np.float32(alpha)
-    m.out_name, m.drop = node.output[0], []
-    if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2]:
-        m.bias_f = folded_value(ctx.graph, node.input[2])
+    m.out, m.drop = node.outputs[0], []
+    if node.op_type == "Gemm" and input_at(node, 2) is not None:
+        m.bias_f = folded_value(ctx.graph, node.inputs[2])
         if m.bias_f is None:
             return "the Gemm bias must be a constant"
         m.bias_f = m.bias_f * np.float32(attr(node, "beta", 1.0))
     elif node.op_type == "MatMul":
-        m.bias_f, m.out_name, m.drop = _bias_add(ctx.graph, node, m.channels)
-    return C.int_bias(m)
+        m.bias_f, m.out, m.drop = _bias_add(ctx.graph, node, m.channels)
+    return _qdq_common.int_bias(m)
 
 
-def _bias_add(gr: Graph, node: onnx.NodeProto, channels: int) -> tuple[np.ndarray | None, str, list]:
+def _bias_add(gr: Graph, node: ir.Node, channels: int) -> tuple[np.ndarray | None, ir.Value, list]:
     """A constant bias Add after a MatMul (through the accumulator's Q/DQ), folded before the dequant."""
-    chain: list[onnx.NodeProto] = []
-    t = node.output[0]
+    chain: list[ir.Node] = []
+    t = node.outputs[0]
     nxt = gr.only_consumer(t)
     if nxt is not None and nxt.op_type == "QuantizeLinear":
-        dq = gr.only_consumer(nxt.output[0])
+        dq = gr.only_consumer(nxt.outputs[0])
         if dq is None or dq.op_type != "DequantizeLinear":
-            return None, node.output[0], []
+            return None, node.outputs[0], []
         chain += [nxt, dq]
-        t = dq.output[0]
+        t = dq.outputs[0]
         nxt = gr.only_consumer(t)
     if nxt is None or nxt.op_type != "Add":
-        return None, node.output[0], []
-    other = nxt.input[1] if nxt.input[0] == t else nxt.input[0]
+        return None, node.outputs[0], []
+    other = nxt.inputs[1] if nxt.inputs[0] is t else nxt.inputs[0]
     b = folded_value(gr, other)
     if (
         b is None
@@ -106,23 +105,24 @@ def _bias_add(gr: Graph, node: onnx.NodeProto, channels: int) -> tuple[np.ndarra
         or (b.ndim and b.shape[-1] not in (1, channels))
         or any(d != 1 for d in b.shape[:-1])
     ):
-        return None, node.output[0], []
-    return b.reshape(-1), nxt.output[0], chain + [nxt]
+        return None, node.outputs[0], []
+    return b.reshape(-1), nxt.outputs[0], chain + [nxt]
 
 
-def _rewrite(ctx: Context, m: C.QdqMatch) -> None:
+def _rewrite(ctx: Context, m: _qdq_common.QdqMatch) -> None:
     gr, node = ctx.graph, m.node
-    xq = C.ascend_quant(ctx, m)
-    w_name = gr.add_init(f"{node.name}_weight_int8", m.w_int)
-    acc = gr.unique(f"{node.name}_acc_int32")
-    new = [helper.make_node("MatMul", [xq, w_name], [acc], name=node.name)]
+    xq = _qdq_common.ascend_quant(ctx, m)
+    weight = _qdq_common.int8_weight(ctx, m)
+    acc = gr.value(f"{node.name}_acc_int32")
+    new = [ir.node("MatMul", [xq, weight], outputs=[acc], name=node.name)]
     deq_in = acc
     if m.bias_f is not None:
-        deq_in = gr.unique(f"{node.name}_acc_bias_int32")
-        b_name = gr.add_init(f"{node.name}_bias_int32", m.bias_i.astype(np.int32))
-        new.append(helper.make_node("Add", [acc, b_name], [deq_in], name=gr.unique(f"{node.name}_bias_add")))
-    new.append(C.dequant(ctx, m, deq_in))
-    gr.replace(node, new, m.drop)
+        deq_in = gr.value(f"{node.name}_acc_bias_int32")
+        bias = gr.add_init(f"{node.name}_bias_int32", m.bias_i.astype(np.int32))
+        new.append(ir.node("Add", [acc, bias], outputs=[deq_in], name=gr.unique(f"{node.name}_bias_add")))
+    deq, out = _qdq_common.dequant(ctx, m, deq_in)
+    new.append(deq)
+    gr.replace(node, new, m.drop, [(m.out, out)])
     ctx.report.quantized_layers.append(node.name)
 
 

@@ -19,15 +19,14 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
+import onnx_ir as ir
 
 from vlmc import ascend_limits, ortsession
-from vlmc.backends.ascend import reference as ref
+from vlmc.backends.ascend import reference
 from vlmc.errors import VlmcError
 
 from ._base import Context, NoMatch, Rule
-from ._graph import as_int8
+from ._graph import Graph, as_int8, release
 
 logger = logging.getLogger(__name__)
 
@@ -80,22 +79,22 @@ class _Lowered:
 
 @dataclass
 class WeightOnlyMatch:
-    node: onnx.NodeProto
-    nodes: list  # the constant dequant subgraph
-    leaves: list[str]  # its initializers
+    node: ir.Node
+    nodes: list[ir.Node]  # the constant dequant subgraph
+    leaves: list[ir.Value]  # its initializers
     facts: dict | None  # the quantize pass's record for this node
     lowered: _Lowered | str | None = None  # what the facts (or the fallback fit) give; str: why not
 
 
-def _match(ctx: Context, node: onnx.NodeProto) -> WeightOnlyMatch | NoMatch:
+def _match(ctx: Context, node: ir.Node) -> WeightOnlyMatch | NoMatch:
     gr = ctx.graph
-    w_name = node.input[1]
-    if w_name in gr.inits:
+    weight = node.inputs[1]
+    if weight.is_initializer():
         return NoMatch("the weight is a plain initializer (not quantized)")
-    a = gr.producer.get(node.input[0])
+    a = node.inputs[0].producer()
     if a is not None and a.op_type == "DequantizeLinear":
         return NoMatch("the input is a quantized activation (the qdq_matmul pattern)")
-    sub = gr.const_subgraph(w_name)
+    sub = gr.const_subgraph(weight)
     if sub is None:
         return NoMatch("the weight is computed from graph inputs (activation x activation)")
     nodes, leaves = sub
@@ -113,22 +112,25 @@ def _match(ctx: Context, node: onnx.NodeProto) -> WeightOnlyMatch | NoMatch:
 def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     """The lowering read from the recorded facts; None when they do not describe this subgraph."""
     f = m.facts
-    if not f or f.get("weight") not in m.leaves or f.get("scale") not in m.leaves:
+    leaves = {v.name: v for v in m.leaves}
+    if not f or f.get("weight") not in leaves or f.get("scale") not in leaves:
         return None
-    gr = ctx.graph
     weights = ctx.facts.get("weights") or {}
-    q = numpy_helper.to_array(gr.inits[f["weight"]])
-    scale = numpy_helper.to_array(gr.inits[f["scale"]]).astype(np.float32)
+    q = leaves[f["weight"]].const_value.numpy()  # memory-mapped
+    scale = leaves[f["scale"]].const_value.numpy().astype(np.float32)
     # The group size is per node when recorded there, else graph-wide (quantize writes it under weights).
     group = f.get("group_size", weights.get("group_size"))
     bits = 4 if weights.get("dtype") == "int4" else 8
     if f.get("axis", 1) != 1:
         return f"the recorded weight axis is {f.get('axis')}; only axis 1 (of [k, n]) is lowered"
     if q.dtype == np.uint8 and f.get("storage") == "packed":
-        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8
-        lo = (q & 0x0F).astype(np.int16) - 8
-        hi = (q >> 4).astype(np.int16) - 8
-        q = np.stack([lo, hi], axis=1).reshape(q.shape[0] * 2, q.shape[1]).astype(np.int8)
+        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8.
+        # Unpacked straight into the int8 result, so the working set is that plus one half of it.
+        packed = q
+        q = np.empty((packed.shape[0] * 2, *packed.shape[1:]), np.int8)
+        np.subtract((packed & 0x0F).view(np.int8), 8, out=q[0::2])
+        np.subtract((packed >> 4).view(np.int8), 8, out=q[1::2])
+        del packed
     elif q.dtype != np.int8:
         return f"the recorded weight {f['weight']} is {q.dtype}, not int8 or packed int4"
     if q.ndim != 2:
@@ -145,30 +147,22 @@ def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
 
 def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     """Fallback for graphs without facts: fold the weight with onnxruntime and fit q, scale, offset."""
-    gr, node = ctx.graph, m.node
-    w_name = node.input[1]
-    arrays = {name: numpy_helper.to_array(gr.inits[name]) for name in m.leaves}
-    ints = [a for a in arrays.values() if np.issubdtype(a.dtype, np.integer)]
-    sm = helper.make_model(
-        helper.make_graph(
-            m.nodes,
-            "w",
-            [],
-            [helper.make_tensor_value_info(w_name, onnx.TensorProto.FLOAT, None)],
-            [gr.inits[n] for n in m.leaves],
-        ),
-        opset_imports=list(gr.model.opset_import),
-    )
-    sm.ir_version = gr.model.ir_version or sm.ir_version
+    node = m.node
+    # Only 8-bit integer leaves can be the weight (as is, or two int4 per byte): without one there is
+    # nothing to fit, and the weight is not folded (an fp16 weight behind a Cast is read for nothing).
+    small_ints = (ir.DataType.INT8, ir.DataType.UINT8)
+    ints = [v.const_value.numpy() for v in m.leaves if v.const_value.dtype in small_ints]
+    if not ints:
+        return None
     try:
-        w = np.asarray(ortsession.from_model(sm).run(None, {})[0], dtype=np.float32)
+        w = np.asarray(ortsession.from_model(_weight_model(ctx.graph, m)).run(None, {})[0], dtype=np.float32)
     except Exception as exc:  # onnxruntime raises its own types; a weight it cannot fold is left alone
         logger.debug("%s: weight subgraph not folded: %s", node.name, exc)
         return None
     if w.ndim != 2:
         return None
     k, n = w.shape
-    big = [c for q in ints if q.dtype in (np.int8, np.uint8) for c in _int_candidates(q, k * n)]
+    big = [c for q in ints for c in _int_candidates(q, k * n)]
     if not big:
         return None
     for q in big:
@@ -182,6 +176,35 @@ def _from_fit(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
         "its weight-only dequantization does not reduce to (q + offset) * scale per channel or per "
         "group; vlmc cannot lower it to NPUWeightQuantBatchMatmulV2"
     )
+
+
+def _weight_model(gr: Graph, m: WeightOnlyMatch) -> ir.Model:
+    """The weight's constant subgraph alone, as a model onnxruntime can fold (tensors shared, not read)."""
+    mapped: dict[ir.Value, ir.Value] = {}
+    inits = []
+    for v in m.leaves:
+        mapped[v] = ir.Value(name=v.name, const_value=v.const_value, type=v.type, shape=v.shape)
+        inits.append(mapped[v])
+    nodes = []
+    for n in m.nodes:
+        copy = ir.Node(
+            n.domain,
+            n.op_type,
+            [None if i is None else mapped[i] for i in n.inputs],
+            attributes=list(n.attributes.values()),
+            num_outputs=len(n.outputs),
+            name=n.name,
+        )
+        for old, new in zip(n.outputs, copy.outputs):
+            new.name = old.name
+            mapped[old] = new
+        nodes.append(copy)
+    out = mapped[m.node.inputs[1]]
+    out.type = ir.TensorType(ir.DataType.FLOAT)
+    graph = ir.Graph(
+        [], [out], nodes=nodes, initializers=inits, opset_imports=dict(gr.g.opset_imports), name="w"
+    )
+    return ir.Model(graph, ir_version=gr.model.ir_version)
 
 
 def _int_candidates(q: np.ndarray, size: int) -> list[np.ndarray]:
@@ -220,7 +243,7 @@ def _fit_antiquant(w: np.ndarray, q_raw: np.ndarray):
                 scale, zp = fit
                 # zero points are integers; the least-squares fit leaves rounding noise around them
                 zp = np.where(np.abs(zp - np.rint(zp)) < 1e-3, np.rint(zp), zp)
-                offset = -zp / ref.ANTIQUANT_OFFSET_SIGN
+                offset = -zp / reference.ANTIQUANT_OFFSET_SIGN
                 if g == k:
                     return q8, scale[0].astype(np.float32), offset[0].astype(np.float32), 0
                 return q8, scale.astype(np.float32), offset.astype(np.float32), g
@@ -281,24 +304,30 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
         # ONNX INT4: two values per byte, the lower index in the low nibble, which is GE's DT_INT4
         # layout. The weight is external data, which GE parses as a FileConstant (hicann/ge
         # onnx_file_constant_parser.cc): the bytes are used as written. INT4 needs IR 10.
-        wq = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
+        weight = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
         gr.model.ir_version = max(gr.model.ir_version, 10)
     else:
-        wq = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
+        weight = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
+    # The deploy weight is in the store now: neither it nor the source's map is kept.
+    low.q8 = None
+    release(*m.leaves)
     # antiquant_scale/offset have the type of x (float16 on the NPU: ATC runs x in fp16).
-    inputs = [node.input[0], wq, gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16))]
+    inputs = [
+        node.inputs[0],
+        weight,
+        gr.add_init(f"{node.name}_antiquant_scale", low.scale.astype(np.float16)),
+    ]
     if low.offset is not None and np.any(low.offset != 0):
         inputs.append(gr.add_init(f"{node.name}_antiquant_offset", low.offset.astype(np.float16)))
-    new = helper.make_node(
+    out = ir.Value(name=node.outputs[0].name)
+    new = ir.node(
         "NPUWeightQuantBatchMatmulV2",
         inputs,
-        [node.output[0]],
+        {"antiquant_group_size": int(low.group), "transpose_weight": 0, "transpose_x": 0},
+        outputs=[out],
         name=node.name,
-        antiquant_group_size=int(low.group),
-        transpose_x=0,
-        transpose_weight=0,
     )
-    gr.replace(node, [new], [])
+    gr.replace(node, [new], [], [(node.outputs[0], out)])
     report.weight_only_layers.append(node.name)
     report.weight_only_sources[low.source] = report.weight_only_sources.get(low.source, 0) + 1
     if low.bits == 4:
