@@ -726,6 +726,7 @@ def render(
 
 
 def main() -> None:
+    global LOG_DIR, MIN_FREE_DISK
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--sizes", nargs="*", default=["tiny", "small", "llava-1.5", "2b"], choices=list(SIZES))
@@ -759,6 +760,12 @@ def main() -> None:
         action="store_false",
         help="scale rows: do not measure `vlmc export` apart (the build's export step is still reported)",
     )
+    ap.add_argument(
+        "--min-free-gib",
+        type=float,
+        default=MIN_FREE_DISK / 2**30,
+        help="kill a scale-row step when the scratch disk has less free than this (shared machines)",
+    )
     ap.add_argument("--keep-logs", type=Path, help="copy each scale build's whole stderr into this directory")
     ap.add_argument(
         "--7b-recipe",
@@ -791,8 +798,8 @@ def main() -> None:
             False,
             True,
         )
-    global LOG_DIR
     LOG_DIR = args.keep_logs
+    MIN_FREE_DISK = int(args.min_free_gib * 2**30)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scale: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
