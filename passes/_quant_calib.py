@@ -65,8 +65,8 @@ class Recorded:
 class _Recorder:
     """Records each target graph's feeds (and optionally outputs) on its first call per sample."""
 
-    def __init__(self, rec: Recorded, targets: set[str]) -> None:
-        self.rec, self.targets = rec, targets
+    def __init__(self, rec: Recorded, targets: set[str], outputs_of: set[str]) -> None:
+        self.rec, self.targets, self.outputs_of = rec, targets, outputs_of
         self.keep_outputs = False
         self.seen: set[str] = set()
 
@@ -74,30 +74,45 @@ class _Recorder:
         if name in self.targets and name not in self.seen:
             self.seen.add(name)
             self.rec.feeds[name].append({n: np.array(v) for n, v in feeds.items()})
-            if self.keep_outputs:
+            if self.keep_outputs and name in self.outputs_of:
                 self.rec.outputs[name].append(outputs)
 
 
 def record(
-    pkg: Package, targets: set[str], images: list, prompts: list[str], eval_samples: int, eval_tokens: int
+    pkg: Package,
+    targets: set[str],
+    images: list,
+    prompts: list[str],
+    eval_samples: int,
+    eval_tokens: int,
+    outputs_of: set[str] | None = None,
 ) -> Recorded:
     """Run the FP32 pipeline on (prompt, image) pairs, one per sample, and record target feeds.
 
-    The first ``eval_samples`` samples also keep the targets' FP32 outputs and a greedy generation of
-    ``eval_tokens`` tokens, which the pass compares the quantized package against.
+    The first ``eval_samples`` samples also keep the FP32 outputs of ``outputs_of`` (default: every
+    target) and, when ``eval_tokens`` > 0, a greedy generation of that many tokens, which the pass
+    compares the quantized package against. When no target is in the decoder chain (or is the embed
+    graph) and no generation is asked for, only the image chain runs: no decoder session is opened.
     """
     pipeline = pkg.manifest.get("pipeline", {})
-    in_pipeline = set(pipeline.get("image", [])) | set(pipeline.get("decoder", [])) | {pipeline.get("embed")}
-    runnable = {t for t in targets if t in in_pipeline}
+    image_chain = set(pipeline.get("image", []))
+    text_chain = set(pipeline.get("decoder", [])) | {pipeline.get("embed")}
+    runnable = {t for t in targets if t in image_chain | text_chain}
+    keep_outputs = targets if outputs_of is None else outputs_of
     rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
     if runnable and pipeline.get("decoder"):
-        recorder = _Recorder(rec, runnable)
+        image_only = not (runnable & text_chain) and eval_tokens <= 0
+        recorder = _Recorder(rec, runnable, keep_outputs)
         pipe = Pipeline(pkg, on_graph=recorder)
         for i, ref in enumerate(images):
             keep = i < eval_samples
             recorder.seen.clear()
             recorder.keep_outputs = keep
             inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
+            if image_only:
+                if inp.vision:
+                    pipe.image_outputs(inp.vision)
+                continue
             # Only a graph's first call per sample (the prefill) is recorded; decode steps add nothing.
             gen = pipe.generate_from(inp, max_new_tokens=max(1, eval_tokens) if keep else 1)
             if keep and eval_tokens > 0:
@@ -108,11 +123,11 @@ def record(
         logger.info("quantize: %s is not in the package pipeline; calibrating on stored/generated samples", t)
         from vlmc import ortsession
 
-        sess = ortsession.for_graph(pkg, t)
+        sess = ortsession.for_graph(pkg, t) if eval_samples and t in keep_outputs else None
         for i in range(len(images)):
             feeds = samples.inputs_for(pkg, t, seed=i) if i else samples.inputs_for(pkg, t)
             rec.feeds[t].append(feeds)
-            if i < eval_samples:
+            if sess is not None and i < eval_samples:
                 rec.outputs[t].append(dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds))))
     return rec
 

@@ -151,6 +151,11 @@ class Quantize(Pass):
         sharded = bool(package.manifest.get("tensor_parallel"))
         if sharded:  # fidelity runs the package in this process; a sharded one runs as rank processes
             eval_samples = eval_tokens = 0
+        # What fidelity is measured (bounded by size and tokens: vlmc/limits.py), so only the feeds
+        # and FP32 outputs it needs are recorded.
+        fp32_bytes = {n: graphs.initializer_bytes(package.model(n)) for n in plans}
+        graph_eval, skipped = _graph_eval(plans, fp32_bytes, eval_samples)
+        e2e_tokens, e2e_note = _e2e_budget(package, eval_samples, eval_tokens, sharded)
         # One FP32 pipeline run per distinct calibration set, before any graph changes.
         groups: dict[tuple, list[str]] = {}
         for n, p in plans.items():
@@ -159,18 +164,23 @@ class Quantize(Pass):
         recorded: dict[str, _quant_calib.Recorded] = {}
         e2e_source = None
         for (images, prompts), names in groups.items():
-            count = max([plans[n].calibration.count for n in names if plans[n].needs_calibration] or [0])
-            count = max(count, eval_samples)
+            calibrated = [n for n in names if plans[n].needs_calibration or plans[n].mode == "int8"]
+            evaluated = [n for n in names if n in graph_eval]
+            count = max([plans[n].calibration.count for n in calibrated] or [0])
+            wants_e2e = e2e_source is None and e2e_tokens > 0
+            if evaluated or wants_e2e:
+                count = max(count, eval_samples)
             if not count:
                 continue
             refs = _quant_calib.image_refs(images, count, seed)
             rec = _quant_calib.record(
                 package,
-                set(names),
+                set(calibrated) | set(evaluated),
                 refs,
                 list(prompts),
                 eval_samples,
-                eval_tokens if e2e_source is None else 0,
+                e2e_tokens if wants_e2e else 0,
+                outputs_of=set(evaluated),
             )
             if e2e_source is None and rec.generations:
                 e2e_source = rec
@@ -179,6 +189,7 @@ class Quantize(Pass):
 
         report: dict = {"graphs": {}}
         modified = False
+        sessions = _quant_eval.Sessions(package)  # quantized sessions, reused by end-to-end fidelity
         for name, plan in plans.items():
             rec = recorded.get(name)
             feeds = rec.feeds.get(name, []) if rec else []
@@ -219,15 +230,22 @@ class Quantize(Pass):
             if weight_bytes:
                 entry["matmul_weight_bytes_before"], entry["matmul_weight_bytes_after"] = weight_bytes
                 entry["matmul_weight_bytes_ratio"] = round(weight_bytes[1] / max(weight_bytes[0], 1), 4)
-            if rec is not None and eval_samples:
+            if name in skipped:
+                entry["fidelity"] = skipped[name]
+            elif rec is not None and name in graph_eval:
                 entry["fidelity"] = _quant_eval.graph_fidelity(
-                    package, name, feeds[:eval_samples], rec.outputs.get(name, [])
+                    package, name, feeds[:eval_samples], rec.outputs.get(name, []), sessions
                 )
             report["graphs"][name] = entry
-        if modified and e2e_source is not None and eval_tokens:
+        if modified and e2e_source is not None and e2e_tokens:
             report["end_to_end"] = _quant_eval.end_to_end(
-                package, e2e_source.inputs, e2e_source.generations, eval_tokens
+                package, e2e_source.inputs, e2e_source.generations, e2e_tokens, sessions
             )
+            if e2e_note:
+                report["end_to_end"]["note"] = e2e_note
+        elif modified and e2e_note and not sharded:
+            report["end_to_end"] = e2e_note
+        sessions.close()
         if sharded:
             report["end_to_end"] = (
                 "not measured: a tensor-parallel package runs as rank processes; compare `vlmc run` "
@@ -250,6 +268,62 @@ class Quantize(Pass):
             return _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
         finally:
             store.close()
+
+
+_FORCE = "raise VLMC_MAX_FIDELITY_BYTES (bytes) to measure it"
+
+
+def _graph_eval(
+    plans: dict, fp32_bytes: dict[str, int], eval_samples: int
+) -> tuple[set[str], dict[str, str]]:
+    """Graphs whose per-graph fidelity is measured, and why the others are not (one line each).
+
+    The FP32 outputs are recorded through an onnxruntime session on the FP32 graph and the quantized
+    graph is run on another: above limits.MAX_FIDELITY_BYTES of FP32 weights that is more memory and
+    time than the build itself, so the comparison is skipped and the report and the log say so.
+    """
+    if not eval_samples:
+        return set(), {}
+    limit = limits.MAX_FIDELITY_BYTES
+    measured = {n for n in plans if fp32_bytes[n] <= limit}
+    skipped = {}
+    for n in sorted(set(plans) - measured):
+        skipped[n] = (
+            f"not measured: {n} has {fp32_bytes[n] / 2**30:.2f} GiB of FP32 weights, above the "
+            f"fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE}"
+        )
+        logger.warning("quantize: per-graph fidelity of %s %s", n, skipped[n])
+    return measured, skipped
+
+
+def _e2e_budget(package, eval_samples: int, eval_tokens: int, sharded: bool) -> tuple[int, str]:
+    """(greedy tokens per sample end-to-end fidelity generates, a note when it is cut or skipped)."""
+    if sharded or not eval_samples or not eval_tokens:
+        return 0, ""
+    pipeline = package.manifest.get("pipeline", {})
+    names = [*pipeline.get("image", []), pipeline.get("embed"), *pipeline.get("decoder", [])]
+    names = [n for n in dict.fromkeys(names) if n and n in package.manifest["graphs"]]
+    if not pipeline.get("decoder") or not names:
+        return 0, ""
+    total = sum(graphs.initializer_bytes(package.model(n)) for n in names)
+    limit = limits.MAX_FIDELITY_BYTES
+    if total > limit:
+        note = (
+            f"not measured: the pipeline's graphs have {total / 2**30:.2f} GiB of FP32 weights, above "
+            f"the fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE}"
+        )
+        logger.warning("quantize: end-to-end fidelity %s", note)
+        return 0, note
+    budget = limits.MAX_FIDELITY_TOKENS
+    if eval_samples * eval_tokens > budget:
+        tokens = max(1, budget // eval_samples)
+        note = (
+            f"greedy tokens cut from {eval_tokens} to {tokens} per sample: {eval_samples} samples x "
+            f"{eval_tokens} is above the token budget of {budget} (raise VLMC_MAX_FIDELITY_TOKENS)"
+        )
+        logger.warning("quantize: end-to-end fidelity %s", note)
+        return tokens, note
+    return eval_tokens, ""
 
 
 def _counts(facts: dict) -> dict:

@@ -49,3 +49,12 @@ MAX_TEMPLATE_OUTPUT_CHARS = _env_int("VLMC_MAX_TEMPLATE_OUTPUT_CHARS", 1 << 20)
 MAX_TEMPLATE_SECONDS = _env_int("VLMC_MAX_TEMPLATE_SECONDS", 5)
 # Loop iterations a chat template may run in total (every range() and for-loop step counts).
 MAX_TEMPLATE_STEPS = _env_int("VLMC_MAX_TEMPLATE_STEPS", 1_000_000)
+# Fidelity of a quantized build vs FP32 (the quantize pass's report) runs graphs on onnxruntime on the
+# CPU: an FP32 reference run while calibrating and a quantized run after; onnxruntime holds a copy of
+# each graph's weights. Per-graph fidelity is skipped for a graph whose FP32 weights are above
+# VLMC_MAX_FIDELITY_BYTES, end-to-end fidelity when the pipeline's graphs together are (default 4 GiB:
+# the 512 M-parameter real-width row passes, a 7B decoder, 26 GB, does not); the report says so.
+MAX_FIDELITY_BYTES = _env_int("VLMC_MAX_FIDELITY_BYTES", 4 << 30)
+# Greedy tokens end-to-end fidelity generates in all (eval_samples x eval_tokens; each is a decoder
+# call on the quantized package): eval_tokens is cut to fit, and the report says so.
+MAX_FIDELITY_TOKENS = _env_int("VLMC_MAX_FIDELITY_TOKENS", 64)
