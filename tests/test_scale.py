@@ -237,3 +237,21 @@ def test_per_pass_peak_memory_is_recorded(tiny_dir):
     out = manager.run(Package.load(tiny_dir), R.from_dict({"passes": ["fold_constants", "simplify"]}).steps)
     peaks = [p["peak_rss_bytes"] for p in out.report["passes"]]
     assert len(peaks) == 2 and all(isinstance(x, int) and x > 10 * 2**20 for x in peaks)
+
+
+def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
+    """Hashing a weight in a file maps it only while it is hashed: a fingerprinted package's
+    process does not keep every weight resident (onnx-ir maps the whole data file per tensor)."""
+    G.save(_big_model(64), tmp_path / "m.onnx")
+    model = G.load_ir(tmp_path / "m.onnx")
+    w = model.graph.initializers["w"].const_value
+    rss = _rss_bytes()
+    digest = G.fingerprint(model)
+    assert w.raw is None  # released again
+    assert _rss_bytes() - rss < 16 * 2**20  # not 64 MiB of mapped pages
+    assert w.meta[G._HASH_KEY] == G._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
+    w.release()
+    # a weight a pass had mapped stays mapped (its numpy views stay valid)
+    fresh = G.load_ir(tmp_path / "m.onnx")
+    view = fresh.graph.initializers["w"].const_value.numpy()
+    assert G.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5

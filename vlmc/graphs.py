@@ -288,16 +288,39 @@ def tensor_hash(t) -> str:
         if key in _EXTERNAL_HASHES:
             t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
             return _EXTERNAL_HASHES[key]
-    # A file-backed weight mapped in only to be hashed is unmapped again, so fingerprinting a graph
-    # holds one weight's pages at a time (its mapped pages count as resident while the map is open).
-    unmap = isinstance(t, ir.ExternalTensor) and t.raw is None
-    digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
-    if unmap:
-        t.release()
+    # A file-backed weight mapped in only to be hashed is unmapped again (see _external_digest).
+    if isinstance(t, ir.ExternalTensor):
+        digest = _external_digest(t)
+    else:
+        digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
     t.meta[_HASH_KEY] = digest
     if key is not None:
         _EXTERNAL_HASHES[key] = digest
     return digest
+
+
+def _external_digest(t: ir.ExternalTensor) -> str:
+    """:func:`_digest` of a tensor stored in a file, hashed in place from its memory map.
+
+    ``tobytes()`` would copy the tensor, and the map onnx-ir opens (the whole data file) would stay
+    open with every page hashed still resident: after fingerprinting a package, its process would
+    hold all its weights. A tensor that was not mapped before is released again at once, so hashing
+    costs at most the tensor being hashed.
+    """
+    if t.nbytes == 0:
+        return _digest(int(t.dtype), list(t.shape.numpy()), b"")
+    mapped = t.raw is not None
+    if not mapped:
+        t.numpy()  # onnx-ir maps the file (checking the path is inside the base directory)
+    try:
+        h = digest_start(int(t.dtype), list(t.shape.numpy()))
+        offset = t.offset or 0
+        with memoryview(t.raw) as view, view[offset : offset + (t.length or t.nbytes)] as data:
+            h.update(data)
+        return h.hexdigest()
+    finally:
+        if not mapped:
+            t.release()
 
 
 def digest_start(dtype: int, dims: list[int]):
