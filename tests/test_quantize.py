@@ -211,9 +211,9 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
     assert _cos(ref, _image_features(int8)) >= 0.99
     for g in image_graphs:
         m = _proto(int8, g)
-        graphs.check(m, g)
+        graphs.check(int8.model(g), g)
         assert {o.domain: o.version for o in m.opset_import}[""] == 17
-        hist = graphs.op_histogram(m)
+        hist = graphs.op_histogram(int8.model(g))
         assert hist["QuantizeLinear"] >= 1 and hist["DequantizeLinear"] > hist["QuantizeLinear"]
         assert int8.info(g)["precision"] == "int8" and fp16.info(g)["precision"] == "fp16"
         q = int8.info(g)["quantization"]
@@ -354,7 +354,7 @@ def test_weight_only_graph_matches_numpy_dequant(weights, storage):
         deq = q.astype(np.float32) * s
         expect_ops = {"Cast", "Mul", "MatMul"}
     np.testing.assert_allclose(y, x @ deq, rtol=1e-5, atol=1e-5)
-    assert expect_ops <= set(graphs.op_histogram(model))
+    assert expect_ops <= set(graphs.op_histogram(ir.from_proto(model)))
     assert facts["nodes_quantized"] == ["mm"] and facts["weights"]["nodes"]["mm"]["group_size"] == (
         32 if weights == "int4" else None
     )
@@ -390,7 +390,7 @@ def test_int4_awq_decoder_on_builtin(tiny_llava):
         eval_samples=1,
     )
     m = _proto(pkg, "decoder")
-    graphs.check(m, "decoder")
+    graphs.check(pkg.model("decoder"), "decoder")
     q = pkg.info("decoder")["quantization"]
     assert q["mode"] == "int4_weight_only" and q["method"] == "awq" and q["weights"]["group_size"] == 32
     assert "/lm_head/MatMul" in q["nodes_kept_fp32"]
