@@ -6,8 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from vlmc import ascend_limits
-from vlmc import graphs as G
+from vlmc import ascend_limits, graphs
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +61,7 @@ def _canonical(m: ir.Model) -> tuple:
         for n in m.graph
     )
     inits = sorted(
-        (n, G.tensor_hash(v.const_value))
+        (n, graphs.tensor_hash(v.const_value))
         for n, v in m.graph.initializers.items()
         if v.const_value is not None
     )
@@ -72,5 +71,5 @@ def _canonical(m: ir.Model) -> tuple:
 
 def _attr_key(a: ir.Attr) -> str:
     if a.type == ir.AttributeType.TENSOR:
-        return G.tensor_hash(a.value)
+        return graphs.tensor_hash(a.value)
     return repr(a.value)

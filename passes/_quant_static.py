@@ -120,7 +120,7 @@ def quantize_int8(
         with _named(model, names), interop.as_file(model, tmp, "fp32.onnx") as src:
             pass
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
-        with _quiet_root_logger():
+        with _quiet_root_logger(), _calibration_without_arena():
             quantize_static(
                 str(src),
                 str(dst),
@@ -185,6 +185,37 @@ class _OneAtATime:
 
     def rewind(self) -> None:
         self._i = self._range[0]
+
+
+@contextlib.contextmanager
+def _calibration_without_arena():
+    """Run onnxruntime's calibrator with the CPU memory arena off.
+
+    onnxruntime.quantization takes no SessionOptions for its calibration session
+    (calibrate.py ``CalibraterBase.create_inference_session`` builds its own), and with the arena
+    on the session keeps the high-water mark of every sample's intermediates: measured on the
+    24-layer CLIP ViT-L/14-336 at LLaVA-1.5-7B widths, +2 to 3.4 GiB per calibration sample, flat
+    at about 2.3 GiB with the arena off. The session is built as the library builds it (same
+    graph, optimisation level and providers), only with ``enable_cpu_mem_arena = False``.
+    """
+    import onnxruntime
+    from onnxruntime.quantization.calibrate import CalibraterBase
+
+    original = CalibraterBase.create_inference_session
+
+    def create_inference_session(self):
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+        options.enable_cpu_mem_arena = False
+        self.infer_session = onnxruntime.InferenceSession(
+            self.augmented_model_path, sess_options=options, providers=self.execution_providers
+        )
+
+    CalibraterBase.create_inference_session = create_inference_session
+    try:
+        yield
+    finally:
+        CalibraterBase.create_inference_session = original
 
 
 @contextlib.contextmanager

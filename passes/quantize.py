@@ -139,7 +139,7 @@ class Quantize(Pass):
                 )
 
     # ---- run ---------------------------------------------------------------------------------
-    def run(self, package):
+    def run(self, package, plan=None):
         from . import _quant_calib, _quant_eval
 
         plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}

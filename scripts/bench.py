@@ -141,10 +141,25 @@ def make_model_dir(size: str, root: Path) -> tuple[Path, int]:
     return path, params
 
 
-def measure(cmd: list[str], rss_limit: int | None = None, check: bool = True) -> dict:
+MIN_FREE_DISK = 8 << 30  # scale-row steps are killed when the scratch disk gets this full (shared machine)
+
+
+def measure(
+    cmd: list[str],
+    rss_limit: int | None = None,
+    check: bool = True,
+    log: Path | None = None,
+    disk: Path | None = None,
+) -> dict:
+    """Run ``cmd`` under scripts/_measure.py: seconds, peak RSS, and per-step figures from its progress notes.
+
+    With ``rss_limit`` the command is killed over that RSS; with ``disk`` when that filesystem gets
+    under :data:`MIN_FREE_DISK` free."""
     limit = ["--rss-limit", str(rss_limit)] if rss_limit else []
+    limit += ["--min-free", f"{MIN_FREE_DISK}:{disk}"] if disk else []
+    logs = ["--log", str(log)] if log else []
     out = subprocess.run(
-        [sys.executable, str(SCRIPTS / "_measure.py"), *limit, *cmd],
+        [sys.executable, str(SCRIPTS / "_measure.py"), *limit, *logs, *cmd],
         capture_output=True,
         text=True,
         check=True,
@@ -235,46 +250,136 @@ def _params_in(checkpoint: Path) -> int:
 
 def _floor(checkpoint: Path, root: Path) -> dict:
     """The disk-bound floor (scripts/disk_floor.py): read the checkpoint once, write it once as FP32."""
-    res = measure([sys.executable, str(SCRIPTS / "disk_floor.py"), str(checkpoint), str(root / "floor.bin")])
+    import shutil
+
+    cmd = [sys.executable, str(SCRIPTS / "disk_floor.py"), str(checkpoint), str(root / "floor.bin")]
+    need = 2 * sum(p.stat().st_size for p in checkpoint.glob("*.safetensors"))  # bf16 -> FP32
+    if shutil.disk_usage(root).free - need < 2 * MIN_FREE_DISK:
+        cmd += ["--max-file-gib", "4"]  # no room for the whole FP32 copy: 4 GiB at a time, synced
+    res = measure(cmd, disk=root)
+    res["mode"] = "synced every 4 GiB" if "--max-file-gib" in cmd else "one file"
+    if res["returncode"] != 0:
+        raise SystemExit(f"bench: the disk floor did not finish ({res['last_line'] or 'killed: disk full'})")
     return res
 
 
 def _scale_build(
-    name: str, checkpoint: Path, params: int, recipe_text: str, root: Path, rss_limit: int, bare: bool
+    name: str,
+    checkpoint: Path,
+    params: int,
+    recipe_text: str,
+    root: Path,
+    rss_limit: int,
+    bare: bool,
+    export_row: bool = True,
 ) -> dict:
-    """One scale row: disk floor, bare torch.onnx.export (``bare``) or `vlmc export`, and `vlmc build`."""
+    """One scale row: disk floor, bare torch.onnx.export (``bare``), `vlmc export` (``export_row``),
+    and `vlmc build`, each under the RSS watchdog. The build's per-step figures come from its
+    report.json when it finishes, else from its progress notes (scripts/_measure.py), which also
+    name the step it failed or was killed in."""
     vlmc = str(Path(sys.executable).parent / "vlmc")
     recipe = root / f"{name}.yaml"
     recipe.write_text(f"model: {checkpoint}\n" + recipe_text)
     out = root / f"out-{name}"
     row: dict = {"name": name, "params": params, "fp32_weight_bytes": params * 4, "rss_limit": rss_limit}
-    row["floor_seconds"] = _floor(checkpoint, root)["seconds"]
+    row["recipe"] = recipe_text
+    row["load_average"] = _load_average()
+    floor = _floor(checkpoint, root)
+    row["floor_seconds"], row["floor_mode"] = floor["seconds"], floor["mode"]
     if bare:
         b = measure([sys.executable, str(SCRIPTS / "bare_export.py"), str(checkpoint)], rss_limit)
         row["bare_seconds"], row["bare_peak_rss"] = b["seconds"], b["peak_rss_bytes"]
-    e = measure(
-        [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"], rss_limit
-    )
     import shutil
 
-    shutil.rmtree(root / f"pkg-{name}", ignore_errors=True)
-    row["export_seconds"], row["export_peak_rss"] = e["seconds"], e["peak_rss_bytes"]
-    r = measure([vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"], rss_limit, check=False)
+    if export_row:
+        e = measure(
+            [vlmc, "-q", "export", str(checkpoint), "-o", str(root / f"pkg-{name}"), "--force"],
+            rss_limit,
+            disk=root,
+        )
+        _remove_outputs(root, f"pkg-{name}")
+        row["export_seconds"], row["export_peak_rss"] = e["seconds"], e["peak_rss_bytes"]
+    log = root / f"{name}-build.log"
+    r = measure(
+        [vlmc, "build", "--recipe", str(recipe), "-o", str(out), "--force"],
+        rss_limit,
+        check=False,
+        log=log,
+        disk=root,
+    )
     row["build_seconds"], row["build_peak_rss"] = r["seconds"], r["peak_rss_bytes"]
     row["build_ok"] = r["returncode"] == 0
     row["killed_over_rss"] = r.get("killed_over_rss", False)
+    row["killed_low_disk"] = r.get("killed_low_disk", False)
     row["build_last_line"] = r.get("last_line", "")
+    row["notes"] = r.get("steps", [])  # per progress note: seconds and sampled peak RSS
+    row["failed_step"] = None if row["build_ok"] else (r.get("last_step") or "before its first step")
     report = out / "package" / "report.json"
     row["steps"] = _steps(report) if row["build_ok"] and report.is_file() else {}
-    shutil.rmtree(out, ignore_errors=True)
+    row["load_average_after"] = _load_average()
+    if LOG_DIR is not None:  # --keep-logs: the whole stderr of the build, to read after a failure
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, LOG_DIR / log.name)
+    _remove_outputs(root, f"out-{name}")
     print(json.dumps(row), flush=True)
     return row
 
 
+LOG_DIR: Path | None = None  # --keep-logs
+
+
+def _remove_outputs(root: Path, name: str) -> None:
+    """Remove an output and what a killed `vlmc` left of it (its ``.<name>.tmp-*`` staging directory)."""
+    import shutil
+
+    shutil.rmtree(root / name, ignore_errors=True)
+    for leftover in root.glob(f".{name}.tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _recipe_body(path: Path) -> str:
+    """A recipe file's text without its model key (the row sets the model)."""
+    return "".join(ln for ln in path.read_text().splitlines(keepends=True) if not ln.startswith("model:"))
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+# Free disk the 7B row needs besides its checkpoint (14 GB of bf16): the scratch graphs (26 GB FP32
+# at export), the package written from them, the floor's FP32 file and the build directory.
+SEVEN_B_DISK = 31 << 30
+SEVEN_B_CHECKPOINT = 15 << 30
+
+
+def _check_disk(root: Path, need: int, what: str) -> None:
+    import shutil
+
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(
+            f"bench: {what} needs about {need / 2**30:.0f} GiB of free disk under {root}; "
+            f"{free / 2**30:.0f} GiB are free (pass --scratch DIR on a larger disk)"
+        )
+
+
 def scale_rows(
-    root: Path, seven_b: bool, seven_b_dir: Path | None, rss_limit: int, with_512m: bool = True
+    root: Path,
+    seven_b: bool,
+    seven_b_dir: Path | None,
+    rss_limit: int,
+    with_512m: bool = True,
+    export_row: bool = True,
+    seven_b_recipe: str | None = None,
 ) -> list[dict]:
-    """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards)."""
+    """The 512 M real-width quantized row, and with ``seven_b`` a full LLaVA-1.5-7B (random bf16 shards).
+
+    ``seven_b_dir``: a checkpoint directory to use, or to write the 7B checkpoint into and keep (so
+    the row can be measured again without writing 14 GB again).
+    """
     import shutil
 
     rows = []
@@ -282,7 +387,14 @@ def scale_rows(
         model_dir, params = make_model_dir("llava-1.5", root)
         rows.append(
             _scale_build(
-                "llava-1.5 quantized", model_dir, params, QUANT_PASSES + SCALE_TARGET, root, rss_limit, True
+                "llava-1.5 quantized",
+                model_dir,
+                params,
+                QUANT_PASSES + SCALE_TARGET,
+                root,
+                rss_limit,
+                True,
+                export_row,
             )
         )
         shutil.rmtree(model_dir, ignore_errors=True)
@@ -291,37 +403,51 @@ def scale_rows(
         import make_checkpoint
 
         ckpt = seven_b_dir or (root / "llava-1.5-7b")
-        if not (ckpt / "model.safetensors.index.json").is_file():
-            make_checkpoint.write(make_checkpoint.llava_15_7b_config(), ckpt)
-        rows.append(
-            _scale_build(
-                "llava-1.5-7b",
-                ckpt,
-                _params_in(ckpt),
-                QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
-                root,
-                rss_limit,
-                False,
+        have = (ckpt / "model.safetensors.index.json").is_file()
+        if seven_b_dir is not None:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        _check_disk(root, SEVEN_B_DISK, "the 7B build")
+        if not have:
+            _check_disk(
+                ckpt if ckpt.exists() else root, SEVEN_B_CHECKPOINT + SEVEN_B_DISK, "the 7B checkpoint"
             )
-        )
-        if seven_b_dir is None:
-            shutil.rmtree(ckpt, ignore_errors=True)
+            make_checkpoint.write(make_checkpoint.llava_15_7b_config(), ckpt)
+        try:
+            rows.append(
+                _scale_build(
+                    "llava-1.5-7b",
+                    ckpt,
+                    _params_in(ckpt),
+                    seven_b_recipe or (QUANT_PASSES + PAGED_PASS + SCALE_TARGET),
+                    root,
+                    rss_limit,
+                    False,
+                    export_row,
+                )
+            )
+        finally:
+            if seven_b_dir is None:
+                shutil.rmtree(ckpt, ignore_errors=True)
     return rows
 
 
-def scale_section(rows: list[dict]) -> list[str]:
+SCALE_HEADING = "## Scale: the quantized Ascend recipe at 512 M and a full 7B"
+
+
+def scale_section(rows: list[dict], command: str | None = None) -> list[str]:
     lines = [
         "",
-        "## Scale: the quantized Ascend recipe at 512 M and a full 7B",
+        SCALE_HEADING,
         "",
         "Recipe: `fold_constants, simplify, quantize (vision_encoder int8 static, calibration count 4; "
         "decoder int4 group 128)`, Ascend910B4 target; the 7B row adds `paged_kv (block 128)`. The "
         "disk floor is scripts/disk_floor.py in the same run: read the checkpoint once and write it once "
         "as FP32, one tensor at a time. The 7B is llava-1.5-7b-hf's config with random weights written as "
         "bf16 safetensors shards with an index (scripts/make_checkpoint.py). A step that goes over the "
-        "RSS limit is killed (scripts/_measure.py) so the benchmark cannot take a shared machine down.",
+        "RSS limit is killed (scripts/_measure.py) so the benchmark cannot take a shared machine down. "
+        "Targets (issue 20): peak RSS ≤ 0.30× FP32 weight bytes, build time ≤ 4× the disk floor.",
         "",
-        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor | export time / floor |",
+        "| model | params | FP32 weights | disk floor s | bare export s | `vlmc export` s (peak RSS) | `vlmc build` s | build peak RSS | build RSS / FP32 | build time / floor | load average (1, 5, 15 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -329,33 +455,94 @@ def scale_section(rows: list[dict]) -> list[str]:
         if r["build_ok"]:
             status = ""
         elif r["killed_over_rss"]:
-            status = " (killed over the RSS limit)"
+            status = f" (killed over the {_gib(r['rss_limit'])} RSS limit in {r.get('failed_step')})"
+        elif r.get("killed_low_disk"):
+            status = f" (killed in {r.get('failed_step')}: the disk was almost full)"
         elif "interrupted" in r.get("build_last_line", ""):
-            status = " (interrupted, unfinished)"
+            status = f" (interrupted in {r.get('failed_step')})"
         else:
-            status = " (failed)"
+            status = f" (failed in {r.get('failed_step')})"
         ratio = f"**{r['build_seconds'] / r['floor_seconds']:.2f}×**" if r["build_ok"] else "–"
         bare = f"{r['bare_seconds']:.1f}" if "bare_seconds" in r else "–"
+        export = (
+            f"{r['export_seconds']:.1f} ({_gib(r['export_peak_rss'])}, {r['export_peak_rss'] / fp32:.2f}×)"
+            if "export_seconds" in r
+            else "–"
+        )
+        load = ", ".join(f"{x:.1f}" for x in r.get("load_average", []))
+        mode = r.get("floor_mode", "one file")
+        floor = f"{r['floor_seconds']:.1f}" + ("" if mode == "one file" else f" ({mode})")
         lines.append(
-            f"| {r['name']} | {r['params'] / 1e9:.2f} B | {_gib(fp32)} | {r['floor_seconds']:.1f} | {bare} | "
-            f"{r['export_seconds']:.1f} ({_gib(r['export_peak_rss'])}, {r['export_peak_rss'] / fp32:.2f}×) | "
-            f"{r['build_seconds']:.1f}{status} | {_gib(r['build_peak_rss'])} | **{r['build_peak_rss'] / fp32:.2f}×** | "
-            f"{ratio} | {r['export_seconds'] / r['floor_seconds']:.2f}× |"
+            f"| {r['name']} | {r['params'] / 1e9:.2f} B | {_gib(fp32)} | {floor} | {bare} | "
+            f"{export} | {r['build_seconds']:.1f}{status} | {_gib(r['build_peak_rss'])} | "
+            f"**{r['build_peak_rss'] / fp32:.2f}×** | {ratio} | {load} |"
         )
     for r in rows:
+        fp32 = r["fp32_weight_bytes"]
         lines += ["", f"Per step of `vlmc build`, {r['name']}:", ""]
-        if not r["steps"]:
-            lines.append(
-                f"No per-step figures: the build did not finish (last line it printed: `{r['build_last_line']}`)."
-            )
-            continue
-        lines += ["| step | seconds | peak RSS | peak RSS / FP32 weights |", "|---|---|---|---|"]
-        for name, st in r["steps"].items():
-            peak = st["peak_rss_bytes"] or 0
-            lines.append(
-                f"| {name} | {st['seconds']:.2f} | {_gib(peak)} | {peak / r['fp32_weight_bytes']:.2f}× |"
-            )
+        if r.get("recipe") and r["recipe"] not in (
+            QUANT_PASSES + SCALE_TARGET,
+            QUANT_PASSES + PAGED_PASS + SCALE_TARGET,
+        ):
+            lines += [
+                "Not the issue's recipe; this row ran:",
+                "",
+                "```yaml",
+                r["recipe"].rstrip("\n"),
+                "```",
+                "",
+            ]
+        lines += [
+            "| step | seconds | seconds / floor | peak RSS | peak RSS / FP32 weights |",
+            "|---|---|---|---|---|",
+        ]
+        if r["steps"]:  # the build's own report.json (per phase; the passes inside "passes")
+            for name, st in r["steps"].items():
+                peak = st["peak_rss_bytes"] or 0
+                lines.append(
+                    f"| {name} | {st['seconds']:.2f} | {st['seconds'] / r['floor_seconds']:.2f}× | "
+                    f"{_gib(peak)} | {peak / fp32:.2f}× |"
+                )
+        else:  # unfinished: the progress notes' timings and the watchdog's RSS samples
+            notes = r.get("notes", [])
+            for i, st in enumerate(notes):
+                last = i == len(notes) - 1
+                if st["seconds"] < 0.01 and not last:
+                    continue  # a note that only opens a group of steps ("running passes")
+                mark = " **← failed here**" if last and not r["build_ok"] else ""
+                lines.append(
+                    f"| {st['step']}{mark} | {st['seconds']:.2f} | {st['seconds'] / r['floor_seconds']:.2f}× | "
+                    f"{_gib(st['peak_rss_bytes'])} | {st['peak_rss_bytes'] / fp32:.2f}× |"
+                )
+            lines += [
+                "",
+                f"The build did not finish: {r.get('failed_step')!s} "
+                + (
+                    "went over the RSS limit and was killed"
+                    if r["killed_over_rss"]
+                    else "was killed when the disk was almost full"
+                    if r.get("killed_low_disk")
+                    else "failed"
+                )
+                + f" (last line it printed: `{r['build_last_line'][:300]}`). Figures from its progress notes "
+                "(seconds from one note to the next; RSS sampled every 0.2 s by scripts/_measure.py).",
+            ]
+    if command:
+        lines += ["", f"Measured with `{command}`."]
     return lines
+
+
+def splice_section(text: str, heading: str, section: list[str]) -> str:
+    """``text`` with the section under ``heading`` (up to the next ``## `` heading) replaced, or appended."""
+    lines = text.splitlines()
+    body = "\n".join(section).strip("\n").splitlines()
+    if heading in lines:
+        start = lines.index(heading)
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        lines[start:end] = body + [""]
+    else:
+        lines += [""] + body
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def _steps(report_json: Path) -> dict:
@@ -363,7 +550,7 @@ def _steps(report_json: Path) -> dict:
     rep = json.loads(report_json.read_text())
     out = {}
     phases = rep.get("build_phases", {})
-    for name in ("export", "passes", "save", "compile"):  # the build's order (report.json sorts keys)
+    for name in ("load", "export", "passes", "save", "compile"):  # the build's order (report.json sorts keys)
         if name not in phases:
             continue
         out[name] = phases[name]
@@ -502,7 +689,7 @@ def render(
     ]
     lines += targets(cost)
     if scale:
-        lines += scale_section(list(scale))
+        lines += scale_section(list(scale), " ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
     lines += ["", "## What the passes buy", ""]
     if pass_rows:
         lines += ["| benchmark | setting | metric | value | ratio | notes |", "|---|---|---|---|---|---|"]
@@ -521,6 +708,8 @@ def render(
         "```",
         "make bench                      # tiny and small: 5 runs; llava-1.5 and 2b: 3 runs; the 512 M quantized row",
         "make bench BENCH_7B=1           # also the full LLaVA-1.5-7B row (needs about 45 GB of free disk)",
+        "make bench BENCH_7B=1 BENCH_7B_DIR=/big/llava7b   # keep (or reuse) the 14 GB 7B checkpoint there",
+        "python scripts/bench.py --only-7b --7b-dir /big/llava7b   # just the 7B row, into the scale section",
         "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
         "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)",
         "```",
@@ -537,6 +726,7 @@ def render(
 
 
 def main() -> None:
+    global LOG_DIR, MIN_FREE_DISK
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks.md")
     ap.add_argument("--sizes", nargs="*", default=["tiny", "small", "llava-1.5", "2b"], choices=list(SIZES))
@@ -559,6 +749,32 @@ def main() -> None:
         "--rss-limit-gib", type=float, default=16.0, help="kill a scale-row step whose RSS goes over this"
     )
     ap.add_argument(
+        "--only-7b",
+        action="store_true",
+        help="run only the 7B row (no other sizes, 512 M row or pass benchmarks) and replace only the "
+        "scale section of --out",
+    )
+    ap.add_argument(
+        "--no-export-row",
+        dest="export_row",
+        action="store_false",
+        help="scale rows: do not measure `vlmc export` apart (the build's export step is still reported)",
+    )
+    ap.add_argument(
+        "--min-free-gib",
+        type=float,
+        default=MIN_FREE_DISK / 2**30,
+        help="kill a scale-row step when the scratch disk has less free than this (shared machines)",
+    )
+    ap.add_argument("--keep-logs", type=Path, help="copy each scale build's whole stderr into this directory")
+    ap.add_argument(
+        "--7b-recipe",
+        dest="seven_b_recipe",
+        type=Path,
+        help="a recipe file (passes and target; its model key is replaced) for the 7B row instead of the "
+        "issue's recipe, to measure part of the path; the row then shows the recipe it ran",
+    )
+    ap.add_argument(
         "--only-scale",
         action="store_true",
         help="run only the 512 M scale row (floor, bare export, vlmc export, vlmc build side by side) "
@@ -574,14 +790,39 @@ def main() -> None:
         return
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
+    if args.only_7b:
+        args.sizes, args.with_512m, args.skip_passes, args.skip_scale, args.seven_b = (
+            [],
+            False,
+            True,
+            False,
+            True,
+        )
+    LOG_DIR = args.keep_logs
+    MIN_FREE_DISK = int(args.min_free_gib * 2**30)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     scale: list[dict] = []
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         cost = pipeline_cost(args.sizes, args.runs, Path(tmp), args.large_runs) if args.sizes else []
         if not args.skip_scale:
             scale = scale_rows(
-                Path(tmp), args.seven_b, args.seven_b_dir, int(args.rss_limit_gib * 2**30), args.with_512m
+                Path(tmp),
+                args.seven_b,
+                args.seven_b_dir,
+                int(args.rss_limit_gib * 2**30),
+                args.with_512m,
+                args.export_row,
+                _recipe_body(args.seven_b_recipe) if args.seven_b_recipe else None,
             )
+    command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
+    if args.only_7b:
+        previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
+        args.out.write_text(splice_section(previous, SCALE_HEADING, scale_section(scale, command)))
+        results = args.out.parent / "bench" / "results-7b.json"
+        results.parent.mkdir(parents=True, exist_ok=True)
+        results.write_text(json.dumps({"machine": machine(), "scale": scale}, indent=2, default=str) + "\n")
+        print(f"wrote the scale section of {args.out}")
+        return
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)

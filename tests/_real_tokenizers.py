@@ -288,7 +288,7 @@ def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
-    from vlmc.exporters import qwen2_vl as Q
+    from vlmc.exporters import qwen2_vl
 
     tok = qwen2_tokenizer()
     ids = {
@@ -303,11 +303,11 @@ def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
     )
-    cfg = (Q.tiny_qwen2_5_vl_config if qwen25 else Q.tiny_qwen2_vl_config)(**text)
+    cfg = (qwen2_vl.tiny_qwen2_5_vl_config if qwen25 else qwen2_vl.tiny_qwen2_vl_config)(**text)
     for k, v in ids.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)
-    Q.model_class(cfg)(cfg).save_pretrained(path)
+    qwen2_vl.model_class(cfg)(cfg).save_pretrained(path)
     v = cfg.vision_config
     factor = v.patch_size * v.spatial_merge_size
     image_proc = Qwen2VLImageProcessorPil(

@@ -21,7 +21,7 @@ import json
 import logging
 from pathlib import Path
 
-import _real_tokenizers as R
+import _real_tokenizers
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def gemma_tokenizer():
     trainee = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     trainee.normalizer = normalizers.Replace(" ", "▁")
     trainee.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")
-    vocab, merges = R._train_bpe(trainee, 440, GEMMA_SPECIALS + bytes_)
+    vocab, merges = _real_tokenizers._train_bpe(trainee, 440, GEMMA_SPECIALS + bytes_)
     tok = GemmaTokenizer(
         vocab=vocab,
         merges=merges,
@@ -100,7 +100,7 @@ def llava_next_dir(path: Path, seed: int = 1) -> Path:
 
     from vlmc.exporters import llava_next as LN
 
-    tok = R.llama_tokenizer()
+    tok = _real_tokenizers.llama_tokenizer()
     cfg = LN.tiny_llava_next_config(**_text_ids(tok))
     cfg.image_token_index = tok.convert_tokens_to_ids("<image>")
     cfg.pad_token_id = tok.pad_token_id
@@ -121,7 +121,7 @@ def llava_next_dir(path: Path, seed: int = 1) -> Path:
         patch_size=cfg.vision_config.patch_size,
         vision_feature_select_strategy=cfg.vision_feature_select_strategy,
         num_additional_image_tokens=1,
-        chat_template=R.LLAVA_CHAT_TEMPLATE,
+        chat_template=_real_tokenizers.LLAVA_CHAT_TEMPLATE,
     )
     proc.save_pretrained(path)
     return path
@@ -130,7 +130,7 @@ def llava_next_dir(path: Path, seed: int = 1) -> Path:
 def onevision_tokenizer():
     from tokenizers import AddedToken
 
-    tok = R.qwen2_tokenizer()
+    tok = _real_tokenizers.qwen2_tokenizer()
     tok.add_special_tokens(
         {
             "additional_special_tokens": [

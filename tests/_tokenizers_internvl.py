@@ -13,12 +13,12 @@ import json
 import logging
 from pathlib import Path
 
-import _real_tokenizers as R
+import _real_tokenizers
 
 logger = logging.getLogger(__name__)
 
 # Qwen2.5-VL's special tokens (ids 151643.. in the real vocabulary), then InternVL's additions.
-QWEN25_SPECIALS = R.QWEN_SPECIALS + [
+QWEN25_SPECIALS = _real_tokenizers.QWEN_SPECIALS + [
     "<tool_call>",
     "</tool_call>",
     "<|fim_prefix|>",
@@ -61,7 +61,7 @@ def internvl_tokenizer():
     from tokenizers import AddedToken
     from transformers import Qwen2Tokenizer
 
-    tok = R.byte_level_bpe(R.QWEN_SPLIT, 420)
+    tok = _real_tokenizers.byte_level_bpe(_real_tokenizers.QWEN_SPLIT, 420)
     specials = QWEN25_SPECIALS + INTERNVL_SPECIALS + ["<video>"]
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
     return Qwen2Tokenizer(

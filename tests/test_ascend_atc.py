@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vlmc.backends.ascend import atc
-from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import atc, soc
 from vlmc.errors import VlmcError
 
 BASE = {"model": "m.onnx", "framework": "5", "output": "out/m", "soc_version": "Ascend910B3"}
@@ -55,7 +54,7 @@ def test_output_takes_no_suffix_and_framework_is_onnx():
     assert any("--framework must be 5" in p for p in atc.problems(_opts(framework="3")))
 
 
-@pytest.mark.parametrize("variant", S.VARIANTS_910B)
+@pytest.mark.parametrize("variant", soc.VARIANTS_910B)
 def test_910b_variants_are_valid_soc_versions(variant):
     assert atc.problems(_opts(soc_version=variant)) == []
 
@@ -208,25 +207,27 @@ NPU_SMI = """\
 
 
 def test_parse_npu_smi():
-    assert S.parse_npu_smi(NPU_SMI) == ["Ascend910B4", "Ascend910B4"]
+    assert soc.parse_npu_smi(NPU_SMI) == ["Ascend910B4", "Ascend910B4"]
 
 
 def test_resolution_order():
-    assert S.resolve("Ascend910B", "B2", detected=["Ascend910B4"]).soc_version == "Ascend910B4"
-    r = S.resolve("Ascend910B", "B2", detected=["Ascend910B4"])
+    assert soc.resolve("Ascend910B", "B2", detected=["Ascend910B4"]).soc_version == "Ascend910B4"
+    r = soc.resolve("Ascend910B", "B2", detected=["Ascend910B4"])
     assert r.source == "npu-smi" and "ignored" in r.warning
-    assert S.resolve("Ascend910B", "Ascend910B2C", detected=[]) == S.Resolution("Ascend910B2C", "soc_variant")
-    d = S.resolve("Ascend910B", None, detected=[])
-    assert d.soc_version == S.DEFAULT_910B and d.source == "default" and d.warning
-    assert S.resolve("Ascend310P3", None, detected=["Ascend910B4"]).soc_version == "Ascend310P3"
+    assert soc.resolve("Ascend910B", "Ascend910B2C", detected=[]) == soc.Resolution(
+        "Ascend910B2C", "soc_variant"
+    )
+    d = soc.resolve("Ascend910B", None, detected=[])
+    assert d.soc_version == soc.DEFAULT_910B and d.source == "default" and d.warning
+    assert soc.resolve("Ascend310P3", None, detected=["Ascend910B4"]).soc_version == "Ascend310P3"
     for name in ("Ascend910B", "Ascend310P3"):
-        assert S.resolve(name, None, detected=[]).soc_version in S.SOCS
+        assert soc.resolve(name, None, detected=[]).soc_version in soc.SOCS
 
 
 def test_resolution_errors_list_valid_names():
     with pytest.raises(VlmcError, match="Ascend910B1"):
-        S.resolve("Ascend910B9", None, detected=[])
+        soc.resolve("Ascend910B9", None, detected=[])
     with pytest.raises(VlmcError, match="not a Ascend910B variant"):
-        S.resolve("Ascend910B", "B9", detected=[])
+        soc.resolve("Ascend910B", "B9", detected=[])
     with pytest.raises(VlmcError, match="several"):
-        S.resolve("Ascend910B", None, detected=["Ascend910B3", "Ascend910B4"])
+        soc.resolve("Ascend910B", None, detected=["Ascend910B3", "Ascend910B4"])

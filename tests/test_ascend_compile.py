@@ -156,17 +156,19 @@ def _package(kind: str, decoder: onnx.ModelProto | None = None, precision: str =
     qwen = kind == "qwen2_vl"
     if qwen:
         pkg.manifest["vision"]["preprocess"] = {"patch_size": 2}
-    pkg.set_graph("vision_encoder", _vision(qwen), role="vision")
+    pkg.set_graph("vision_encoder", ir.from_proto(_vision(qwen)), role="vision")
     if kind == "blip2":
         qformer = _model(
             [helper.make_node("ReduceMean", ["image_features"], ["query_features"], name="pool", axes=[1])],
             [_vi("image_features", ["images", 12, HIDDEN])],
             [_vi("query_features", ["images", 1, HIDDEN])],
         )
-        pkg.set_graph("qformer", qformer, role="fusion")
-    pkg.set_graph("embed_tokens", _embed(), role="embed")
+        pkg.set_graph("qformer", ir.from_proto(qformer), role="fusion")
+    pkg.set_graph("embed_tokens", ir.from_proto(_embed()), role="embed")
     if decoder is None:
         decoder = _paged_decoder() if kind == "paged" else _decoder(mrope=qwen)
+    if isinstance(decoder, onnx.ModelProto):
+        decoder = ir.from_proto(decoder)
     pkg.set_graph("decoder", decoder, role="decoder", precision=precision)
     pkg.manifest["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
     return pkg

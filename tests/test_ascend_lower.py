@@ -177,9 +177,9 @@ def test_conv_per_channel_lowers_and_matches(tmp_path):
 def test_fp32_graph_is_unchanged():
     from vlmc import graphs
 
-    model = _fp32_matmul_add()
-    before = graphs.fingerprint(model)
-    low, report = lower.lower(ir.from_proto(model), "g")
+    model = ir.from_proto(_fp32_matmul_add())
+    before = graphs.fingerprint(model.clone())
+    low, report = lower.lower(model, "g")
     assert [n.op_type for n in low.graph] == ["MatMul", "Add", "Relu"]
     assert not report.quantized and report.fake_quant_clips == 0 and report.kept_fp32 == []
     assert graphs.fingerprint(low) == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import onnx_ir as ir
 import pytest
 
 from vlmc import manager, recipe
@@ -15,5 +16,5 @@ def test_folding_after_quantize_keeps_compressed_weights(tiny_llava, fold):
     assert pkg.info("decoder")["precision"] == "int8_weight_only"
     rep = pkg.manifest["history"][-1]["report"]
     assert "run " + fold + " before quantize" in rep["decoder"]["skipped"]
-    inits = {t.data_type for t in pkg.graph("decoder").graph.initializer if len(t.dims) == 2}
-    assert 3 in inits  # INT8 (TensorProto.INT8 == 3) weights survive the folding pass
+    dtypes = {v.dtype for v in pkg.model("decoder").graph.initializers.values() if len(v.shape) == 2}
+    assert ir.DataType.INT8 in dtypes  # INT8 weights survive the folding pass

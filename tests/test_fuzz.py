@@ -13,8 +13,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vlmc import manifest as M
-from vlmc import pass_api, recipe
+from vlmc import manifest, pass_api, recipe
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
@@ -119,7 +118,7 @@ def test_recipe_file_with_any_bytes(tmp_path_factory, data):
 # ---- manifests -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_manifest(tiny_llava) -> dict:
-    return json.loads((tiny_llava / M.MANIFEST_NAME).read_text())
+    return json.loads((tiny_llava / manifest.MANIFEST_NAME).read_text())
 
 
 def _paths(node, prefix=()):
@@ -168,7 +167,7 @@ def mutated_manifests(draw, base: dict):
 
 
 def test_the_unmutated_manifest_is_valid(real_manifest):
-    assert M.validate(copy.deepcopy(real_manifest)) == real_manifest
+    assert manifest.validate(copy.deepcopy(real_manifest)) == real_manifest
 
 
 @pytest.mark.parametrize("value", [[{}], {"a": 1}, [[1]], 3, ["decoder", None]])
@@ -177,10 +176,10 @@ def test_pipeline_entries_that_are_not_names(real_manifest, value):
     m = copy.deepcopy(real_manifest)
     m["pipeline"]["decoder"] = value
     if value == ["decoder", None]:
-        assert M.validate(m)["pipeline"]["decoder"] == value
+        assert manifest.validate(m)["pipeline"]["decoder"] == value
         return
     with pytest.raises(VlmcError, match="pipeline.decoder"):
-        M.validate(m)
+        manifest.validate(m)
 
 
 @FAST
@@ -188,7 +187,7 @@ def test_pipeline_entries_that_are_not_names(real_manifest, value):
 def test_manifest_validate_any_mutation(real_manifest, data):
     m = data.draw(mutated_manifests(real_manifest))
     try:
-        M.validate(m)
+        manifest.validate(m)
     except VlmcError as exc:
         assert "\n" not in str(exc)
 
@@ -197,7 +196,7 @@ def test_manifest_validate_any_mutation(real_manifest, data):
 @given(st.one_of(st.text(max_size=100), _json.map(json.dumps)))
 def test_manifest_loads_any_text(text):
     try:
-        M.loads(text)
+        manifest.loads(text)
     except VlmcError as exc:
         assert "\n" not in str(exc)
 
@@ -211,7 +210,7 @@ def test_package_load_with_any_mutated_manifest(real_manifest, tiny_llava, tmp_p
     for f in tiny_llava.iterdir():
         if f.is_file():
             shutil.copy(f, d / f.name)
-    (d / M.MANIFEST_NAME).write_text(json.dumps(m))
+    (d / manifest.MANIFEST_NAME).write_text(json.dumps(m))
     try:
         pkg = Package.load(d)
     except VlmcError as exc:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 
-import _real_tokenizers as R
-import _tokenizers_generic as T
+import _real_tokenizers
+import _tokenizers_generic
 import numpy as np
 import pytest
 import torch
@@ -31,22 +31,22 @@ SIZES = [(120, 90), (64, 160), (96, 96), (30, 100), (140, 40), (33, 31), (200, 2
 @pytest.fixture(scope="module")
 def pictures(tmp_path_factory):
     root = tmp_path_factory.mktemp("pictures")
-    return [R.save_image(root / f"{i}.png", h, w, i) for i, (h, w) in enumerate(SIZES[:4])]
+    return [_real_tokenizers.save_image(root / f"{i}.png", h, w, i) for i, (h, w) in enumerate(SIZES[:4])]
 
 
 @pytest.fixture(scope="module")
 def llava_next(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("llava_next"), T.llava_next_dir)
+    return Family(tmp_path_factory.mktemp("llava_next"), _tokenizers_generic.llava_next_dir)
 
 
 @pytest.fixture(scope="module")
 def onevision(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("onevision"), T.llava_onevision_dir)
+    return Family(tmp_path_factory.mktemp("onevision"), _tokenizers_generic.llava_onevision_dir)
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("gemma3"), T.gemma3_dir)
+    return Family(tmp_path_factory.mktemp("gemma3"), _tokenizers_generic.gemma3_dir)
 
 
 def _sizes_equal(fam, prompts, images):
@@ -153,7 +153,7 @@ def test_anyres_token_count_equals_the_processor_for_many_aspect_ratios(fam_name
     for i, (h, w) in enumerate(SIZES):
         from PIL import Image
 
-        img = Image.fromarray(R.image(h, w, i))
+        img = Image.fromarray(_real_tokenizers.image(h, w, i))
         ref = fam.proc(images=[img], text=[fam.marker], return_tensors="pt")
         want = int((ref["input_ids"] == image_id).sum())
         assert anyres.tokens_for_size(h, w, facts) == want, (h, w)
@@ -171,7 +171,9 @@ def test_plan_states_tokens_for_the_image_size(fam_name, request):
     for i, (h, w) in enumerate(SIZES[:4]):
         from PIL import Image
 
-        ref = fam.proc(images=[Image.fromarray(R.image(h, w, i))], text=[fam.marker], return_tensors="pt")
+        ref = fam.proc(
+            images=[Image.fromarray(_real_tokenizers.image(h, w, i))], text=[fam.marker], return_tensors="pt"
+        )
         want = int((ref["input_ids"] == image_id).sum())
         for source in ([str(fam.pkg_dir)], ["--config", str(fam.src / "config.json")]):
             res = CliRunner().invoke(main, [*base, *source, "--image-size", f"{h}x{w}"])

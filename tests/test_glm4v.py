@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import _tokenizers_qwen3 as T
+import _tokenizers_qwen3
 import numpy as np
 import pytest
 import torch
@@ -34,7 +34,7 @@ def test_graphs_and_facts(builtin):
     assert v["position_embedding"] == {"table": 16, "interpolation": "bicubic", "align_corners": False}
     assert v["image_start_token_id"] != v["image_end_token_id"]
     assert m["text"]["position"] == "mrope" and m["text"]["add_bos"] is False
-    ops = {n.op_type for n in builtin.graph("vision_encoder").graph.node}
+    ops = {n.op_type for n in builtin.model("vision_encoder").graph}
     assert not ops & {"GridSample", "Conv", "NonZero", "Loop"}  # taps are Gathers, both convs MatMuls
 
 
@@ -74,7 +74,7 @@ def test_glm_smart_resize_equals_the_image_processor(hw):
 
 @pytest.fixture(scope="module")
 def glm(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("glm4v"), T.glm4v_dir)
+    return Family(tmp_path_factory.mktemp("glm4v"), _tokenizers_qwen3.glm4v_dir)
 
 
 @pytest.fixture(scope="module")
@@ -163,10 +163,10 @@ def _picture(h: int, w: int) -> np.ndarray:
 
 
 def test_plan_counts_tokens_by_glm_smart_resize(glm):
-    from vlmc import plan as P
+    from vlmc import plan
 
-    assert P.spec_from_package(glm.pkg).tokens_per_image == 64  # the saved bound over both frames
+    assert plan.spec_from_package(glm.pkg).tokens_per_image == 64  # the saved bound over both frames
     for hw in [(60, 90), (20, 60), (300, 200), (28, 500)]:
         want = glm.proc.image_processor.get_number_of_image_patches(*hw, {}) // 4
-        assert P.spec_from_package(glm.pkg, image_size=hw).tokens_per_image == want
-    assert P.load_spec(glm.src / "config.json").tokens_per_image == 28 * 28 * 15000 // 2 // (28 * 28)
+        assert plan.spec_from_package(glm.pkg, image_size=hw).tokens_per_image == want
+    assert plan.load_spec(glm.src / "config.json").tokens_per_image == 28 * 28 * 15000 // 2 // (28 * 28)

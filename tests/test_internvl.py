@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 
-import _real_tokenizers as R
-import _tokenizers_internvl as T
+import _real_tokenizers
+import _tokenizers_internvl
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -35,7 +35,7 @@ def _prune(pkg: Package, **opts) -> Package:
 
 @pytest.fixture(scope="module")
 def internvl(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("internvl"), T.internvl_dir)
+    return Family(tmp_path_factory.mktemp("internvl"), _tokenizers_internvl.internvl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def pictures(tmp_path_factory):
     (1x2 + thumbnail: 3 tiles)."""
     root = tmp_path_factory.mktemp("internvl_pictures")
     sizes = [(120, 200), (40, 40), (150, 70)]
-    return [R.save_image(root / f"{i}.png", h, w, 20 + i) for i, (h, w) in enumerate(sizes)]
+    return [_real_tokenizers.save_image(root / f"{i}.png", h, w, 20 + i) for i, (h, w) in enumerate(sizes)]
 
 
 def _runs(ids: list[int], proc) -> list[tuple[str, int]]:
@@ -69,7 +69,7 @@ def test_package_carries_the_processor_facts(internvl):
     assert type(internvl.proc.tokenizer).__name__ == "Qwen2Tokenizer"
     assert t["image_marker"] == t["image_token"] == "<IMG_CONTEXT>"
     assert t["image_expansion"] == "<img>{tokens}</img>"
-    assert (internvl.pkg_dir / t["chat_template"]).read_text() == T.INTERNVL_CHAT_TEMPLATE
+    assert (internvl.pkg_dir / t["chat_template"]).read_text() == _tokenizers_internvl.INTERNVL_CHAT_TEMPLATE
     assert v["tokens_per_image"] == TOKENS_PER_TILE and v["tiled"] is True
     pre = v["preprocess"]
     # preprocessor_config.json says crop_to_patches false; InternVLProcessor's own default (true) applies
@@ -126,7 +126,7 @@ def test_verify_passes_on_a_multi_tile_image(internvl, pictures):
 
 
 def test_tied_word_embeddings(tmp_path, pictures):
-    fam = Family(tmp_path, lambda p: T.internvl_dir(p, tie=True))
+    fam = Family(tmp_path, lambda p: _tokenizers_internvl.internvl_dir(p, tie=True))
     assert fam.model.config.tie_word_embeddings
     _check(fam, ["What is in the image?"], [[pictures[2]]])
 
@@ -208,7 +208,7 @@ def test_pruning_by_attention_refuses_with_the_reason(internvl):
 def test_mismatched_image_seq_length_is_refused(tmp_path):
     from vlmc import exporters
 
-    src = T.internvl_dir(tmp_path / "src")
+    src = _tokenizers_internvl.internvl_dir(tmp_path / "src")
     (src / "processor_config.json").write_text(
         json.dumps({"processor_class": "InternVLProcessor", "image_seq_length": 256})
     )

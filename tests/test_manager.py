@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 import pytest
-from onnx import helper
 
 from vlmc import manager
 from vlmc.errors import CheckFailed, PassFailed
@@ -29,8 +28,8 @@ class Noop(Pass):
     name = "noop"
     summary = "does nothing"
 
-    def run(self, package):
-        package.graph("decoder")  # loading a graph is not a change
+    def run(self, package, plan=None):
+        package.model("decoder")  # loading a graph is not a change
         return PassResult(package, False, {"looked": True})
 
 
@@ -38,9 +37,9 @@ class Liar(Pass):
     name = "liar"
     summary = "changes a graph but says it did not"
 
-    def run(self, package):
-        model = package.graph("embed_tokens")
-        model.graph.node[0].name = "renamed"
+    def run(self, package, plan=None):
+        model = package.model("embed_tokens")
+        next(iter(model.graph)).name = "renamed"
         return PassResult(package, False)
 
 
@@ -48,7 +47,7 @@ class Boaster(Pass):
     name = "boaster"
     summary = "says it changed something but did not"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         return PassResult(package, True)
 
 
@@ -56,7 +55,7 @@ class Crash(Pass):
     name = "crash"
     summary = "raises"
 
-    def run(self, package):
+    def run(self, package, plan=None):
         raise RuntimeError("boom")
 
 
@@ -64,9 +63,10 @@ class Breaker(Pass):
     name = "breaker"
     summary = "writes an invalid graph"
 
-    def run(self, package):
-        model = package.graph("embed_tokens")
-        model.graph.node.append(helper.make_node("Relu", ["does_not_exist"], ["dangling"]))
+    def run(self, package, plan=None):
+        model = package.model("embed_tokens")
+        # a node reading a value that nothing produces and the graph does not take in
+        model.graph.append(ir.node("Relu", [ir.Value(name="does_not_exist")], name="dangling"))
         package.set_graph("embed_tokens", model)
         return PassResult(package, True)
 
@@ -79,11 +79,12 @@ class ScaleEmbeddings(Pass):
     preserves_numerics = True
     options = (Option("factor", float, 1.0, "scale factor"),)
 
-    def run(self, package):
-        model = package.graph("embed_tokens")
-        init = model.graph.initializer[0]
-        arr = onnx.numpy_helper.to_array(init) * self.opts["factor"]
-        init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
+    def run(self, package, plan=None):
+        # a lossy pass is judged against the snapshot, which shares the original model: edit a clone
+        model = package.model("embed_tokens").clone()
+        weight = next(iter(model.graph.initializers.values()))
+        arr = weight.const_value.numpy() * self.opts["factor"]
+        weight.const_value = ir.tensor(arr.astype(np.float32), name=weight.name)
         package.set_graph("embed_tokens", model)
         return PassResult(package)  # modified left to the manager
 
@@ -150,14 +151,13 @@ def test_simplify_twice_reaches_a_fixed_point(tiny_llava, tmp_path):
 
 
 def test_pass_raising_mid_build_leaves_no_output(tiny_llava, tmp_path):
-    from vlmc import build as B
-    from vlmc import recipe
+    from vlmc import build, recipe
 
     r = recipe.parse("model: tiny-llava\npasses: [simplify]")
     r.steps.append(_Step(Crash, 2))
     out = tmp_path / "out"
     with pytest.raises(PassFailed):
-        B.build(r, out)
+        build.build(r, out)
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []
 
@@ -188,8 +188,8 @@ class Lossy(Pass):
         return ScaleEmbeddings(factor=3.0).run(package)
 
     def evaluate(self, before, after, result):
-        old = onnx.numpy_helper.to_array(before.graph("embed_tokens").graph.initializer[0])
-        new = onnx.numpy_helper.to_array(after.graph("embed_tokens").graph.initializer[0])
+        old = next(iter(before.model("embed_tokens").graph.initializers.values())).const_value.numpy()
+        new = next(iter(after.model("embed_tokens").graph.initializers.values())).const_value.numpy()
         return {"ratio": float(np.abs(new).sum() / np.abs(old).sum())}
 
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _real_tokenizers as R
+import _real_tokenizers
 import numpy as np
 import pytest
 import torch
@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from vlmc import exporters, verify
 from vlmc.cli import main
-from vlmc.exporters import processor as P
+from vlmc.exporters import processor
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
@@ -36,7 +36,7 @@ class Family:
         self.pkg_dir = root / "pkg"
         exporters.export(exporters.load_source(str(self.src))).save(self.pkg_dir)
         self.pkg = Package.load(self.pkg_dir)
-        self.proc = P.load(self.src)
+        self.proc = processor.load(self.src)
         self.model = exporters.load_source(str(self.src)).model
         self.marker = self.pkg.manifest["text"]["image_marker"]
 
@@ -127,28 +127,31 @@ def _check(fam: Family, prompts: list[str], images: list[list[str]], ref_prompts
 def pictures(tmp_path_factory):
     root = tmp_path_factory.mktemp("pictures")
     return [
-        R.save_image(root / f"{i}.png", h, w, i) for i, (h, w) in enumerate([(120, 90), (64, 160), (96, 96)])
+        _real_tokenizers.save_image(root / f"{i}.png", h, w, i)
+        for i, (h, w) in enumerate([(120, 90), (64, 160), (96, 96)])
     ]
 
 
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("llava"), R.llava_dir)
+    return Family(tmp_path_factory.mktemp("llava"), _real_tokenizers.llava_dir)
 
 
 @pytest.fixture(scope="module")
 def qwen2_vl(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("qwen2_vl"), R.qwen2_vl_dir)
+    return Family(tmp_path_factory.mktemp("qwen2_vl"), _real_tokenizers.qwen2_vl_dir)
 
 
 @pytest.fixture(scope="module")
 def qwen2_5_vl(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("qwen2_5_vl"), lambda p: R.qwen2_vl_dir(p, qwen25=True))
+    return Family(
+        tmp_path_factory.mktemp("qwen2_5_vl"), lambda p: _real_tokenizers.qwen2_vl_dir(p, qwen25=True)
+    )
 
 
 @pytest.fixture(scope="module")
 def blip2(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("blip2"), R.blip2_dir)
+    return Family(tmp_path_factory.mktemp("blip2"), _real_tokenizers.blip2_dir)
 
 
 # ---- LLaVA -----------------------------------------------------------------------------------
@@ -157,7 +160,7 @@ def blip2(tmp_path_factory):
 def test_llava_package_carries_the_processor_tokenizer_and_template(llava):
     t = llava.pkg.manifest["text"]
     assert t["tokenizer"] == "source" and (llava.pkg_dir / t["tokenizer_file"]).is_file()
-    assert (llava.pkg_dir / t["chat_template"]).read_text() == R.LLAVA_CHAT_TEMPLATE
+    assert (llava.pkg_dir / t["chat_template"]).read_text() == _real_tokenizers.LLAVA_CHAT_TEMPLATE
     assert t["special_tokens"]["bos_token"] == "<s>" and t["image_marker"] == "<image>"
 
 
@@ -213,7 +216,10 @@ def test_runtime_tokenizes_like_the_processor_not_like_the_tokenizer_class(llava
 
 @pytest.mark.parametrize("legacy", [True, False])
 def test_metaspace_format_follows_the_legacy_prepend_scheme(tmp_path, pictures, legacy):
-    fam = Family(tmp_path, lambda p: R.llava_dir(p, legacy=legacy, metaspace="always" if legacy else "first"))
+    fam = Family(
+        tmp_path,
+        lambda p: _real_tokenizers.llava_dir(p, legacy=legacy, metaspace="always" if legacy else "first"),
+    )
     prompt, images = ["What is shown in this picture?"], [[pictures[0]]]
     want = _ids(*(fam.reference(prompt, images)[k] for k in ("input_ids", "attention_mask")))
     inp = Pipeline(fam.pkg).prepare(prompt, images)
@@ -281,8 +287,8 @@ def test_qwen2_vl_plain_prompt(qwen2_vl, pictures):
 
 def test_qwen2_vl_smart_resize_uses_the_processor_pixel_bounds(qwen2_vl, tmp_path):
     big, small = (
-        R.save_image(tmp_path / "big.png", 240, 180, 8),
-        R.save_image(tmp_path / "small.png", 20, 24, 9),
+        _real_tokenizers.save_image(tmp_path / "big.png", 240, 180, 8),
+        _real_tokenizers.save_image(tmp_path / "small.png", 20, 24, 9),
     )
     ref = _check(qwen2_vl, ["Compare the two pictures."], [[big, small]])
     facts = qwen2_vl.pkg.manifest["vision"]["preprocess"]

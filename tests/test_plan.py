@@ -137,7 +137,7 @@ def test_plan_from_packages_paged_and_pruned(exported):
     path = exported("tiny-llava")
     pkg = Package.load(path)
     spec = PL.spec_from_package(pkg)
-    assert spec.weight_bytes == sum(G.initializer_bytes(pkg.graph(n)) for n in pkg.graph_names)
+    assert spec.weight_bytes == sum(G.initializer_bytes(pkg.model(n)) for n in pkg.graph_names)
     kv = pkg.manifest["kv"]
     assert spec.kv_bytes_per_token == 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 4
     assert spec.intermediate == 128 and spec.block_size is None

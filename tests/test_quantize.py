@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import helper, numpy_helper
 
-from vlmc import graphs, ortsession, recipe
+from vlmc import graphs, interop, ortsession, recipe
 from vlmc.errors import VlmcError
 from vlmc.exporters import families, zoo
 from vlmc.package import Package
@@ -26,6 +26,12 @@ from vlmc.runtime.preprocess import preprocess
 REPO = Path(__file__).resolve().parents[1]
 families()  # family modules register their built-ins
 BUILTINS = sorted(zoo.BUILTINS)
+
+
+def _proto(pkg: Package, name: str) -> onnx.ModelProto:
+    """A package graph as a ModelProto with its weights, for inspection, through the one proto seam."""
+    with interop.as_proto(pkg.model(name), weight_limit=None) as seam:
+        return seam.proto
 
 
 def _weight_only(model: onnx.ModelProto, plan, feeds):
@@ -204,10 +210,10 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
     assert _cos(ref, _image_features(fp16)) >= 0.999
     assert _cos(ref, _image_features(int8)) >= 0.99
     for g in image_graphs:
-        m = int8.graph(g)
-        graphs.check(m, g)
+        m = _proto(int8, g)
+        graphs.check(int8.model(g), g)
         assert {o.domain: o.version for o in m.opset_import}[""] == 17
-        hist = graphs.op_histogram(m)
+        hist = graphs.op_histogram(int8.model(g))
         assert hist["QuantizeLinear"] >= 1 and hist["DequantizeLinear"] > hist["QuantizeLinear"]
         assert int8.info(g)["precision"] == "int8" and fp16.info(g)["precision"] == "fp16"
         q = int8.info(g)["quantization"]
@@ -239,7 +245,7 @@ def test_int8_qdq_form_and_int32_bias(tiny_llava):
         eval_tokens=0,
         eval_samples=1,
     )
-    m = pkg.graph("vision_encoder")
+    m = _proto(pkg, "vision_encoder")
     prod = {o: n for n in m.graph.node for o in n.output}
     inits = {t.name: t for t in m.graph.initializer}
     q = pkg.info("vision_encoder")["quantization"]
@@ -274,7 +280,7 @@ def test_keep_fp32_node_stays_fp32_in_int8_and_fp16(tiny_llava):
         eval_tokens=0,
         eval_samples=0,
     )
-    m = int8.graph("vision_encoder")
+    m = _proto(int8, "vision_encoder")
     inits = {t.name: t for t in m.graph.initializer}
     node = next(n for n in m.graph.node if n.name == target)
     assert inits[node.input[1]].data_type == onnx.TensorProto.FLOAT
@@ -284,7 +290,7 @@ def test_keep_fp32_node_stays_fp32_in_int8_and_fp16(tiny_llava):
     fp16, _ = _quantize(
         tiny_llava, vision_encoder={"weights": "fp16"}, keep_fp32=keep, eval_tokens=0, eval_samples=0
     )
-    m = fp16.graph("vision_encoder")
+    m = _proto(fp16, "vision_encoder")
     inits = {t.name: t for t in m.graph.initializer}
     node = next(n for n in m.graph.node if n.name == target)
     assert inits[node.input[1]].data_type == onnx.TensorProto.FLOAT
@@ -308,10 +314,10 @@ def test_fp16_io_converted_when_asked_and_still_runs(tiny_llava):
 
 def test_nothing_to_quantize_leaves_graph_unchanged(tiny_llava):
     pkg = Package.load(tiny_llava)
-    before = graphs.fingerprint(pkg.graph("embed_tokens"))
+    before = graphs.fingerprint(pkg.model("embed_tokens"))
     res = get("quantize")(embed_tokens={"weights": "int8"}, eval_tokens=0, eval_samples=0).run(pkg)
     assert res.modified is False
-    assert graphs.fingerprint(pkg.graph("embed_tokens")) == before
+    assert graphs.fingerprint(pkg.model("embed_tokens")) == before
     assert pkg.info("embed_tokens")["precision"] == "fp32" and "quantization" not in pkg.info("embed_tokens")
     assert res.report["graphs"]["embed_tokens"]["modified"] is False
 
@@ -348,7 +354,7 @@ def test_weight_only_graph_matches_numpy_dequant(weights, storage):
         deq = q.astype(np.float32) * s
         expect_ops = {"Cast", "Mul", "MatMul"}
     np.testing.assert_allclose(y, x @ deq, rtol=1e-5, atol=1e-5)
-    assert expect_ops <= set(graphs.op_histogram(model))
+    assert expect_ops <= set(graphs.op_histogram(ir.from_proto(model)))
     assert facts["nodes_quantized"] == ["mm"] and facts["weights"]["nodes"]["mm"]["group_size"] == (
         32 if weights == "int4" else None
     )
@@ -383,8 +389,8 @@ def test_int4_awq_decoder_on_builtin(tiny_llava):
         eval_tokens=2,
         eval_samples=1,
     )
-    m = pkg.graph("decoder")
-    graphs.check(m, "decoder")
+    m = _proto(pkg, "decoder")
+    graphs.check(pkg.model("decoder"), "decoder")
     q = pkg.info("decoder")["quantization"]
     assert q["mode"] == "int4_weight_only" and q["method"] == "awq" and q["weights"]["group_size"] == 32
     assert "/lm_head/MatMul" in q["nodes_kept_fp32"]
@@ -458,7 +464,7 @@ def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava)
     from vlmc import manager
 
     pkg = Package.load(tiny_llava)
-    before = graphs.fingerprint(pkg.graph("embed_tokens"))
+    before = graphs.fingerprint(pkg.model("embed_tokens"))
     steps = recipe.from_dict(
         {
             "passes": [
@@ -475,7 +481,7 @@ def test_fp16_with_every_node_kept_reports_unmodified_to_the_manager(tiny_llava)
     ).steps
     out = manager.run(pkg, steps)  # the manager fails a pass whose modified flag is not exact
     assert out.manifest["history"][-1]["modified"] is False
-    assert graphs.fingerprint(out.graph("embed_tokens")) == before
+    assert graphs.fingerprint(out.model("embed_tokens")) == before
 
 
 def test_int8_names_nodes_in_the_copy_it_quantizes():

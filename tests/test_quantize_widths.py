@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-import onnx
+import onnx_ir as ir
 import pytest
 
 from vlmc import graphs
@@ -55,7 +55,7 @@ def clip_l(tmp_path_factory):
 
 def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
     pkg = Package.load(clip_l)
-    fp32_vision = graphs.initializer_bytes(pkg.graph("vision_encoder"))
+    fp32_vision = graphs.initializer_bytes(pkg.model("vision_encoder"))
     res = get("quantize")(
         vision_encoder={"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
         decoder={"weights": "int4"},
@@ -68,27 +68,27 @@ def test_int8_vision_and_int4_decoder_byte_ratios(clip_l):
         f"int8 vision bytes ratio {vis['bytes_ratio']}, int4 decoder MatMul weights ratio "
         f"{res.report['graphs']['decoder']['matmul_weight_bytes_ratio']}"
     )
-    assert graphs.initializer_bytes(pkg.graph("vision_encoder")) <= 0.27 * fp32_vision
+    assert graphs.initializer_bytes(pkg.model("vision_encoder")) <= 0.27 * fp32_vision
     assert vis["fidelity"]["image_features"]["cosine"] >= 0.99
     dec = res.report["graphs"]["decoder"]
     assert dec["matmul_weight_bytes_ratio"] <= 0.16
     q = pkg.info("decoder")["quantization"]
     assert q["weights"]["group_size"] == 128 and q["weights"]["dtype"] == "int4"
-    inits = {t.name: t for t in pkg.graph("decoder").graph.initializer}
+    inits = pkg.model("decoder").graph.initializers
     for node, f in q["weights"]["nodes"].items():
-        assert inits[f["weight"]].data_type == onnx.TensorProto.UINT8, node  # two int4 values per byte
-        k_half, n = inits[f["weight"]].dims
-        assert list(inits[f["scale"]].dims) == [2 * k_half // 128, 1, n]
+        assert inits[f["weight"]].dtype == ir.DataType.UINT8, node  # two int4 values per byte
+        k_half, n = inits[f["weight"]].shape
+        assert list(inits[f["scale"]].shape) == [2 * k_half // 128, 1, n]
 
 
 def test_fp16_vision_byte_ratio(clip_l):
     pkg = Package.load(clip_l)
-    before = graphs.initializer_bytes(pkg.graph("vision_encoder"))
+    before = graphs.initializer_bytes(pkg.model("vision_encoder"))
     res = get("quantize")(vision_encoder={"weights": "fp16"}, eval_tokens=0, eval_samples=1).run(pkg)
-    assert graphs.initializer_bytes(pkg.graph("vision_encoder")) <= 0.51 * before
+    assert graphs.initializer_bytes(pkg.model("vision_encoder")) <= 0.51 * before
     assert res.report["graphs"]["vision_encoder"]["fidelity"]["image_features"]["cosine"] >= 0.999
     assert np.isclose(
         res.report["graphs"]["vision_encoder"]["bytes_ratio"],
-        graphs.initializer_bytes(pkg.graph("vision_encoder")) / before,
+        graphs.initializer_bytes(pkg.model("vision_encoder")) / before,
         atol=1e-4,
     )

@@ -11,7 +11,7 @@ import torch
 
 from vlmc import exporters, ortsession, verify
 from vlmc.errors import VlmcError
-from vlmc.exporters import qwen2_vl as Q
+from vlmc.exporters import qwen2_vl
 from vlmc.package import Package
 from vlmc.runtime import Pipeline, mrope, patches, positions
 from vlmc.runtime.preprocess import demo_image
@@ -60,7 +60,7 @@ def _atc_ops() -> set[str]:
 
 def test_vision_graph_uses_only_static_shape_ops_atc_parses(builtin):
     _, pkg = builtin
-    ops = {n.op_type for n in pkg.graph("vision_encoder").graph.node} - {"Constant"}
+    ops = {n.op_type for n in pkg.model("vision_encoder").graph} - {"Constant"}
     assert not ops & {"NonZero", "Compress", "Unique", "Loop", "If", "SequenceConstruct"}
     assert ops <= _atc_ops(), ops - _atc_ops()
     assert "Conv" not in ops  # the patch embedding is exported as a MatMul
@@ -87,7 +87,7 @@ def test_patch_coords_match_transformers_position_ids():
 
     grid = torch.tensor([[1, 4, 6], [2, 2, 4], [1, 6, 2]])
     n = int(grid.prod(-1).sum())
-    segment, hpos, wpos = Q.patch_coords(grid, n, 2)
+    segment, hpos, wpos = qwen2_vl.patch_coords(grid, n, 2)
     assert torch.equal(torch.stack([hpos, wpos], -1), get_vision_position_ids(grid, 2))
     cu = get_vision_cu_seqlens(grid).tolist()
     expected = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:]))])
@@ -103,8 +103,8 @@ def test_builtin_verify_token_exact(builtin):
 
 
 def test_preprocess_matches_the_transformers_image_processor():
-    cfg = Q.tiny_qwen2_vl_config()
-    facts = Q.preprocess_facts(cfg.vision_config, None)
+    cfg = qwen2_vl.tiny_qwen2_vl_config()
+    facts = qwen2_vl.preprocess_facts(cfg.vision_config, None)
     proc = _processor(cfg, facts["min_pixels"], facts["max_pixels"])
     images = [_image(70, 130, 1), _image(96, 96, 2)]
     ref = proc(images=images, return_tensors="np")
@@ -172,11 +172,11 @@ def test_text_only_prompt_runs_with_plain_positions(builtin):
 
 
 def _qwen2_mha():
-    return Q.tiny_qwen2_vl_config(vision_over={"depth": 3, "num_heads": 2}, num_key_value_heads=4)
+    return qwen2_vl.tiny_qwen2_vl_config(vision_over={"depth": 3, "num_heads": 2}, num_key_value_heads=4)
 
 
 def _qwen2_small_patch():
-    return Q.tiny_qwen2_vl_config(
+    return qwen2_vl.tiny_qwen2_vl_config(
         vision_over={"patch_size": 4, "embed_dim": 48, "num_heads": 6},
         rope_parameters={"rope_type": "default", "rope_theta": 1e5, "mrope_section": [4, 2, 2]},
     )
@@ -184,11 +184,13 @@ def _qwen2_small_patch():
 
 def _qwen25_big_window():
     # window 64 px = 4x4 merged tokens; a 160x96 image has 3x2 windows, the last ones partial
-    return Q.tiny_qwen2_5_vl_config(vision_over={"window_size": 64, "depth": 4, "fullatt_block_indexes": [3]})
+    return qwen2_vl.tiny_qwen2_5_vl_config(
+        vision_over={"window_size": 64, "depth": 4, "fullatt_block_indexes": [3]}
+    )
 
 
 def _qwen25_gqa():
-    return Q.tiny_qwen2_5_vl_config(
+    return qwen2_vl.tiny_qwen2_5_vl_config(
         vision_over={"fullatt_block_indexes": [0, 2]},
         num_attention_heads=8,
         num_key_value_heads=2,
@@ -239,13 +241,13 @@ def test_verify_local_configs_token_exact(local_root, tmp_path, name):
     make_config, make_inputs = LOCAL[name]
     cfg = make_config()
     torch.manual_seed(1)
-    Q.model_class(cfg)(cfg).save_pretrained(local_root / name)
+    qwen2_vl.model_class(cfg)(cfg).save_pretrained(local_root / name)
     if (
         name == "qwen2_small_patch_batch"
     ):  # a saved processor with its own pixel bounds overrides the defaults
         _processor(cfg, 1024, 6144).save_pretrained(local_root / name)
     src = exporters.load_source(str(local_root / name))
-    assert src.architecture == Q.model_class(cfg).__name__
+    assert src.architecture == qwen2_vl.model_class(cfg).__name__
     exporters.export(src).save(tmp_path / "pkg")
     pkg = Package.load(tmp_path / "pkg")
     prompts, images = make_inputs()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import _tokenizers_qwen3 as T
+import _tokenizers_qwen3
 import numpy as np
 import onnx
 import pytest
@@ -57,7 +57,7 @@ def test_graphs_declare_the_deepstack_interface(builtin):
     assert dec["visual_pos_masks"]["dtype"] == "int64"
     assert dec["deepstack_visual_embeds"]["shape"] == [2, "visual_tokens", 64]
     assert dec["position_ids"]["shape"] == [3, "batch", "sequence"]
-    nodes = builtin.graph("decoder").graph.node
+    nodes = list(builtin.model("decoder").graph)
     assert not {n.op_type for n in nodes} & {"NonZero", "Compress"}  # visual positions are a Gather
     # the only scatters are transformers' interleaved M-RoPE recomposition (static slices, ATC parses them)
     assert all("rotary_emb" in n.name for n in nodes if n.op_type == "ScatterND")
@@ -160,7 +160,7 @@ def test_text_only_prompt_feeds_an_empty_deepstack(builtin):
 
 @pytest.fixture(scope="module")
 def qwen3(tmp_path_factory):
-    return Family(tmp_path_factory.mktemp("qwen3_vl"), T.qwen3_vl_dir)
+    return Family(tmp_path_factory.mktemp("qwen3_vl"), _tokenizers_qwen3.qwen3_vl_dir)
 
 
 @pytest.fixture(scope="module")
@@ -309,12 +309,12 @@ def test_ascend_compile_sizes_the_deepstack_rows_per_variant(exported, tmp_path)
 
 
 def test_plan_bounds_tokens_per_image_by_the_processor_pixels(qwen3):
-    from vlmc import plan as P
+    from vlmc import plan
 
-    spec = P.spec_from_package(qwen3.pkg)
+    spec = plan.spec_from_package(qwen3.pkg)
     assert spec.tokens_per_image == 64  # max_pixels 64 * 32 * 32 of the saved processor
     for hw in [(120, 90), (64, 160), (250, 180), (10, 300)]:  # --image-size: the processor's own count
         want = qwen3.proc.image_processor.get_number_of_image_patches(*hw, {}) // 4
-        assert P.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
-    cfg = P.load_spec(qwen3.src / "config.json")
+        assert plan.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
+    cfg = plan.load_spec(qwen3.src / "config.json")
     assert cfg.tokens_per_image == 16384 and {g.role for g in cfg.graphs} == {"vision", "embed", "decoder"}

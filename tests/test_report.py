@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from vlmc import graphs as G
+from vlmc import graphs
 from vlmc.cli import main
 
 RECIPE = """\
@@ -58,7 +58,7 @@ def test_report_has_graphs_ops_weights_precision_tokens_kv(built):
         )
         for io in info["inputs"][:6] + info["outputs"][:4]:
             assert f"`{io['name']}`" in row, (name, io["name"])
-        ops = G.op_histogram(G.load(pkg / info["file"], load_weights=False))
+        ops = graphs.op_histogram(graphs.load_ir(pkg / info["file"]))
         ops_line = next(line for line in text.splitlines() if line.startswith(f"- **{name}**: "))
         assert ops_line == f"- **{name}**: " + ", ".join(f"{k}×{v}" for k, v in ops.items())
         precision = text.split("## Precision", 1)[1]

@@ -5,7 +5,7 @@ write the result into the manifest (``vision.attention``); passes such as ``prun
 then read tensor names from the manifest instead of matching node names themselves.
 
 The graph is an onnx-ir model (an exporter's weightless ModelProto goes through
-:func:`vlmc.graphs.as_ir`); the walk follows ``value.producer()``, and only one-element
+:func:`vlmc.interop.from_proto`); the walk follows ``value.producer()``, and only one-element
 constants (scale factors) are read, never a weight.
 """
 

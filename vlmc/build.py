@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmc import exporters, manager, memory, outdir
+from vlmc import exporters, manager, memory, outdir, ui
 from vlmc import package as P
 from vlmc.errors import VlmcError
 from vlmc.recipe import Recipe
@@ -48,14 +48,15 @@ def build(
     out = Path(output).resolve()
     model_dir = [Path(recipe.model)] if Path(recipe.model).is_dir() else []
     outdir.check(out, force, inputs=model_dir)
-    source = exporters.load_source(
-        recipe.model,
-        trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
-        allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
-        revision=recipe.export.get("revision"),
-        lazy=True,
-    )
     phases: dict[str, dict] = {}
+    with _phase(phases, "load"), ui.progress(f"loading {recipe.model}"):
+        source = exporters.load_source(
+            recipe.model,
+            trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
+            allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
+            revision=recipe.export.get("revision"),
+            lazy=True,
+        )
     with outdir.atomic(out, force, inputs=model_dir) as tmp:
         # Exported graphs are written once, into a scratch directory beside the output (same
         # filesystem), and moved into the package when it is saved; passes read their weights from
@@ -65,14 +66,14 @@ def build(
             del source  # frees the torch model: nothing else refers to it
         with _phase(phases, "passes"):
             pkg = manager.run(pkg, recipe.steps, check=check)
-        with _phase(phases, "save"):
+        with _phase(phases, "save"), ui.progress("saving the package"):
             pkg.save(tmp / "package")
             shutil.rmtree(tmp / "scratch", ignore_errors=True)
         compiled = None
         if recipe.target:
             from vlmc import backends, report
 
-            with _phase(phases, "compile"):
+            with _phase(phases, "compile"), ui.progress(f"compiling for {recipe.target['backend']}"):
                 compiled = backends.get(recipe.target["backend"]).compile(pkg, tmp / "build", recipe.target)
             pkg.report["compile"] = report.compile_summary(compiled)  # the ATC commands go into report.md
         pkg.report["build_phases"] = phases

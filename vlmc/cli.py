@@ -14,8 +14,7 @@ from pathlib import Path
 
 import click
 
-from vlmc import __version__, ui
-from vlmc import limits as L
+from vlmc import __version__, limits, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -207,11 +206,10 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 
         vlmc build --recipe recipes/demo.yaml -o out/demo
     """
-    from vlmc import build as B
-    from vlmc import recipe
+    from vlmc import build, recipe
 
     r = recipe.load(recipe_path)
-    result = B.build(
+    result = build.build(
         r, output, check=check, force=force, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle
     )
     _summary(result.package)
@@ -393,7 +391,7 @@ def verify(
 
         vlmc verify out/demo/package --max-new-tokens 20
     """
-    from vlmc import verify as V
+    from vlmc import verify
     from vlmc.package import Package
 
     pkg = Package.load(package)
@@ -404,8 +402,8 @@ def verify(
         else ([[i] for i in images] if images else None)
     )
     if per is not None and prompts is None:
-        prompts = V.DEFAULT_PROMPTS * len(per)
-    res = V.verify(
+        prompts = verify.DEFAULT_PROMPTS * len(per)
+    res = verify.verify(
         pkg,
         max_new_tokens,
         prompts,
@@ -415,7 +413,7 @@ def verify(
         trust_remote_code,
         allow_pickle,
     )
-    V.write(pkg, res)
+    verify.write(pkg, res)
     rows = _input_rows(res.inputs) + [
         ["(b) prefill logits max |diff|", f"{res.prefill_logits_max_abs_diff:.3g}"],
         ["(b) prefill logits cosine", f"{res.prefill_logits_cosine:.6f}"],
@@ -537,17 +535,25 @@ def inspect(package, as_json, pruning_image, output):
 )
 @click.option("--device-memory", required=True, help="Memory per card, e.g. 16GiB or 16GB.")
 @click.option(
-    "--images", default=1, show_default=True, type=click.IntRange(0, L.MAX_BATCH), help="Images per sequence."
+    "--images",
+    default=1,
+    show_default=True,
+    type=click.IntRange(0, limits.MAX_BATCH),
+    help="Images per sequence.",
 )
 @click.option(
     "--text-tokens",
     default=512,
     show_default=True,
-    type=click.IntRange(0, L.MAX_POSITIONS),
+    type=click.IntRange(0, limits.MAX_POSITIONS),
     help="Text tokens per sequence (prompt plus generated).",
 )
 @click.option(
-    "--batch", default=1, show_default=True, type=click.IntRange(1, L.MAX_BATCH), help="Concurrent sequences."
+    "--batch",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, limits.MAX_BATCH),
+    help="Concurrent sequences.",
 )
 @click.option(
     "--cards",
@@ -566,7 +572,7 @@ def inspect(package, as_json, pruning_image, output):
 )
 @click.option(
     "--max-context",
-    type=click.IntRange(1, L.MAX_POSITIONS),
+    type=click.IntRange(1, limits.MAX_POSITIONS),
     help="Tokens a contiguous cache reserves per sequence (default: max positions).",
 )
 @click.option(
@@ -736,11 +742,10 @@ def compile_(package, output, backend, soc, soc_variant, recipe_path, run_atc, f
     """
     from click.core import ParameterSource
 
-    from vlmc import backends
-    from vlmc import recipe as R
+    from vlmc import backends, recipe
     from vlmc.package import Package
 
-    target = dict(R.load(recipe_path).target or {}) if recipe_path else {}
+    target = dict(recipe.load(recipe_path).target or {}) if recipe_path else {}
     explicit = click.get_current_context().get_parameter_source("backend") is not ParameterSource.DEFAULT
     if explicit and target.get("backend", backend) != backend:
         target = {}  # the recipe's options belong to another backend

@@ -1,9 +1,9 @@
 """ONNX graph helpers shared by the package, passes and backends: IO, signatures, fingerprints, checks.
 
 Graphs live in memory as onnx-ir models (``onnx_ir.Model``) whose weights stay in their files and
-are read (memory-mapped) only when something asks for their bytes. Passes that still work on
-``onnx.ModelProto`` get one with the weights materialized (:func:`to_proto`); every helper here takes
-either form.
+are read (memory-mapped) only when something asks for their bytes; every helper here takes that
+form. The only protobuf work left is reading a graph file's header to check it before it is opened
+(:func:`open_checked`); tools written against ModelProto go through :mod:`vlmc.interop`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from vlmc import paths
 from vlmc.errors import VlmcError
@@ -40,43 +40,33 @@ def elem_type(dtype_name_: str) -> int:
     return helper.np_dtype_to_tensor_dtype(np.dtype(dtype_name_))
 
 
-def _value_info_entry(vi: onnx.ValueInfoProto) -> dict:
-    t = vi.type.tensor_type
-    shape: list[int | str] = []
-    for d in t.shape.dim:
-        if d.HasField("dim_value"):
-            shape.append(int(d.dim_value))
-        elif d.HasField("dim_param"):
-            shape.append(d.dim_param)
-        else:
-            shape.append("?")
-    return {"name": vi.name, "dtype": dtype_name(t.elem_type), "shape": shape}
-
-
-def signature(model: onnx.ModelProto | ir.Model) -> dict:
+def signature(model: ir.Model) -> dict:
     """The graph's inputs and outputs: names, dtypes and (symbolic) shapes, as stored in the manifest."""
-    if isinstance(model, ir.Model):
-        return _ir_signature(model)
-    init_names = {i.name for i in model.graph.initializer}
     return {
-        "inputs": [_value_info_entry(v) for v in model.graph.input if v.name not in init_names],
-        "outputs": [_value_info_entry(v) for v in model.graph.output],
+        "inputs": [_value_entry(v) for v in model.graph.inputs if not v.is_initializer()],
+        "outputs": [_value_entry(v) for v in model.graph.outputs],
     }
 
 
-def load(path: str | Path, load_weights: bool = True) -> onnx.ModelProto:
-    """Load an ONNX file (with its external data) or raise a one-line VlmcError."""
+def open_checked(path: str | Path) -> ir.Model:
+    """Open a graph file of an untrusted package as IR, after checking its external data entries.
+
+    The file's protobuf is read without its weights, every external data entry is checked against
+    the confinement rule and the data file's size (:func:`check_external_data`), and only then is
+    it wrapped as an onnx-ir model (weights stay in the file). Raises a one-line VlmcError.
+    """
     path = Path(path)
     if not path.is_file():
         raise VlmcError(f"graph file {path} is missing")
     try:
-        model = onnx.load(str(path), load_external_data=False)
+        proto = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several types for truncated files
         raise VlmcError(
             f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package"
         ) from exc
-    if load_weights:
-        _load_external(model, path.parent)
+    check_external_data(proto, path.parent)
+    model = ir.from_proto(proto)
+    ir.external_data.set_base_dir(model.graph, path.parent)
     return model
 
 
@@ -118,48 +108,7 @@ def check_external_data(model: onnx.ModelProto, base: Path) -> None:
             )
 
 
-def _load_external(model: onnx.ModelProto, base: Path) -> None:
-    from onnx.external_data_helper import uses_external_data
-
-    for tensor in _all_tensors(model):
-        if not uses_external_data(tensor):
-            continue
-        info = {e.key: e.value for e in tensor.external_data}
-        try:  # the one confinement rule (vlmc/paths.py), before the file is even looked at
-            location = paths.inside(
-                base, info.get("location", ""), f"external data of tensor {tensor.name!r}", str(base)
-            )
-        except VlmcError:
-            raise VlmcError(
-                f"tensor {tensor.name!r} points at external data outside {base}; re-export the package"
-            ) from None
-        if not location.is_file():
-            raise VlmcError(f"external data {location} for tensor {tensor.name!r} is missing")
-        try:
-            offset, length = int(info.get("offset", 0)), int(info.get("length", -1))
-        except ValueError:
-            raise VlmcError(
-                f"tensor {tensor.name!r} has a malformed external data entry; re-export the package"
-            ) from None
-        if length >= 0 and offset + length > location.stat().st_size:
-            raise VlmcError(
-                f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {offset + length})"
-            )
-        if base.resolve() not in location.resolve().parents:
-            raise VlmcError(
-                f"tensor {tensor.name!r} points at external data outside {base}; re-export the package"
-            )
-        # Read the bytes directly: the bounds and location were checked above, and one read per tensor
-        # avoids onnx's loader reopening the file for every tensor.
-        with open(location, "rb") as f:
-            f.seek(offset)
-            tensor.raw_data = f.read(length) if length >= 0 else f.read()
-        # ClearField, not "= DEFAULT": proto2 keeps an explicitly set field, which changes the bytes
-        tensor.ClearField("data_location")
-        del tensor.external_data[:]
-
-
-def _ir_value_entry(v: ir.Value) -> dict:
+def _value_entry(v: ir.Value) -> dict:
     shape: list[int | str] = []
     for d in v.shape or ():
         if isinstance(d, int):
@@ -168,13 +117,6 @@ def _ir_value_entry(v: ir.Value) -> dict:
             shape.append(d.value if d.value is not None else "?")
     dtype = np.dtype(v.dtype.numpy()).name if v.dtype is not None else "undefined"
     return {"name": v.name, "dtype": dtype, "shape": shape}
-
-
-def _ir_signature(model: ir.Model) -> dict:
-    return {
-        "inputs": [_ir_value_entry(v) for v in model.graph.inputs if not v.is_initializer()],
-        "outputs": [_ir_value_entry(v) for v in model.graph.outputs],
-    }
 
 
 # ---- the in-memory IR ---------------------------------------------------------------------------
@@ -193,26 +135,6 @@ def load_ir(path: str | Path) -> ir.Model:
         ) from exc
 
 
-def from_proto(model: onnx.ModelProto) -> ir.Model:
-    """Wrap a ModelProto as an onnx-ir model (tensor bytes are referenced, not copied)."""
-    return ir.from_proto(model)
-
-
-def to_proto(model: ir.Model) -> onnx.ModelProto:
-    """A ModelProto of an onnx-ir model with every weight's bytes inside, for code that needs protos
-    (onnxsim, onnxruntime.quantization, passes not yet written against the IR).
-
-    Weights are read one tensor at a time straight into the proto; the IR model is not changed.
-    """
-    from vlmc import interop
-
-    return interop._full_proto(model)
-
-
-def as_ir(model: onnx.ModelProto | ir.Model) -> ir.Model:
-    return model if isinstance(model, ir.Model) else from_proto(model)
-
-
 def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
@@ -228,18 +150,15 @@ def _large_initializers(model: ir.Model) -> list[ir.Value]:
     ]
 
 
-def save(model: onnx.ModelProto | ir.Model, path: str | Path, base_dir: Path | None = None) -> None:
+def save(model: ir.Model, path: str | Path) -> None:
     """Save a graph with its large tensors in one external data file named ``<file>.data``.
 
     onnx-ir streams each weight from where it lives (its source file, memory-mapped, or memory) to
     the data file one tensor at a time; the model is left unchanged. Offsets are 64-byte aligned so
-    runtimes can map tensors in place. ``base_dir`` is where a ModelProto read without its weights
-    (``load(path, load_weights=False)``) finds its external data.
+    runtimes can map tensors in place.
     """
     path = Path(path)
-    m = as_ir(model)
-    if base_dir is not None:
-        ir.external_data.set_base_dir(m.graph, base_dir)
+    m = model
     values = [v for g in m.graphs() for v in g.initializers.values()]
     tensors = [v.const_value for v in values]
     try:
@@ -286,7 +205,7 @@ def drop_initializer_infos(proto: onnx.ModelProto, m: ir.Model) -> None:
     proto.graph.value_info.extend(infos)
 
 
-def save_shared(models: dict[Path, onnx.ModelProto | ir.Model], data_path: Path) -> None:
+def save_shared(models: dict[Path, ir.Model], data_path: Path) -> None:
     """Save graphs whose large tensors go to one data file, each distinct content stored once.
 
     Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path
@@ -294,7 +213,7 @@ def save_shared(models: dict[Path, onnx.ModelProto | ir.Model], data_path: Path)
     each model is then serialized with its tensors pointing into it.
     """
     data_path = Path(data_path)
-    irs = {Path(p): as_ir(m) for p, m in models.items()}
+    irs = {Path(p): m for p, m in models.items()}
     written: dict[str, tuple[int, int]] = {}
     offset = 0
     swaps: list[tuple[ir.Value, object]] = []
@@ -334,91 +253,10 @@ def save_shared(models: dict[Path, onnx.ModelProto | ir.Model], data_path: Path)
         data_path.unlink(missing_ok=True)
 
 
-def weight_regions(model: onnx.ModelProto, base: Path | None = None) -> dict[str, int]:
-    """Stored weight copies of a graph: identity -> bytes (initializers and Constant tensors).
-
-    External tensors are identified by where they are stored (file, offset, length), so graphs that
-    share a data file count a shared weight once; in-memory tensors by content.
-    """
-    out: dict[str, int] = {}
-    tensors = list(model.graph.initializer)
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            tensors.extend(a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR)
-    for t in tensors:
-        if t.data_location == onnx.TensorProto.EXTERNAL and base is not None:
-            info = {e.key: e.value for e in t.external_data}
-            key = f"{(Path(base) / info.get('location', '')).resolve()}@{info.get('offset', 0)}+{info.get('length')}"
-        else:
-            raw = (
-                t.raw_data
-                if t.raw_data or t.data_location == onnx.TensorProto.EXTERNAL
-                else to_array(t).tobytes()
-            )
-            key = hashlib.sha256(f"{t.data_type}:{list(t.dims)}:".encode() + raw).hexdigest()
-        out[key] = _tensor_nbytes(t)
-    return out
-
-
 def _all_tensors(model: onnx.ModelProto):
     from onnx.external_data_helper import _get_all_tensors
 
     return _get_all_tensors(model)
-
-
-def _copy_fields(src, dst, skip: str = "") -> None:
-    """Copy every set field of a message except ``skip`` (CopyFrom cannot leave one field out)."""
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        if fd.is_repeated:
-            getattr(dst, fd.name).extend(value)
-        elif fd.type == fd.TYPE_MESSAGE:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
-
-
-def weightless_copy(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[onnx.TensorProto, object]]]:
-    """A ModelProto copy of a graph without the bytes of its large tensors (for proto-based code).
-
-    Returns the copy and ``(tensor in the copy, source)`` pairs for every tensor whose bytes were
-    left out (marked external, with no location yet): ``source`` is the original initializer (read
-    its ``raw_data`` when the bytes are needed) or, for tensors inside node attributes, the bytes.
-    Initializer bytes are never copied, so checking or saving a multi-GB graph costs no extra
-    copy of its weights, and (unlike taking the bytes out and putting them back) nothing is added
-    to the model's protobuf arena.
-    """
-    copy = onnx.ModelProto()
-    _copy_fields(model, copy, skip="graph")
-    _copy_fields(model.graph, copy.graph, skip="initializer")
-    moved: list[tuple[onnx.TensorProto, object]] = []
-    for tensor in model.graph.initializer:
-        large = (
-            tensor.data_location != onnx.TensorProto.EXTERNAL
-            and tensor.HasField("raw_data")
-            and _tensor_nbytes(tensor) >= EXTERNAL_DATA_THRESHOLD
-        )
-        if not large:
-            copy.graph.initializer.add().CopyFrom(tensor)
-            continue
-        out = copy.graph.initializer.add()
-        _copy_fields(tensor, out, skip="raw_data")
-        out.data_location = onnx.TensorProto.EXTERNAL
-        moved.append((out, tensor))
-    # Tensors in node attributes and subgraphs were copied with the nodes (they are rarely large);
-    # their bytes move out of the copy, which is private, so nothing needs to go back.
-    for tensor in _all_tensors(copy):
-        if (
-            tensor.data_location == onnx.TensorProto.EXTERNAL
-            or len(tensor.raw_data) < EXTERNAL_DATA_THRESHOLD
-        ):
-            continue
-        raw = tensor.raw_data
-        tensor.ClearField("raw_data")
-        tensor.data_location = onnx.TensorProto.EXTERNAL
-        moved.append((tensor, raw))
-    return copy, moved
 
 
 # ---- fingerprints --------------------------------------------------------------------------------
@@ -436,10 +274,6 @@ def tensor_hash(t) -> str:
     file, offset and length, so the manager's before/after fingerprints cost one read of each
     weight per build, not one per pass.
     """
-    if isinstance(t, onnx.TensorProto):
-        return _digest(
-            t.data_type, list(t.dims), t.raw_data if t.HasField("raw_data") else t.SerializeToString()
-        )
     cached = t.meta.get(_HASH_KEY)
     if cached is not None:
         return cached
@@ -454,16 +288,39 @@ def tensor_hash(t) -> str:
         if key in _EXTERNAL_HASHES:
             t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
             return _EXTERNAL_HASHES[key]
-    # A file-backed weight mapped in only to be hashed is unmapped again, so fingerprinting a graph
-    # holds one weight's pages at a time (its mapped pages count as resident while the map is open).
-    unmap = isinstance(t, ir.ExternalTensor) and t.raw is None
-    digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
-    if unmap:
-        t.release()
+    # A file-backed weight mapped in only to be hashed is unmapped again (see _external_digest).
+    if isinstance(t, ir.ExternalTensor):
+        digest = _external_digest(t)
+    else:
+        digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
     t.meta[_HASH_KEY] = digest
     if key is not None:
         _EXTERNAL_HASHES[key] = digest
     return digest
+
+
+def _external_digest(t: ir.ExternalTensor) -> str:
+    """:func:`_digest` of a tensor stored in a file, hashed in place from its memory map.
+
+    ``tobytes()`` would copy the tensor, and the map onnx-ir opens (the whole data file) would stay
+    open with every page hashed still resident: after fingerprinting a package, its process would
+    hold all its weights. A tensor that was not mapped before is released again at once, so hashing
+    costs at most the tensor being hashed.
+    """
+    if t.nbytes == 0:
+        return _digest(int(t.dtype), list(t.shape.numpy()), b"")
+    mapped = t.raw is not None
+    if not mapped:
+        t.numpy()  # onnx-ir maps the file (checking the path is inside the base directory)
+    try:
+        h = digest_start(int(t.dtype), list(t.shape.numpy()))
+        offset = t.offset or 0
+        with memoryview(t.raw) as view, view[offset : offset + (t.length or t.nbytes)] as data:
+            h.update(data)
+        return h.hexdigest()
+    finally:
+        if not mapped:
+            t.release()
 
 
 def digest_start(dtype: int, dims: list[int]):
@@ -477,15 +334,14 @@ def _digest(dtype: int, dims: list[int], raw: bytes) -> str:
     return h.hexdigest()
 
 
-def fingerprint(model: onnx.ModelProto | ir.Model) -> str:
+def fingerprint(model: ir.Model) -> str:
     """A content hash of a graph, used by the pass manager to see what a pass changed.
 
     Structure (nodes, attributes, IO, opsets, names, dtypes and shapes) and every weight's bytes are
     hashed exactly; a weight's hash is computed once (see :func:`tensor_hash`), so fingerprinting
-    again after a pass that did not touch the weights reads nothing. Both forms of a graph (IR and
-    ModelProto) give the same fingerprint.
+    again after a pass that did not touch the weights reads nothing.
     """
-    m = as_ir(model)
+    m = model
     h = hashlib.sha256()
     swaps = []
     try:
@@ -518,7 +374,7 @@ def fingerprint(model: onnx.ModelProto | ir.Model) -> str:
 CHECK_INLINE_INT64_BYTES = 1 << 16
 
 
-def check(model: onnx.ModelProto | ir.Model, name: str = "graph") -> None:
+def check(model: ir.Model, name: str = "graph") -> None:
     """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
 
     The graph is written without its weights: every large initializer points into a sparse file of
@@ -526,7 +382,7 @@ def check(model: onnx.ModelProto | ir.Model, name: str = "graph") -> None:
     models over the protobuf limit and reads no weight bytes. int64 tensors of at most
     :data:`CHECK_INLINE_INT64_BYTES` (shape data, not weights) are kept inline.
     """
-    m = as_ir(model)
+    m = model
     with tempfile.TemporaryDirectory() as tmp:
         swaps = []
         size = 0
@@ -569,59 +425,29 @@ def check_path(path: str | Path, name: str = "graph") -> None:
         raise VlmcError(f"{name}: ONNX check failed: {first}") from exc
 
 
-def initializer_bytes(model: onnx.ModelProto | ir.Model) -> int:
+def initializer_bytes(model: ir.Model) -> int:
     """Bytes of weight data in a graph (initializers plus Constant tensors)."""
-    if isinstance(model, ir.Model):
-        total = sum(
-            v.const_value.nbytes
-            for g in model.graphs()
-            for v in g.initializers.values()
-            if v.const_value is not None
-        )
-        for node in model.graph:
-            if node.op_type == "Constant" and node.domain == "":
-                for a in node.attributes.values():
-                    if a.type == ir.AttributeType.TENSOR:
-                        total += a.value.nbytes
-        return total
-    total = sum(_tensor_nbytes(t) for t in model.graph.initializer)
-    for node in model.graph.node:
-        if node.op_type == "Constant":
-            for a in node.attribute:
-                if a.type == onnx.AttributeProto.TENSOR:
-                    total += _tensor_nbytes(a.t)
+    total = sum(
+        v.const_value.nbytes
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None
+    )
+    for node in model.graph:
+        if node.op_type == "Constant" and node.domain == "":
+            for a in node.attributes.values():
+                if a.type == ir.AttributeType.TENSOR:
+                    total += a.value.nbytes
     return total
 
 
-# 4-bit types store two values per byte in raw_data.
-_PACKED_4BIT = {
-    getattr(onnx.TensorProto, n) for n in ("INT4", "UINT4", "FLOAT4E2M1") if hasattr(onnx.TensorProto, n)
-}
-
-
-def _tensor_nbytes(t: onnx.TensorProto) -> int:
-    # From dims and dtype, not len(t.raw_data): reading raw_data copies the bytes (upb returns a new
-    # bytes object), which costs a full copy of the weights per call on a large graph.
-    n = int(np.prod(t.dims)) if len(t.dims) else 1
-    if t.data_type in _PACKED_4BIT:
-        return (n + 1) // 2
-    try:
-        return n * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
-    except Exception:
-        return len(t.raw_data) if t.HasField("raw_data") else 0
-
-
-def op_histogram(model: onnx.ModelProto | ir.Model) -> dict[str, int]:
+def op_histogram(model: ir.Model) -> dict[str, int]:
     """Count of nodes per (domain-qualified) op type."""
     hist: dict[str, int] = {}
-    for node in model.graph if isinstance(model, ir.Model) else model.graph.node:
+    for node in model.graph:
         key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def to_array(t: onnx.TensorProto) -> np.ndarray:
-    return numpy_helper.to_array(t)
 
 
 def remember_hashes(data_path: Path, entries: list[tuple[int, int, str]]) -> None:

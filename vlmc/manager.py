@@ -79,7 +79,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                         keep_graphs=check and p.preserves_numerics,
                         keep_package=p.lossy,
                     )
-                    result = p.run(pkg, plan) if plan is not None else p.run(pkg)
+                    result = p.run(pkg, plan)
                 except PassFailed:
                     raise
                 except CheckFailed as exc:

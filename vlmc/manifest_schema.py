@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlmc import limits as L
+from vlmc import limits
 from vlmc.errors import VlmcError
 
 
@@ -385,10 +385,10 @@ REL_PATH = Str(
     min_len=1,
     doc="a relative path inside the package (resolved with symlinks followed; must stay inside)",
 )
-TOKEN_ID = Int(0, L.MAX_VOCAB - 1, doc="a token id (below text.vocab_size)")
-SIDE = Int(1, L.MAX_IMAGE_SIDE, doc=f"pixels (≤ VLMC_MAX_IMAGE_SIDE, default {L.MAX_IMAGE_SIDE})")
+TOKEN_ID = Int(0, limits.MAX_VOCAB - 1, doc="a token id (below text.vocab_size)")
+SIDE = Int(1, limits.MAX_IMAGE_SIDE, doc=f"pixels (≤ VLMC_MAX_IMAGE_SIDE, default {limits.MAX_IMAGE_SIDE})")
 HW = List(SIDE, 2, 2, doc="[height, width]")
-POS = Int(1, L.MAX_HIDDEN)
+POS = Int(1, limits.MAX_HIDDEN)
 DTYPES = (
     "float32",
     "float16",
@@ -433,8 +433,8 @@ PREPROCESS_KINDS: dict[str, Obj] = {
     "resize": Obj({"size": Req(HW)}),
     "packed_patches": Obj(
         {
-            "min_pixels": Int(1, L.MAX_IMAGE_PIXELS),
-            "max_pixels": Int(1, L.MAX_IMAGE_PIXELS, doc="≤ VLMC_MAX_IMAGE_PIXELS"),
+            "min_pixels": Int(1, limits.MAX_IMAGE_PIXELS),
+            "max_pixels": Int(1, limits.MAX_IMAGE_PIXELS, doc="≤ VLMC_MAX_IMAGE_PIXELS"),
             "patch_size": Int(1, 1024),
             "merge_size": Int(1, 64),
             "temporal_patch_size": Int(1, 64),
@@ -450,7 +450,7 @@ GRAPH = Obj(
         "inputs": Req(List(IO)),
         "outputs": Req(List(IO)),
         "weights_file": FILE_NAME,
-        "kv_layers": List(Int(0, L.MAX_LAYERS), 2, 2),
+        "kv_layers": List(Int(0, limits.MAX_LAYERS), 2, 2),
         "quantization": Facts(depth=6, max_items=1 << 20),
         "stages": Facts(depth=12, max_items=1 << 20),
         "pipeline": Facts(depth=12, max_items=1 << 20),
@@ -476,7 +476,7 @@ MANIFEST = Obj(
             Obj(
                 {
                     "image_size": Req(Nullable(HW)),
-                    "tokens_per_image": Req(Nullable(Int(1, L.MAX_TOKENS_PER_IMAGE))),
+                    "tokens_per_image": Req(Nullable(Int(1, limits.MAX_TOKENS_PER_IMAGE))),
                     "image_token_id": Req(TOKEN_ID),
                     "preprocess": Req(ByKind(PREPROCESS_KINDS, COMMON_PREPROCESS)),
                     "hidden_size": POS,
@@ -485,9 +485,12 @@ MANIFEST = Obj(
                     "patch_size": Int(1, 1024),
                     "spatial_merge_size": Int(1, 64),
                     "temporal_patch_size": Int(1, 64),
-                    "num_query_tokens": Int(1, L.MAX_TOKENS_PER_IMAGE),
+                    "num_query_tokens": Int(1, limits.MAX_TOKENS_PER_IMAGE),
                     "feature_layer": OneOf(
-                        (Int(-L.MAX_LAYERS, L.MAX_LAYERS), List(Int(-L.MAX_LAYERS, L.MAX_LAYERS), 1, 64))
+                        (
+                            Int(-limits.MAX_LAYERS, limits.MAX_LAYERS),
+                            List(Int(-limits.MAX_LAYERS, limits.MAX_LAYERS), 1, 64),
+                        )
                     ),
                     "has_cls_token": Bool(),
                     "packed_features": Bool(),
@@ -501,13 +504,13 @@ MANIFEST = Obj(
         "text": Req(
             Obj(
                 {
-                    "vocab_size": Req(Int(1, L.MAX_VOCAB)),
+                    "vocab_size": Req(Int(1, limits.MAX_VOCAB)),
                     "eos_token_id": Req(OneOf((TOKEN_ID, List(TOKEN_ID, 1, 64)))),
                     "pad_token_id": Nullable(TOKEN_ID),
                     "bos_token_id": Nullable(TOKEN_ID),
-                    "max_positions": Int(1, L.MAX_POSITIONS),
+                    "max_positions": Int(1, limits.MAX_POSITIONS),
                     "hidden_size": POS,
-                    "intermediate_size": Int(1, 4 * L.MAX_HIDDEN),
+                    "intermediate_size": Int(1, 4 * limits.MAX_HIDDEN),
                     "tokenizer": Str(choices=("source", "bytes")),
                     "prompt_template": Str(65536),
                     "image_marker": Str(64, min_len=1),
@@ -526,8 +529,8 @@ MANIFEST = Obj(
         "kv": Req(
             Obj(
                 {
-                    "layers": Req(Int(1, L.MAX_LAYERS)),
-                    "kv_heads": Req(Int(1, L.MAX_HEADS)),
+                    "layers": Req(Int(1, limits.MAX_LAYERS)),
+                    "kv_heads": Req(Int(1, limits.MAX_HEADS)),
                     "head_dim": Req(Int(1, 4096)),
                     "layout": Req(Str(choices=KV_LAYOUTS)),
                     "block_size": Nullable(Int(1, 65536)),

@@ -90,8 +90,11 @@ def from_model(
             for o in extra_outputs
         )
         suffix = extra.SerializeToString()
-    limit = MAX_IN_MEMORY_BYTES if isinstance(model, onnx.ModelProto) else STREAM_FROM_FILE_BYTES
-    if graphs.initializer_bytes(model) < limit:
+    if isinstance(model, onnx.ModelProto):  # a tool's or a test's proto: bounded by protobuf itself
+        small = model.ByteSize() < MAX_IN_MEMORY_BYTES
+    else:
+        small = graphs.initializer_bytes(model) < STREAM_FROM_FILE_BYTES
+    if small:
         return ort.InferenceSession(
             interop.session_bytes(model) + suffix,
             options(threads, precision),
@@ -301,4 +304,4 @@ def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSessio
     precision = pkg.info(name).get("precision")
     if path is not None:
         return from_path(path, threads, precision)
-    return from_model(pkg.current(name), threads, precision=precision)
+    return from_model(pkg.model(name), threads, precision=precision)

@@ -18,7 +18,6 @@ import tempfile
 import weakref
 from pathlib import Path
 
-import onnx
 import onnx_ir as ir
 
 from vlmc import graphs as G
@@ -34,17 +33,15 @@ _REPORT_FILES = ("report.md", "report.json", "verify.json")  # describe one pack
 class Package:
     """A VLM package: a manifest plus its graphs, optionally backed by a directory on disk.
 
-    A graph is in one of three states: only on disk (never read), loaded as an onnx-ir model
-    (:meth:`model`), or handed out as a ModelProto with its weights read in (:meth:`graph`, for code
-    written against protos). The package converts between the last two on demand; one form is
-    current at a time.
+    A graph is in one of two states: only on disk (never read), or loaded as an onnx-ir model
+    (:meth:`model`) whose weights stay memory-mapped from their files. Tools written against
+    ModelProto get a bounded proto through :mod:`vlmc.interop`, never from the package.
     """
 
     def __init__(self, manifest: dict, root: Path | None = None) -> None:
         self.manifest = manifest
         self.root = Path(root) if root is not None else None
         self._ir: dict[str, ir.Model] = {}
-        self._proto: dict[str, onnx.ModelProto] = {}
         # graph -> the file its content was read from (under root or in the scratch directory) and the
         # fingerprint it had then; the graph is "unchanged" while its fingerprint is still that one.
         self._file: dict[str, Path] = {}
@@ -111,9 +108,7 @@ class Package:
     def model(self, name: str) -> ir.Model:
         """The graph as an onnx-ir model (the IR passes edit); weights stay on disk until read."""
         self.info(name)
-        if name in self._proto:
-            self._ir[name] = G.from_proto(self._proto.pop(name))
-        elif name not in self._ir:
+        if name not in self._ir:
             path = self._file.get(name)
             if path is None:
                 raise VlmcError(f"graph {name!r} has no data")
@@ -122,49 +117,30 @@ class Package:
             self._file_fp.setdefault(name, G.fingerprint(model))
         return self._ir[name]
 
-    def graph(self, name: str) -> onnx.ModelProto:
-        """The graph as a ModelProto with its weights read in, for code written against protos.
-
-        The proto becomes the graph's current form: edits to it are the package's (hand it back with
-        :meth:`set_graph` to refresh the manifest signature).
-        """
-        if name not in self._proto:
-            self._proto[name] = G.to_proto(self.model(name))
-            del self._ir[name]
-        return self._proto[name]
-
-    def current(self, name: str) -> onnx.ModelProto | ir.Model:
-        """The graph in whichever form is current (IR or proto), without converting it; read-only use."""
-        return self._proto[name] if name in self._proto else self.model(name)
-
     def set_graph(
         self,
         name: str,
-        model: onnx.ModelProto | ir.Model,
+        model: ir.Model,
         role: str | None = None,
         precision: str | None = None,
         **extra: object,
     ) -> None:
-        """Add or replace a graph (a ModelProto or an onnx-ir model); its manifest signature is recomputed."""
+        """Add or replace a graph (an onnx-ir model); its manifest signature is recomputed."""
+        if not isinstance(model, ir.Model):
+            raise TypeError(f"set_graph({name!r}) takes an onnx_ir.Model, not {type(model).__name__}")
         entry = self._entry(name, role, precision, extra)
         entry.update(G.signature(model))
         self.manifest["graphs"][name] = entry
-        self._ir.pop(name, None)
-        self._proto.pop(name, None)
-        if isinstance(model, ir.Model):
-            self._ir[name] = model
-        else:
-            self._proto[name] = model
+        self._ir[name] = model
 
     def set_graph_file(
         self, name: str, path: Path, role: str | None = None, precision: str | None = None, **extra: object
     ) -> None:
         """Add a graph whose content is a file (with its external data beside it); nothing is read but its IO."""
         entry = self._entry(name, role, precision, extra)
-        entry.update(G.signature(G.load(path, load_weights=False)))
+        entry.update(G.signature(G.load_ir(path)))
         self.manifest["graphs"][name] = entry
         self._ir.pop(name, None)
-        self._proto.pop(name, None)
         self._file[name] = Path(path)
         self._file_fp.pop(name, None)
 
@@ -185,17 +161,15 @@ class Package:
 
     def remove_graph(self, name: str) -> None:
         self.manifest["graphs"].pop(name, None)
-        for d in (self._ir, self._proto, self._file, self._file_fp):
+        for d in (self._ir, self._file, self._file_fp):
             d.pop(name, None)
 
     def is_loaded(self, name: str) -> bool:
-        return name in self._ir or name in self._proto
+        return name in self._ir
 
     def _current_fp(self, name: str) -> str | None:
         if name in self._ir:
             return G.fingerprint(self._ir[name])
-        if name in self._proto:
-            return G.fingerprint(self._proto[name])
         return None
 
     def path_of(self, name: str) -> Path | None:
@@ -246,7 +220,7 @@ class Package:
         import copy
 
         snap = Package(copy.deepcopy(self.manifest), self.root)
-        snap._ir, snap._proto = dict(self._ir), dict(self._proto)
+        snap._ir = dict(self._ir)
         snap._file, snap._file_fp = dict(self._file), dict(self._file_fp)
         snap.files = dict(self.files)
         return snap
@@ -321,7 +295,6 @@ class Package:
         """Make the package the saved directory ``root``: graphs are read from there again when used."""
         self.root = Path(root)
         self._ir.clear()
-        self._proto.clear()
         self._file_fp.clear()
         self._file = {name: self.root / info["file"] for name, info in self.manifest["graphs"].items()}
 
@@ -348,9 +321,7 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
     catching these here keeps them from surfacing later as onnxruntime errors mid-run.
     """
     path = root / info["file"]
-    model = G.load(path, load_weights=False)
-    G.check_external_data(model, path.parent)
-    actual = G.signature(model)
+    actual = G.signature(G.open_checked(path))
     for io in ("inputs", "outputs"):
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]
@@ -371,13 +342,11 @@ def _own_data_only(path: Path) -> bool:
     A graph that was saved beside others in a shared weights file (merge) and no longer shares it
     must be written out again instead.
     """
-    model = G.load(path, load_weights=False)
+    model = G.load_ir(path)
     locations = {
-        e.value
-        for t in model.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        for e in t.external_data
-        if e.key == "location"
+        v.const_value.location
+        for v in model.graph.initializers.values()
+        if isinstance(v.const_value, ir.ExternalTensor)
     }
     return locations <= {path.name + ".data"}
 

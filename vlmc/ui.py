@@ -46,9 +46,10 @@ def warn(message: str) -> None:
 
 
 class _Step:
-    def __init__(self, progress: Progress | None, task_id: int | None) -> None:
+    def __init__(self, progress: Progress | None, task_id: int | None, notes: bool = False) -> None:
         self._progress = progress
         self._task = task_id
+        self._notes = notes  # no bar (stderr is not a terminal): each new description is a note line
 
     def advance(self, amount: float = 1, description: str | None = None) -> None:
         if self._progress is not None:
@@ -58,15 +59,19 @@ class _Step:
     def describe(self, description: str) -> None:
         if self._progress is not None:
             self._progress.update(self._task, description=description)
+        elif self._notes:
+            console.print(f"{description} ...")
 
 
 @contextlib.contextmanager
 def progress(description: str, total: float | None = None) -> Iterator[_Step]:
-    """A progress bar for a long step; a no-op when quiet or when stderr is not a terminal."""
+    """A progress bar for a long step; a no-op when quiet; when stderr is not a terminal, one note
+    line ``<description> ...`` at the start and one per new description (scripts/_measure.py times
+    the steps of a build from these lines)."""
     if _state["quiet"] or not console.is_terminal:
         if not _state["quiet"]:
             console.print(f"{description} ...")
-        yield _Step(None, None)
+        yield _Step(None, None, notes=not _state["quiet"])
         return
     columns = [
         SpinnerColumn(),

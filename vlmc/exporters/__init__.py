@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from vlmc import manifest as M
-from vlmc import ui
+from vlmc import manifest, ui
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 
@@ -300,7 +299,7 @@ def export(source: Source, scratch: str | Path | None = None) -> Package:
     from vlmc.exporters import streaming
 
     mod = families()[source.family]
-    m = M.new(source.family, source.architecture, source.name, source.config_hash)
+    m = manifest.new(source.family, source.architecture, source.name, source.config_hash)
     pkg = Package(m)
     if scratch is not None:
         pkg.use_scratch(scratch)
@@ -317,7 +316,7 @@ def export(source: Source, scratch: str | Path | None = None) -> Package:
             return export(whole, scratch)
     if source.directory is not None:
         _attach_source_files(source.directory, pkg)
-    M.validate(pkg.manifest, where="exported manifest")
+    manifest.validate(pkg.manifest, where="exported manifest")
     return pkg
 
 

@@ -107,9 +107,9 @@ def _processor_settings(directory) -> tuple[dict, int | None]:
     attributes (GotOcr2's crop_to_patches: False, which the hub configs also save), so the settings are
     read from the loaded processor the way its __call__ merges them, not from preprocessor_config.json.
     """
-    from vlmc.exporters import processor as P
+    from vlmc.exporters import processor
 
-    proc = P.load(directory)
+    proc = processor.load(directory)
     ip = getattr(proc, "image_processor", None)
     if ip is None:
         raise VlmcError(f"{directory}: the processor has no image processor")

@@ -14,7 +14,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import soc
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -184,14 +184,14 @@ def problems(options: dict[str, str], quantized: bool = False, sequence: bool = 
     if options.get("output", "").endswith(".om"):
         out.append("--output takes no suffix; ATC appends .om")
     socv = options.get("soc_version")
-    if socv is not None and socv not in S.SOCS:
-        if socv in S.FAMILIES:
+    if socv is not None and socv not in soc.SOCS:
+        if socv in soc.FAMILIES:
             out.append(
                 f"--soc_version={socv} is a family name that ATC reads as a different chip; "
-                f"use a variant: {', '.join(S.FAMILIES[socv][0])}"
+                f"use a variant: {', '.join(soc.FAMILIES[socv][0])}"
             )
         else:
-            out.append(f"--soc_version={socv} is not a known SoC ({', '.join(sorted(S.SOCS))})")
+            out.append(f"--soc_version={socv} is not a known SoC ({', '.join(sorted(soc.SOCS))})")
     for name, allowed in ENUMS.items():
         if name in options and options[name] not in allowed:
             out.append(f"--{name}={options[name]} is not one of {', '.join(allowed)}")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from vlmc import limits as L
-from vlmc import pass_api
+from vlmc import limits, pass_api
 from vlmc.backends.ascend import atc
 from vlmc.backends.ascend import soc as S
 from vlmc.errors import VlmcError
@@ -32,8 +31,8 @@ TARGET_OPTIONS = (
         "prefill sequence-length gears",
         items=int,
         min=1,
-        max=L.MAX_POSITIONS,
-        max_items=L.MAX_GEARS,
+        max=limits.MAX_POSITIONS,
+        max_items=limits.MAX_GEARS,
     ),
     pass_api.Option(
         "past_buckets",
@@ -42,11 +41,18 @@ TARGET_OPTIONS = (
         "decode past-length gears (default: sequence_buckets)",
         items=int,
         min=0,
-        max=L.MAX_POSITIONS,
-        max_items=L.MAX_GEARS,
+        max=limits.MAX_POSITIONS,
+        max_items=limits.MAX_GEARS,
     ),
     pass_api.Option(
-        "batch_sizes", list, [1], "batch-size gears", items=int, min=1, max=L.MAX_BATCH, max_items=L.MAX_GEARS
+        "batch_sizes",
+        list,
+        [1],
+        "batch-size gears",
+        items=int,
+        min=1,
+        max=limits.MAX_BATCH,
+        max_items=limits.MAX_GEARS,
     ),
     pass_api.Option(
         "images",
@@ -55,8 +61,8 @@ TARGET_OPTIONS = (
         "images-per-request gears for vision graphs",
         items=int,
         min=1,
-        max=L.MAX_BATCH,
-        max_items=L.MAX_GEARS,
+        max=limits.MAX_BATCH,
+        max_items=limits.MAX_GEARS,
     ),
     pass_api.Option("dims", dict, None, "sizes for other symbolic dims: name -> int or list of ints"),
     pass_api.Option(
