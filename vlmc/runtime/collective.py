@@ -41,6 +41,7 @@ one-line refusals work without it.
 
 from __future__ import annotations
 
+import abc
 import importlib.util
 from datetime import timedelta
 
@@ -57,7 +58,7 @@ NEEDS_TORCH = (
 )
 
 
-class Collective:
+class Collective(abc.ABC):
     """A sum all-reduce across the ranks of one run, numpy in, numpy out.
 
     ``check()`` runs in the launching process before any rank starts and raises a one-line
@@ -80,14 +81,17 @@ class Collective:
                 out.append(name)
         return out
 
+    @abc.abstractmethod
     def check(self) -> None:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
-        raise NotImplementedError
+        """See the class docstring."""
 
     def backend_in_use(self) -> str:
         """The backend torch.distributed reports for the default group (what actually joined the ranks)."""
