@@ -6,7 +6,7 @@ import logging
 
 import numpy as np
 
-from vlmc import metrics, ortsession
+from vlmc import memory, metrics, ortsession
 from vlmc.package import Package
 from vlmc.runtime.executor import OrtExecutor
 
@@ -26,6 +26,7 @@ class Sessions(OrtExecutor):
         if alone:
             for other in [k for k in self.sessions if k != name]:
                 del self.sessions[other]
+            memory.release_free()  # what the dropped sessions and the quantizer freed
         if name not in self.sessions:
             if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
                 self.sessions[name] = ortsession.dequantized(self.pkg.model(name), self.threads)
@@ -52,7 +53,7 @@ def graph_fidelity(
                 continue
             g = got[k]
             c = metrics.cosine(r, g)
-            d = float(np.max(np.abs(r.astype(np.float64) - g.astype(np.float64))))
+            d = metrics.max_abs_diff(r, g)
             e = out.setdefault(k, {"cosine": c, "max_abs_diff": d})
             e["cosine"], e["max_abs_diff"] = min(e["cosine"], c), max(e["max_abs_diff"], d)
     return out

@@ -237,6 +237,10 @@ class Quantize(Pass):
                     package, name, feeds[:eval_samples], rec.outputs.get(name, []), sessions
                 )
             report["graphs"][name] = entry
+            if rec is not None:  # this graph's feeds and FP32 outputs are not read again: free them
+                rec.feeds.pop(name, None)
+                rec.outputs.pop(name, None)
+            del feeds
         if modified and e2e_source is not None and e2e_tokens:
             report["end_to_end"] = _quant_eval.end_to_end(
                 package, e2e_source.inputs, e2e_source.generations, e2e_tokens, sessions

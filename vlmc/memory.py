@@ -10,6 +10,7 @@ cannot sample while C code holds the GIL, which is why the high-water mark comes
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -30,6 +31,30 @@ def high_water() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def release_free() -> None:
+    """Give the memory the C allocator holds freed back to the system (glibc ``malloc_trim``).
+
+    onnxruntime and numpy free their buffers through glibc, which keeps freed blocks of its heaps for
+    reuse: after the static INT8 calibration of the 512 M real-width vision encoder, 250 MB of the
+    process's RSS was such free memory, still counted at the fidelity runs that followed. Nothing
+    live is touched. A no-op where glibc is not the C library.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    import ctypes
+    import ctypes.util
+
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def rss() -> int | None:

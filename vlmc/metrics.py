@@ -26,7 +26,17 @@ def cosine(a: np.ndarray, b: np.ndarray, axis: int | None = None) -> float:
     """Cosine similarity of two arrays: of the flattened arrays, or the mean over rows along ``axis``.
 
     Where a norm is zero the cosine is undefined; it counts as 1 if both sides are equal, else 0.
+    Computed in float64. Flattened, the sums go block by block (:func:`_sum_float64`), so a large
+    output (a 512 M decoder's prefill logits: 77 MB of float32) needs no float64 copies of itself.
     """
+    if axis is None and a.size == b.size:
+        a, b = a.reshape(-1), b.reshape(-1)
+        dot = _sum_float64(lambda i, j: _f64(a[i:j]) * _f64(b[i:j]), a.size)
+        norms = np.sqrt(_sum_float64(lambda i, j: _square(a[i:j]), a.size)) * np.sqrt(
+            _sum_float64(lambda i, j: _square(b[i:j]), b.size)
+        )
+        equal = all(np.all(a[i : i + _BLOCK] == b[i : i + _BLOCK]) for i in range(0, a.size, _BLOCK))
+        return float(dot / norms) if norms > 0 else float(equal)
     a, b = a.astype(np.float64), b.astype(np.float64)
     if axis is None:
         a, b, axis = a.ravel(), b.ravel(), -1
@@ -34,6 +44,51 @@ def cosine(a: np.ndarray, b: np.ndarray, axis: int | None = None) -> float:
     norms = np.linalg.norm(a, axis=axis) * np.linalg.norm(b, axis=axis)
     equal = np.all(a == b, axis)
     return float(np.mean(np.where(norms > 0, dot / np.where(norms > 0, norms, 1.0), equal)))
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    """max |a - b| over all elements, in float64, block by block (no float64 copy of either array)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    if not a.size:
+        raise ValueError("max_abs_diff of empty arrays")
+    blocks = [
+        np.max(np.abs(_f64(a[i : i + _BLOCK]) - _f64(b[i : i + _BLOCK]))) for i in range(0, a.size, _BLOCK)
+    ]
+    return float(np.max(blocks))  # np.max, not max(): a NaN anywhere is the answer, as before
+
+
+# Elements per block of the float64 sums: 8 MiB of float64 per temporary.
+_BLOCK = 1 << 20
+
+
+def _f64(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float64)
+
+
+def _square(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    return x * x
+
+
+def _sum_float64(block, n: int) -> np.float64:
+    """``np.sum`` of a float64 vector of ``n`` elements, bit for bit, made ``block(i, j)`` at a time.
+
+    numpy sums a contiguous float64 vector pairwise: 0 + s(0, n), where s(lo, n) halves ``n`` (the
+    first half rounded down to a multiple of 8) until a block of at most 128 elements is summed with
+    eight accumulators (numpy/_core/src/umath/loops_utils.h.src, ``pairwise_sum``). Splitting at the
+    same points and letting numpy sum each leaf (``initial=-0.0`` adds exactly nothing, so a leaf is
+    s(lo, n) itself) gives the same float64 as summing the whole vector at once; checked against
+    ``np.sum`` in tests/unit/test_metrics.py.
+    """
+
+    def s(lo: int, m: int) -> np.float64:
+        if m <= _BLOCK:
+            return np.add.reduce(block(lo, lo + m), initial=-0.0)
+        half = m // 2
+        half -= half % 8
+        return s(lo, half) + s(lo + half, m - half)
+
+    return np.float64(0.0) + s(0, n)
 
 
 def top_k_agreement(ref_logits: np.ndarray, got_logits: np.ndarray, k: int) -> float:

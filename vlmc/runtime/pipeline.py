@@ -380,7 +380,9 @@ class Pipeline:
                 else:
                     out = self.run_chain(chain, available)
                 state.update(out)
-                logits = out["logits"][:, -1, :]
+                # a copy, not a view: a view kept the whole prefill logits ([batch, prompt, vocab]:
+                # 77 MB at a 600-token LLaVA prompt) alive in step_logits for the result's life
+                logits = out["logits"][:, -1, :].copy()
                 if prefill_logits is None:
                     prefill_logits = logits.copy()
                 step_logits.append(logits)
