@@ -31,9 +31,7 @@ class Sessions(OrtExecutor):
             if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
                 self.sessions[name] = ortsession.dequantized(self.pkg.model(name), self.threads)
             else:
-                # no arena: fidelity holds these beside the recorded FP32 outputs, and an arena keeps
-                # its high-water mark reserved between runs (allocation only: same kernels)
-                self.sessions[name] = ortsession.for_graph(self.pkg, name, self.threads, arena=False)
+                self.sessions[name] = ortsession.for_graph(self.pkg, name, self.threads)
         return self.sessions[name]
 
 

@@ -26,14 +26,9 @@ MAX_IN_MEMORY_BYTES = 1_800_000_000
 STREAM_FROM_FILE_BYTES = 64 << 20
 
 
-def options(
-    threads: int | None = None, precision: str | None = None, arena: bool = True
-) -> ort.SessionOptions:
-    """Session options; ``arena=False`` frees each run's buffers after the run (allocation only, same kernels)."""
+def options(threads: int | None = None, precision: str | None = None) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    if not arena:
-        so.enable_cpu_mem_arena = False
     if precision in _KEEP_DEQUANT:
         # The per-call dequantized weights are the largest buffers; without the arena they go back to
         # the system after each call instead of staying reserved for the session's life.
@@ -58,11 +53,11 @@ def _disabled(precision: str | None) -> list[str]:
 
 
 def from_path(
-    path: str | os.PathLike, threads: int | None = None, precision: str | None = None, arena: bool = True
+    path: str | os.PathLike, threads: int | None = None, precision: str | None = None
 ) -> ort.InferenceSession:
     return ort.InferenceSession(
         str(path),
-        options(threads, precision, arena),
+        options(threads, precision),
         providers=["CPUExecutionProvider"],
         disabled_optimizers=_disabled(precision),
     )
@@ -73,7 +68,6 @@ def from_model(
     threads: int | None = None,
     extra_outputs: list[str | onnx.ValueInfoProto] = (),
     precision: str | None = None,
-    arena: bool = True,
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
@@ -103,23 +97,21 @@ def from_model(
     if small:
         return ort.InferenceSession(
             interop.session_bytes(model) + suffix,
-            options(threads, precision, arena),
+            options(threads, precision),
             providers=["CPUExecutionProvider"],
             disabled_optimizers=_disabled(precision),
         )
     if isinstance(model, ir.Model):
-        return _from_linked(model, suffix, threads, precision, arena)
+        return _from_linked(model, suffix, threads, precision)
     with tempfile.TemporaryDirectory(prefix="vlmc-session-") as tmp:
         p = os.path.join(tmp, "m.onnx")
         graphs.save(model, p)
         with open(p, "ab") as f:
             f.write(suffix)
-        return from_path(p, threads, precision, arena)
+        return from_path(p, threads, precision)
 
 
-def _from_linked(
-    model: ir.Model, suffix: bytes, threads, precision, arena: bool = True
-) -> ort.InferenceSession:
+def _from_linked(model: ir.Model, suffix: bytes, threads, precision) -> ort.InferenceSession:
     """A session on a large IR graph with nothing written to disk and no weight copied by vlmc.
 
     Weights that live in files (the package's data files, a pass's TensorStore) stay external: the
@@ -134,8 +126,7 @@ def _from_linked(
     """
     proto, buffers, maps = _linked_proto(model)
     try:
-        so = options(threads, precision, arena)
-        return _session(proto.SerializeToString() + suffix, buffers, so, precision)
+        return _session(proto.SerializeToString() + suffix, buffers, options(threads, precision), precision)
     except BaseException:
         for m in maps:
             m.close()
@@ -305,7 +296,9 @@ def dequantized(model: ir.Model, threads: int | None = None) -> ort.InferenceSes
             # reserved (at the arena's rounded-up high-water mark) for the session's life: fidelity
             # holds this session beside the recorded FP32 outputs. Allocation only: same kernels.
             memory.release_free()  # the chains' intermediates
-            return _session(proto.SerializeToString(), buffers, options(threads, arena=False), None)
+            so = options(threads)
+            so.enable_cpu_mem_arena = False
+            return _session(proto.SerializeToString(), buffers, so, None)
     except BaseException:
         for m in maps:
             m.close()
@@ -324,10 +317,10 @@ def _drop_pages(maps: list[mmap.mmap]) -> None:
         m.madvise(mmap.MADV_DONTNEED)
 
 
-def for_graph(pkg, name: str, threads: int | None = None, arena: bool = True) -> ort.InferenceSession:
+def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:
     """Session for a package graph: straight from disk when unmodified, else from memory."""
     path = pkg.path_of(name)
     precision = pkg.info(name).get("precision")
     if path is not None:
-        return from_path(path, threads, precision, arena)
-    return from_model(pkg.model(name), threads, precision=precision, arena=arena)
+        return from_path(path, threads, precision)
+    return from_model(pkg.model(name), threads, precision=precision)
