@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,28 @@ class Graph:
                 tensor = self.store.put(array, name)
         del array
         value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
+        self.g.register_initializer(value)
+        return value
+
+    def add_deferred_init(
+        self, base: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]
+    ) -> ir.Value:
+        """A new initializer whose values ``make()`` computes when they are first needed.
+
+        With a store, the tensor is an ``onnx_ir.LazyTensor`` (not cached): the build's writer calls
+        ``make`` when it writes the tensor, one tensor at a time, so a deploy weight the lowering only
+        reshapes (quantize's packed int4, unpacked to int8) is written once, into the build, instead
+        of to the store and then again from it. Without a store it is made at once (as add_init).
+        """
+        if self.store is None:
+            return self.add_init(base, make())
+        name = self.unique(base)
+
+        def materialize() -> ir.TensorProtocol:
+            return ir.tensor(np.ascontiguousarray(make()), name=name)
+
+        tensor = ir.LazyTensor(materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(dtype), shape=tensor.shape)
         self.g.register_initializer(value)
         return value
 
