@@ -271,11 +271,18 @@ def test_weight_only_int4_groups_become_weight_quant_batch_matmul_from_the_facts
     }
     assert report.weight_only_sources == {"facts": 1} and report.int4_storage == int4_weights
     weight = node.inputs[1].const_value
-    # the deploy weight went to the store as it was made (1 KiB and up), not into memory
-    assert isinstance(weight, ir.ExternalTensor) and Path(weight.path) == tmp_path / "lowered.data"
+    # the deploy weight is not made during the lowering (neither in memory nor in the store): it is
+    # unpacked from the source's packed int4 when the build's data file is written
+    assert isinstance(weight, ir.LazyTensor) and not weight.cache
+    assert (tmp_path / "lowered.data").stat().st_size == 0
     assert weight.dtype == (ir.DataType.INT8 if int4_weights == "int8" else ir.DataType.INT4)
     assert weight.nbytes == (64 * 32 if int4_weights == "int8" else 64 * 32 // 2)
     np.testing.assert_array_equal(weight.numpy().astype(np.int8), q)
+    graphs.save(low, tmp_path / "low.onnx")
+    written = graphs.load_ir(tmp_path / "low.onnx").graph.initializers[node.inputs[1].name].const_value
+    assert isinstance(written, ir.ExternalTensor) and written.dtype == weight.dtype
+    np.testing.assert_array_equal(written.numpy().astype(np.int8), q)
+    assert written.tobytes() == weight.tobytes()
     antiquant = node.inputs[2].const_value.numpy()
     assert antiquant.dtype == np.float16 and np.array_equal(antiquant, scale.astype(np.float16))
     # the source's packed weight and its dequant subgraph are gone
