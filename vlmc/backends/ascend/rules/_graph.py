@@ -112,6 +112,26 @@ class Graph:
         self.g.register_initializer(value)
         return value
 
+    def add_alias_init(self, base: str, source: ir.ExternalTensor) -> ir.Value:
+        """A new initializer whose bytes are exactly those of a weight stored in a file: it points at them.
+
+        Nothing is read or written here; the build's writer copies the bytes from the source file
+        (onnx-ir does it with copy_file_range, in the kernel).
+        """
+        name = self.unique(base)
+        tensor = ir.ExternalTensor(
+            source.location,
+            source.offset,
+            source.length,
+            source.dtype,
+            shape=source.shape,
+            name=name,
+            base_dir=source.base_dir,
+        )
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
+        self.g.register_initializer(value)
+        return value
+
     def add_deferred_init(
         self, base: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]
     ) -> ir.Value:
