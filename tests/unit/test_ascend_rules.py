@@ -136,6 +136,33 @@ def test_qdq_matmul_becomes_ascend_quant_int8_matmul_dequant(zp):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_symmetric_int8_deploy_weight_points_at_the_package_bytes(tmp_path):
+    """A stored symmetric int8 weight is its own deploy form: the lowered graph points at it (no copy)."""
+    graphs.save(_qdq_matmul(k=64, n=32), tmp_path / "g.onnx")  # 2 KiB weight: external data
+    x = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)}
+    source = graphs.load_ir(tmp_path / "g.onnx").graph.initializers["Wq"].const_value
+    store = graphs.TensorStore(tmp_path / "lowered.data")
+    low, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g", store=store)
+    store.close()
+    weight = _node(low, "MatMul").inputs[1].const_value
+    assert isinstance(weight, ir.ExternalTensor) and weight.name != "Wq"
+    assert (Path(weight.path), weight.offset, weight.length) == (
+        Path(source.path),
+        source.offset,
+        source.length,
+    )
+    # the same build as a lowering that copies the weight (in memory, no store)
+    held, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g")
+    for where, model in (("a", low), ("b", held)):
+        (tmp_path / where).mkdir()
+        graphs.save(model, tmp_path / where / "g.onnx")
+    for name in ("g.onnx", "g.onnx.data"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    np.testing.assert_array_equal(
+        reference.run(low, x, fp16=False)["y"], reference.run(held, x, fp16=False)["y"]
+    )
+
+
 def test_one_ascend_quant_serves_every_matmul_of_a_tensor():
     rng = np.random.default_rng(2)
     b = _Builder()
