@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import io
 import logging
-import shutil
-import tempfile
 import zipfile
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 
@@ -48,31 +45,22 @@ def store(pkg: Package, graph: str, feeds: dict[str, np.ndarray]) -> None:
 def store_streamed(pkg: Package, graph: str, arrays: Iterable[tuple[str, np.ndarray]]) -> None:
     """:func:`store` for samples too large to hold at once (paged_kv's pools: ~21 MB per layer at 7B).
 
-    ``arrays`` yields (name, array) one at a time, in the order they are made; each is written to a
-    scratch ``.npy`` as it comes and dropped, then the ``.npz`` is assembled in sorted name order, so the
-    file holds exactly what :func:`store` would write (np.savez's entries) while memory holds one array.
-    The package keeps the file's path (in its scratch directory) and moves it into the package on save.
+    ``arrays`` yields (name, array) one at a time, in the order they are made; each is written to
+    the ``.npz`` as it comes and dropped. The archive's directory lists the entries in sorted name
+    order, as :func:`store` (np.savez of the sorted dict) does, so readers see the same archive: the
+    same entries (names, storage, bytes) in the same order; only where each entry sits in the file
+    differs. The package keeps the file's path (in its scratch directory) and moves it into the
+    package on save.
     """
     target = pkg.scratch_path(f"samples-{graph}").with_suffix(".npz")
-    parts = Path(tempfile.mkdtemp(dir=target.parent, prefix="parts-"))
-    try:
-        names = []
+    # np.savez's archive: stored (uncompressed), every entry zip64, named <key>.npy (numpy/lib/_npyio_impl.py _savez)
+    with zipfile.ZipFile(target, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
         for name, arr in arrays:
-            np.save(parts / f"{len(names)}.npy", np.ascontiguousarray(arr), allow_pickle=False)
-            names.append(name)
+            with z.open(name + ".npy", "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, np.ascontiguousarray(arr), allow_pickle=False)
             del arr
-        order = sorted(range(len(names)), key=names.__getitem__)
-        # np.savez's zip: stored (uncompressed), every entry zip64, named <key>.npy (numpy/lib/_npyio_impl.py _savez)
-        with zipfile.ZipFile(target, mode="w", compression=zipfile.ZIP_STORED, allowZip64=True) as z:
-            for i in order:
-                with (
-                    open(parts / f"{i}.npy", "rb") as src,
-                    z.open(names[i] + ".npy", "w", force_zip64=True) as dst,
-                ):
-                    shutil.copyfileobj(src, dst, 1 << 20)
-                (parts / f"{i}.npy").unlink()
-    finally:
-        shutil.rmtree(parts, ignore_errors=True)
+        # the central directory (what namelist() and np.load's .files read) in np.savez's sorted order
+        z.filelist.sort(key=lambda info: info.filename[: -len(".npy")])
     pkg.files[sample_path(graph)] = target
 
 

@@ -66,7 +66,7 @@ def test_streamed_samples_are_the_stored_ones(tmp_path):
     samples.store(stored, "g", dict(_arrays()))
     samples.store_streamed(streamed, "g", iter(_arrays()))
     path = streamed.files[samples.sample_path("g")]
-    # the same zip entries (names, order, storage, bytes); only the entries' timestamps may differ
+    # the same zip entries (names, directory order, storage, bytes); only their timestamps and places differ
     assert _entries(path.read_bytes()) == _entries(stored.files[samples.sample_path("g")])
     assert [n for n, *_ in _entries(path.read_bytes())] == ["a.npy", "b.npy", "c.npy"]
     for got, want in (
