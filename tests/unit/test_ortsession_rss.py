@@ -109,7 +109,7 @@ _DEQUANT_CHILD = textwrap.dedent(
 def test_dequantized_session_drops_the_integer_weight_pages(tmp_path):
     # Each int8 weight is dequantized by a Cast -> Mul chain run once; the chains read the integer
     # weights through maps the session keeps. Their pages used to stay resident for the session's
-    # life beside the float weights (the 512 M real-width INT4 decoder: 170 MB).
+    # life beside the float weights (the 512 M real-width INT4 decoder: 85 MiB).
     rng = np.random.default_rng(0)
     x = ir.Value(name="x", shape=ir.Shape([1, _WIDTH]), type=ir.TensorType(ir.DataType.FLOAT))
     graph = ir.Graph([x], [], nodes=[], opset_imports={"": 17}, name="int8_chain")
