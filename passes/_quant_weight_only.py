@@ -25,6 +25,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from . import _segments
+
 logger = logging.getLogger(__name__)
 
 AWQ_GRID = tuple(i / 10 for i in range(11))
@@ -177,76 +179,6 @@ def collect_inputs(
     return {n: stats[n].result(rows) for n in wanted}
 
 
-class _Segment:
-    """Nodes of the graph up to the next wanted tensor's first use, as a model of their own.
-
-    Inputs: the values they read that earlier segments (or the graph's inputs) made; outputs: the
-    values they make that later nodes read. The model is a clone of the structure; its weights are
-    the graph's own tensors (nothing is read until its session is made).
-    """
-
-    def __init__(
-        self, model: ir.Model, nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]
-    ):
-        vmap: dict[ir.Value, ir.Value] = {}
-        self.inputs = []
-        for v in inputs:
-            nv = ir.Value(name=v.name, type=v.type, shape=v.shape)
-            vmap[v] = nv
-            self.inputs.append(nv)
-        inits = []
-        clones = []
-        for node in nodes:
-            args = []
-            for i in node.inputs:
-                if i is not None and i not in vmap:  # a weight (inputs and earlier outputs are mapped)
-                    nv = ir.Value(name=i.name, type=i.type, shape=i.shape, const_value=i.const_value)
-                    vmap[i] = nv
-                    inits.append(nv)
-                args.append(None if i is None else vmap[i])
-            c = ir.Node(
-                node.domain,
-                node.op_type,
-                args,
-                list(node.attributes.values()),
-                overload=node.overload,
-                num_outputs=len(node.outputs),
-                version=node.version,
-                name=node.name,
-            )
-            for o, co in zip(node.outputs, c.outputs):
-                co.name, co.type, co.shape = o.name, o.type, o.shape
-                vmap[o] = co
-            clones.append(c)
-        self.output_names = [v.name for v in outputs]
-        graph = ir.Graph(
-            self.inputs,
-            [vmap[v] for v in outputs],
-            nodes=clones,
-            initializers=inits,
-            opset_imports=dict(model.graph.opset_imports),
-            name="awq_segment",
-        )
-        self.model = ir.Model(graph, ir_version=model.ir_version)
-
-    def run(self, feeds: list[dict[str, np.ndarray]]) -> list[list[np.ndarray]]:
-        """Each sample's outputs; input types the graph did not record come from the first sample."""
-        from vlmc import ortsession
-
-        for v in self.inputs:
-            a = feeds[0][v.name]
-            if v.type is None:
-                v.type = ir.TensorType(ir.DataType.from_numpy(a.dtype))
-            v.shape = ir.Shape([None] * a.ndim)  # lengths vary between samples
-        sess = ortsession.from_model(self.model)
-        for v in self.model.graph.initializers.values():
-            _release(v.const_value)  # the session holds its own copy; drop the memory map's pages
-        try:
-            return [sess.run(self.output_names, {v.name: f[v.name] for v in self.inputs}) for f in feeds]
-        finally:
-            del sess
-
-
 def layerwise_inputs(
     model: ir.Model, names: list[str], feeds: list[dict], rows: int = AWQ_ROWS, seed: int = 0
 ):
@@ -271,14 +203,7 @@ def layerwise_inputs(
     ):
         yield from collect_inputs(model, names, feeds, rows, seed).items()
         return
-    pos = {n: i for i, n in enumerate(order)}
-    first_use = {}
-    last_use: dict[ir.Value, int] = {}
-    for i, n in enumerate(order):
-        for v in n.inputs:
-            if v is not None and not v.is_initializer() and v.const_value is None:
-                first_use.setdefault(v.name, i)
-                last_use[v] = i
+    first_use, last_use = _segments.uses(order)
     graph_inputs = {v.name for v in graph.inputs}
     # Cuts in topological order; a graph input is known from the start (cut 0).
     cuts = sorted({0 if n in graph_inputs else first_use[n] for n in wanted})
@@ -293,24 +218,7 @@ def layerwise_inputs(
         return held[name] if name in held else [f[name] for f in feeds]
 
     # Every segment is cloned before anything is yielded: the caller edits the graph between yields.
-    plan: list[tuple[int, _Segment | None, list[ir.Value]]] = []
-    start = 0
-    for cut in cuts:
-        seg, outs = None, []
-        if cut > start:
-            seg_nodes = order[start:cut]
-            made = {o for n in seg_nodes for o in n.outputs}
-            ins, seen = [], set()
-            for n in seg_nodes:
-                for v in n.inputs:
-                    if v is None or v in made or v in seen or v.is_initializer() or v.const_value is not None:
-                        continue
-                    seen.add(v)
-                    ins.append(v)
-            outs = sorted((o for o in made if last_use.get(o, -1) >= cut), key=lambda o: pos[o.producer()])
-            seg = _Segment(model, seg_nodes, ins, outs)
-            start = cut
-        plan.append((cut, seg, [o.name for o in outs]))
+    plan = _segments.split(model, order, cuts, last_use)
     last_by_name = {v.name: i for v, i in last_use.items()}
     for cut, seg, out_names in plan:
         if seg is not None:
@@ -388,10 +296,8 @@ def _int4_streamed(t: ir.TensorProtocol, g: int, packed: bool) -> tuple[np.ndarr
     return out, scale
 
 
-def _release(t) -> None:
-    # Drop a weight's cached bytes or memory map once its quantized form exists; it is re-read if asked.
-    if isinstance(t, ir.ExternalTensor):
-        t.release()
+# Drop a weight's cached bytes or memory map once its quantized form exists; it is re-read if asked.
+_release = _segments.release
 
 
 def quantize_weight_only(
