@@ -76,9 +76,11 @@ def order(graph: ir.Graph) -> list[ir.Node]:
     return out
 
 
-def cuts(nodes: list[ir.Node], segment_bytes: int = SEGMENT_BYTES) -> list[int]:
-    """Cut positions (the last is ``len(nodes)``): segments of at most ``segment_bytes`` of weights
-    (or one node's, if more), each ended where the fewest values cross, the latest such place."""
+def cuts(nodes: list[ir.Node], segment_bytes: int | None = None) -> list[int]:
+    """Cut positions (the last is ``len(nodes)``): segments of at most ``segment_bytes`` (default
+    ``SEGMENT_BYTES``) of weights (or one node's, if more), each ended where the fewest values cross,
+    the latest such place."""
+    segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
     first_use, last_use = _segments.uses(nodes)
     n_nodes = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -91,10 +93,27 @@ def cuts(nodes: list[ir.Node], segment_bytes: int = SEGMENT_BYTES) -> list[int]:
         if last > pos[p]:
             delta[pos[p] + 1] += 1
             delta[last + 1] -= 1
-    crossing, running = [0] * (n_nodes + 1), 0
+    # A cut must not split a QDQ unit (DequantizeLinear -> op -> QuantizeLinear): onnxruntime fuses a
+    # whole unit into an integer kernel (QLinearMatMul, ...) and a split one runs in float, so the
+    # segments would not compute what the whole graph does.
+    split_unit = [0] * (n_nodes + 2)
+    for v, last in last_use.items():
+        p = v.producer()
+        if p is None or p not in pos:
+            continue
+        readers = [pos[u.node] for u in v.uses() if u.node in pos]
+        if p.op_type == "DequantizeLinear":
+            end = last
+        else:
+            end = max((r for r in readers if nodes[r].op_type == "QuantizeLinear"), default=-1)
+        if end > pos[p]:
+            split_unit[pos[p] + 1] += 1
+            split_unit[end + 1] -= 1
+    crossing, running, inside = [0] * (n_nodes + 1), 0, 0
     for i in range(n_nodes + 1):
         running += delta[i]
-        crossing[i] = running
+        inside += split_unit[i]
+        crossing[i] = running + (n_nodes + 1) * (inside > 0)  # a split unit only as a last resort
     # Weight bytes each node brings (a weight counts at its first reader).
     seen: set[ir.Value] = set()
     brings = []
@@ -123,7 +142,7 @@ def cuts(nodes: list[ir.Node], segment_bytes: int = SEGMENT_BYTES) -> list[int]:
 
 
 def run(
-    model: ir.Model, feeds: list[dict[str, np.ndarray]], open_session, segment_bytes: int = SEGMENT_BYTES
+    model: ir.Model, feeds: list[dict[str, np.ndarray]], open_session, segment_bytes: int | None = None
 ) -> tuple[list[dict[str, np.ndarray]], dict]:
     """The graph's outputs per sample, computed segment by segment; and facts (segments, largest)."""
     graph = model.graph
@@ -201,7 +220,7 @@ def _session_for(precision: str | None):
     return lambda m: ortsession.from_model(m, precision=precision)
 
 
-def reference(model: ir.Model, feeds: list[dict], segment_bytes: int = SEGMENT_BYTES) -> list[dict]:
+def reference(model: ir.Model, feeds: list[dict], segment_bytes: int | None = None) -> list[dict]:
     """FP32 outputs of the graph on ``feeds``, segment by segment (before it is quantized)."""
     outs, facts = run(model, feeds, _fp32_session, segment_bytes)
     logger.info("quantize: FP32 reference recorded in %d segments", facts["segments"])
@@ -213,7 +232,7 @@ def graph_fidelity(
     precision: str | None,
     feeds: list[dict],
     refs: list[dict],
-    segment_bytes: int = SEGMENT_BYTES,
+    segment_bytes: int | None = None,
 ) -> tuple[dict, dict]:
     """``_quant_eval.graph_fidelity``'s numbers for the quantized ``model``, run segment by segment."""
     from . import _quant_eval
