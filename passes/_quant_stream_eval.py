@@ -76,7 +76,27 @@ def order(graph: ir.Graph) -> list[ir.Node]:
     return out
 
 
-def cuts(nodes: list[ir.Node], segment_bytes: int | None = None) -> list[int]:
+def _brings(nodes: list[ir.Node], expand: dict | None = None) -> list[int]:
+    """Weight bytes each node brings to its segment's session (a weight counts at its first reader);
+    ``expand`` maps a dtype to how many times its bytes the session holds."""
+    seen: set[ir.Value] = set()
+    out = []
+    for n in nodes:
+        b = 0
+        for v in n.inputs:
+            if v is not None and v not in seen and v.const_value is not None:
+                seen.add(v)
+                b += v.const_value.nbytes * (expand or {}).get(v.const_value.dtype, 1)
+        out.append(b)
+    return out
+
+
+# A dequantized weight-only session (``ortsession.dequantized``) holds each integer weight as float32:
+# int8 storage 4x its bytes, int4 packed two to a uint8 8x. Segments are sized by what is held.
+DEQUANTIZED = {ir.DataType.INT8: 4, ir.DataType.UINT8: 8, ir.DataType.INT4: 8, ir.DataType.UINT4: 8}
+
+
+def cuts(nodes: list[ir.Node], segment_bytes: int | None = None, expand: dict | None = None) -> list[int]:
     """Cut positions (the last is ``len(nodes)``): segments of at most ``segment_bytes`` (default
     ``SEGMENT_BYTES``) of weights (or one node's, if more), each ended where the fewest values cross,
     the latest such place."""
@@ -114,16 +134,7 @@ def cuts(nodes: list[ir.Node], segment_bytes: int | None = None) -> list[int]:
         running += delta[i]
         inside += split_unit[i]
         crossing[i] = running + (n_nodes + 1) * (inside > 0)  # a split unit only as a last resort
-    # Weight bytes each node brings (a weight counts at its first reader).
-    seen: set[ir.Value] = set()
-    brings = []
-    for n in nodes:
-        b = 0
-        for v in n.inputs:
-            if v is not None and v not in seen and v.const_value is not None:
-                seen.add(v)
-                b += v.const_value.nbytes
-        brings.append(b)
+    brings = _brings(nodes, expand)
     out, start = [], 0
     while start < n_nodes:
         total, end = 0, start
@@ -142,13 +153,22 @@ def cuts(nodes: list[ir.Node], segment_bytes: int | None = None) -> list[int]:
 
 
 def run(
-    model: ir.Model, feeds: list[dict[str, np.ndarray]], open_session, segment_bytes: int | None = None
+    model: ir.Model,
+    feeds: list[dict[str, np.ndarray]],
+    open_session,
+    segment_bytes: int | None = None,
+    expand: dict | None = None,
 ) -> tuple[list[dict[str, np.ndarray]], dict]:
-    """The graph's outputs per sample, computed segment by segment; and facts (segments, largest)."""
+    """The graph's outputs per sample, computed segment by segment; and facts (segments, largest).
+
+    ``expand``: how many times a dtype's bytes the sessions hold (``DEQUANTIZED`` for weight-only).
+    """
     graph = model.graph
     nodes = order(graph)
     _, last_use = _segments.uses(nodes)
-    positions = cuts(nodes, segment_bytes)
+    positions = cuts(nodes, segment_bytes, expand)
+    brings = _brings(nodes, expand)
+    held_bytes = [sum(brings[a:b]) for a, b in zip([0, *positions], positions)]
     plan = _segments.split(model, nodes, positions, last_use, graph_outputs=True)
     last_by_name = {v.name: i for v, i in last_use.items()}
     output_names = {v.name for v in graph.outputs}
@@ -169,7 +189,7 @@ def run(
     for k, (cut, seg, out_names) in enumerate(plan):
         if seg is None:
             continue
-        largest = max(largest, seg.weight_bytes)
+        largest = max(largest, held_bytes[k])
         samples = [
             {v.name: (held[v.name] if v.name in held else inputs[v.name])[s] for v in seg.inputs}
             for s in range(len(feeds))
@@ -190,7 +210,7 @@ def run(
             "quantize: streamed fidelity segment %d/%d (%.2f GiB of weights), %.1f s",
             k + 1,
             len(segments),
-            seg.weight_bytes / 2**30,
+            held_bytes[k] / 2**30,
             time.monotonic() - t0,
         )
     # Graph outputs that are graph inputs or weights themselves pass through.
@@ -239,7 +259,8 @@ def graph_fidelity(
 
     if not refs:
         return {}, {}
-    got, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes)
+    expand = DEQUANTIZED if precision in ("int8_weight_only", "int4_weight_only") else None
+    got, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes, expand)
     out: dict[str, dict] = {}
     for ref, g in zip(refs, got):
         _quant_eval.accumulate(out, ref, g)
