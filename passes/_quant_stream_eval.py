@@ -158,10 +158,13 @@ def run(
     open_session,
     segment_bytes: int | None = None,
     expand: dict | None = None,
+    on_output=None,
 ) -> tuple[list[dict[str, np.ndarray]], dict]:
     """The graph's outputs per sample, computed segment by segment; and facts (segments, largest).
 
     ``expand``: how many times a dtype's bytes the sessions hold (``DEQUANTIZED`` for weight-only).
+    ``on_output(sample, name, array)``, if given, takes each graph output as its segment makes it,
+    instead of it being kept for the result (a decoder's present KV of every layer).
     """
     graph = model.graph
     nodes = order(graph)
@@ -200,7 +203,10 @@ def run(
             arrays = [g[j] for g in got]
             if name in output_names:
                 for s, a in enumerate(arrays):
-                    results[s][name] = a
+                    if on_output is None:
+                        results[s][name] = a
+                    else:
+                        on_output(s, name, a)
             if last_by_name.get(name, -1) >= cut:
                 held[name] = arrays
         del got
@@ -214,13 +220,22 @@ def run(
             time.monotonic() - t0,
         )
     # Graph outputs that are graph inputs or weights themselves pass through.
+    made = {name for _, _, names in plan for name in names}
     for v in graph.outputs:
+        if v.name in made:
+            continue
         for s in range(len(feeds)):
-            if v.name not in results[s]:
-                if v.name in inputs:
-                    results[s][v.name] = inputs[v.name][s]
-                elif v.const_value is not None:
-                    results[s][v.name] = v.const_value.numpy()
+            a = (
+                inputs[v.name][s]
+                if v.name in inputs
+                else v.const_value.numpy()
+                if v.const_value is not None
+                else None
+            )
+            if a is not None and on_output is None:
+                results[s][v.name] = a
+            elif a is not None:
+                on_output(s, v.name, a)
     return results, {"segments": len(segments), "largest_segment_weight_bytes": int(largest)}
 
 
@@ -259,9 +274,14 @@ def graph_fidelity(
 
     if not refs:
         return {}, {}
+    order_of = {v.name: i for i, v in enumerate(model.graph.outputs)}  # the whole-graph path's order
     expand = DEQUANTIZED if precision in ("int8_weight_only", "int4_weight_only") else None
-    got, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes, expand)
     out: dict[str, dict] = {}
-    for ref, g in zip(refs, got):
-        _quant_eval.accumulate(out, ref, g)
-    return out, facts
+
+    def compare(sample: int, name: str, got: np.ndarray) -> None:
+        # Each output is compared as its segment makes it: only the FP32 references stay resident.
+        if name in refs[sample]:
+            _quant_eval.accumulate(out, {name: refs[sample][name]}, {name: got})
+
+    _, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes, expand, compare)
+    return dict(sorted(out.items(), key=lambda kv: order_of.get(kv[0], len(order_of)))), facts
