@@ -121,3 +121,36 @@ def test_int32_bias_on_the_ir_replaces_the_float_bias():
     dq = add.inputs[1].producer()
     assert dq.op_type == "DequantizeLinear" and dq.inputs[0].const_value.dtype == ir.DataType.INT32
     onnx.checker.check_model(ir.to_proto(out), full_check=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf casts, in the worker threads too
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threaded_blocks_match_the_whole_array_reference_on_edge_values(threads, tmp_path, monkeypatch):
+    """The streamed int4/int8 kernels (in-place, threaded, fewer passes) give the reference's bits.
+
+    Edge values: all-zero and negative-zero groups, subnormals, ±inf, NaN and near-max floats; the
+    weight is read from its file and from memory, one group per block and a whole block.
+    """
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 24)).astype(np.float32)
+    w[:32, :3] = 0.0
+    w[:32, 3] = -0.0
+    w[5, 4] = np.float32(1e-45)
+    w[32:64, 5] = np.float32(1e-44) * rng.standard_normal(32).astype(np.float32)
+    w[70, 6], w[71, 7], w[72, 8], w[100, 9] = np.inf, -np.inf, np.nan, 3e38
+    monkeypatch.setattr(_quant_weight_only, "_THREADS", threads)
+    on_disk = _on_disk(_matmul_ir(w), tmp_path).graph.initializers["w"].const_value
+    with np.errstate(all="ignore"):
+        q4, s4 = _quant_weight_only.quant_int4_group(w, 32)
+        q8, s8 = _quant_weight_only.quant_int8_channel(w)
+        for block in (1, 1 << 20):
+            monkeypatch.setattr(_quant_weight_only, "_BLOCK_BYTES", block)
+            for t in (on_disk, ir.tensor(w.copy())):
+                packed, s = _quant_weight_only._int4_streamed(t, 32, True)
+                np.testing.assert_array_equal(packed, _quant_weight_only.pack_int4(q4))
+                np.testing.assert_array_equal(s.view(np.uint32), s4.view(np.uint32))
+                np.testing.assert_array_equal(_quant_weight_only._int4_streamed(t, 32, False)[0], q4)
+                q, s = _quant_weight_only._int8_streamed(t)
+                np.testing.assert_array_equal(q, q8)
+                np.testing.assert_array_equal(s.view(np.uint32), s8.view(np.uint32))
+                np.testing.assert_array_equal(t.numpy(), w)  # the source is not changed in place
