@@ -126,11 +126,15 @@ def quantize_int8(
         with _named(model, names), interop.as_file(model, tmp, "fp32.onnx") as src:
             pass
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
+        cache = None
+        if method == CalibrationMethod.MinMax:
+            cache = _minmax_cache(model, names, wanted, reader, Path(tmp) / "ranges.json")
         with _quiet_root_logger(), _calibration_without_arena():
             quantize_static(
                 str(src),
                 str(dst),
-                _OneAtATime(reader),
+                None if cache is not None else _OneAtATime(reader),
+                calibration_cache_path=cache,
                 quant_format=QuantFormat.QDQ,
                 per_channel=False,
                 activation_type=QuantType.QInt8,
@@ -165,6 +169,77 @@ def quantize_int8(
         }
     )
     return out, facts
+
+
+def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, path: Path) -> Path | None:
+    """MinMax ranges of the quantized nodes' activation inputs, written as onnxruntime's calibration cache.
+
+    quantize_static takes ranges from ``calibration_cache_path`` instead of calibrating itself
+    (onnxruntime.quantization's own cache: save_tensors_data / load_tensors_data). Its MinMax
+    calibrator would load the model a second time, add a ReduceMin and a ReduceMax per tensor of
+    every calibrated op, write that augmented copy with all its weights and open a session on it
+    (1.25 GB written and read again for the 24-layer CLIP ViT-L/14-336). Here one session on the
+    graph, with its weights mapped from their files, returns just the tensors the quantizer reads:
+    the float activation inputs of the quantized nodes. The numbers are the calibrator's: its session
+    options (no graph optimisation, so the same kernels give the same activations; the arena off, as
+    :func:`_calibration_without_arena` does), each sample's min and max of each tensor, the least
+    and greatest over samples, stored as 1-element arrays of the tensor's dtype as it stores them.
+    Returns None (the calibrator then runs as before) if a tensor is empty or not finite, where
+    ReduceMin/ReduceMax and numpy could differ.
+    """
+    import onnx
+    import onnxruntime
+    from onnxruntime.quantization.calibrate import (
+        CalibrationMethod,
+        TensorData,
+        TensorsData,
+        save_tensors_data,
+    )
+
+    from vlmc import ortsession
+
+    # The quantized nodes (MatMul, Gemm, Conv) have a float32 weight (weighted_nodes), and each op's
+    # inputs share one type: the activations they read are float32 whether or not the graph says so.
+    tensors: dict[str, int] = {}
+    for node, name in zip(model.graph, names):
+        if name not in wanted:
+            continue
+        for v in node.inputs:
+            if v is None or v.is_initializer() or v.const_value is not None:
+                continue
+            tensors.setdefault(v.name, onnx.TensorProto.FLOAT)
+    inputs = {v.name for v in model.graph.inputs}
+    outputs = {v.name for v in model.graph.outputs}
+    fetch = [t for t in tensors if t not in inputs]
+    extra = [onnx.helper.make_tensor_value_info(t, tensors[t], None) for t in fetch if t not in outputs]
+    so = onnxruntime.SessionOptions()
+    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.enable_cpu_mem_arena = False
+    sess = ortsession.from_model(model, extra_outputs=extra, session_options=so)
+    low: dict[str, np.ndarray] = {}
+    high: dict[str, np.ndarray] = {}
+    reader.rewind()
+    try:
+        while (feed := reader.get_next()) is not None:
+            values = dict(zip(fetch, sess.run(fetch, feed))) if fetch else {}
+            for t in tensors:
+                a = values[t] if t in values else np.asarray(feed[t])
+                if a.size == 0:
+                    return None
+                lo, hi = a.min(keepdims=True).reshape(-1), a.max(keepdims=True).reshape(-1)
+                if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+                    return None
+                low[t] = lo if t not in low else np.minimum(low[t], lo)
+                high[t] = hi if t not in high else np.maximum(high[t], hi)
+            del values
+    finally:
+        del sess
+        reader.rewind()
+    if not low:
+        return None
+    ranges = {t: TensorData(lowest=low[t], highest=high[t]) for t in tensors}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), path)
+    return path
 
 
 class _OneAtATime:
