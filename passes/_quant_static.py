@@ -128,7 +128,7 @@ def quantize_int8(
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
         cache = None
         if method == CalibrationMethod.MinMax:
-            cache = _minmax_cache(model, names, wanted, reader, Path(tmp) / "ranges.json")
+            cache = _minmax_cache(model, names, wanted, reader, src)
         with _quiet_root_logger(), _calibration_without_arena():
             quantize_static(
                 str(src),
@@ -171,20 +171,22 @@ def quantize_int8(
     return out, facts
 
 
-def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, path: Path) -> Path | None:
+def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, src: Path) -> Path | None:
     """MinMax ranges of the quantized nodes' activation inputs, written as onnxruntime's calibration cache.
 
     quantize_static takes ranges from ``calibration_cache_path`` instead of calibrating itself
     (onnxruntime.quantization's own cache: save_tensors_data / load_tensors_data). Its MinMax
-    calibrator would load the model a second time, add a ReduceMin and a ReduceMax per tensor of
-    every calibrated op, write that augmented copy with all its weights and open a session on it
-    (1.25 GB written and read again for the 24-layer CLIP ViT-L/14-336). Here one session on the
-    graph, with its weights mapped from their files, returns just the tensors the quantizer reads:
-    the float activation inputs of the quantized nodes. The numbers are the calibrator's: its session
-    options (no graph optimisation, so the same kernels give the same activations; the arena off, as
-    :func:`_calibration_without_arena` does), each sample's min and max of each tensor, the least
-    and greatest over samples, stored as 1-element arrays of the tensor's dtype as it stores them.
-    Returns None (the calibrator then runs as before) if a tensor is empty or not finite, where
+    calibrator would load the model a second time (weights and all), add a ReduceMin and a ReduceMax
+    per input and output of every calibrated op, write that augmented copy with all its weights and
+    open a session on it (for the 24-layer CLIP ViT-L/14-336: 1.25 GB held twice more, written and
+    read again, and 1657 tensors reduced per sample). Here one session on ``src`` (the graph file
+    quantize_static reads) returns just the tensors the quantizer uses: the float activation inputs
+    of the quantized nodes, added as outputs in a second small model file beside ``src`` that shares
+    its data file. The numbers are the calibrator's: its session options (from a file, no graph
+    optimisation, arena off as :func:`_calibration_without_arena` sets it), so the same kernels give
+    the same activations; each sample's min and max of each tensor, the least and greatest over the
+    samples, stored as 1-element arrays of the tensor's dtype as the calibrator stores them. Returns
+    None (the calibrator then runs) if a tensor is empty or not finite, where onnxruntime's
     ReduceMin/ReduceMax and numpy could differ.
     """
     import onnx
@@ -196,26 +198,32 @@ def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, p
         save_tensors_data,
     )
 
-    from vlmc import ortsession
-
     # The quantized nodes (MatMul, Gemm, Conv) have a float32 weight (weighted_nodes), and each op's
     # inputs share one type: the activations they read are float32 whether or not the graph says so.
-    tensors: dict[str, int] = {}
+    tensors: list[str] = []
     for node, name in zip(model.graph, names):
         if name not in wanted:
             continue
         for v in node.inputs:
             if v is None or v.is_initializer() or v.const_value is not None:
                 continue
-            tensors.setdefault(v.name, onnx.TensorProto.FLOAT)
+            tensors.append(v.name)
+    tensors = list(dict.fromkeys(tensors))
     inputs = {v.name for v in model.graph.inputs}
     outputs = {v.name for v in model.graph.outputs}
     fetch = [t for t in tensors if t not in inputs]
-    extra = [onnx.helper.make_tensor_value_info(t, tensors[t], None) for t in fetch if t not in outputs]
+    # Protobuf appends a repeated field that occurs twice: the graph's bytes followed by a model
+    # holding only the extra outputs is the graph with those outputs (see ortsession.from_model).
+    extra = onnx.ModelProto()
+    extra.graph.output.extend(
+        onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in fetch if t not in outputs
+    )
+    calib = src.with_name(src.stem + "-ranges.onnx")
+    calib.write_bytes(src.read_bytes() + extra.SerializeToString())
     so = onnxruntime.SessionOptions()
     so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.enable_cpu_mem_arena = False
-    sess = ortsession.from_model(model, extra_outputs=extra, session_options=so)
+    sess = onnxruntime.InferenceSession(str(calib), sess_options=so, providers=["CPUExecutionProvider"])
     low: dict[str, np.ndarray] = {}
     high: dict[str, np.ndarray] = {}
     reader.rewind()
@@ -234,9 +242,11 @@ def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, p
             del values
     finally:
         del sess
+        calib.unlink()
         reader.rewind()
     if not low:
         return None
+    path = src.with_name("ranges.json")
     ranges = {t: TensorData(lowest=low[t], highest=high[t]) for t in tensors}
     save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), path)
     return path

@@ -161,7 +161,9 @@ def _two_matmuls_ir(rng) -> ir.Model:
     model = _matmul_ir(rng.standard_normal((16, 12)).astype(np.float32))
     mm = next(iter(model.graph))
     relu = ir.node("Relu", [mm.outputs[0]], name="relu", outputs=[ir.Value(name="r")])
-    w2 = ir.Value(name="w2", const_value=ir.tensor(rng.standard_normal((12, 8)).astype(np.float32), name="w2"))
+    w2 = ir.Value(
+        name="w2", const_value=ir.tensor(rng.standard_normal((12, 8)).astype(np.float32), name="w2")
+    )
     w2.shape, w2.dtype = w2.const_value.shape, w2.const_value.dtype
     model.graph.register_initializer(w2)
     mm2 = ir.node("MatMul", [relu.outputs[0], w2], name="mm2", outputs=[ir.Value(name="z")])
@@ -171,7 +173,7 @@ def _two_matmuls_ir(rng) -> ir.Model:
     return model
 
 
-def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypatch):
+def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypatch, tmp_path):
     """int8 minmax takes its ranges from vlmc's session through onnxruntime's calibration cache;
     the quantized graph is the one onnxruntime's own calibrator gives (forced by failing the cache)."""
     rng = np.random.default_rng(4)
@@ -193,4 +195,6 @@ def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypa
     assert facts == ref_facts
     # negative: an activation that is not finite leaves the ranges to the calibrator (no cache)
     bad = [{"x": np.full((3, 16), np.inf, np.float32)}]
-    assert real(_two_matmuls_ir(rng), ["mm", "relu", "mm2"], {"mm", "mm2"}, FeedReader(bad), None) is None
+    model = _two_matmuls_ir(rng)
+    graphs.save(model, tmp_path / "fp32.onnx")
+    assert real(model, ["mm", "relu", "mm2"], {"mm", "mm2"}, FeedReader(bad), tmp_path / "fp32.onnx") is None

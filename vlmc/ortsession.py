@@ -68,7 +68,6 @@ def from_model(
     threads: int | None = None,
     extra_outputs: list[str | onnx.ValueInfoProto] = (),
     precision: str | None = None,
-    session_options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
 
@@ -79,10 +78,7 @@ def from_model(
             by name (float32) or as value infos.
         precision: the graph's manifest precision; weight-only graphs keep their dequantization
             unfolded (see ``_KEEP_DEQUANT``).
-        session_options: used instead of :func:`options` (``threads`` and ``precision``'s
-            options then do not apply), e.g. static calibration's optimisation level.
     """
-    so = session_options if session_options is not None else options(threads, precision)
     # Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a model
     # holding only the extra outputs, written after the graph's, add them to the graph's outputs. So
     # the session sees them without the model being touched or its weights copied once more.
@@ -101,23 +97,21 @@ def from_model(
     if small:
         return ort.InferenceSession(
             interop.session_bytes(model) + suffix,
-            so,
+            options(threads, precision),
             providers=["CPUExecutionProvider"],
             disabled_optimizers=_disabled(precision),
         )
     if isinstance(model, ir.Model):
-        return _from_linked(model, suffix, so, precision)
+        return _from_linked(model, suffix, threads, precision)
     with tempfile.TemporaryDirectory(prefix="vlmc-session-") as tmp:
         p = os.path.join(tmp, "m.onnx")
         graphs.save(model, p)
         with open(p, "ab") as f:
             f.write(suffix)
-        return ort.InferenceSession(
-            p, so, providers=["CPUExecutionProvider"], disabled_optimizers=_disabled(precision)
-        )
+        return from_path(p, threads, precision)
 
 
-def _from_linked(model: ir.Model, suffix: bytes, so: ort.SessionOptions, precision) -> ort.InferenceSession:
+def _from_linked(model: ir.Model, suffix: bytes, threads, precision) -> ort.InferenceSession:
     """A session on a large IR graph with nothing written to disk and no weight copied by vlmc.
 
     Weights that live in files (the package's data files, a pass's TensorStore) stay external: the
@@ -132,7 +126,7 @@ def _from_linked(model: ir.Model, suffix: bytes, so: ort.SessionOptions, precisi
     """
     proto, buffers, maps = _linked_proto(model)
     try:
-        return _session(proto.SerializeToString() + suffix, buffers, so, precision)
+        return _session(proto.SerializeToString() + suffix, buffers, options(threads, precision), precision)
     except BaseException:
         for m in maps:
             m.close()
