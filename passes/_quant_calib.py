@@ -116,7 +116,10 @@ def record(
             inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
             if image_only:
                 if inp.vision:
-                    pipe.image_outputs(inp.vision)
+                    try:
+                        _image_chain(pipe, recorder, pipeline["image"], inp.vision, keep)
+                    except _Recorded:
+                        pass  # every target's feeds of this sample are recorded
                 continue
             # Only a graph's first call per sample (the prefill) is recorded; decode steps add nothing.
             try:
@@ -172,6 +175,27 @@ class _FeedsOnly(OrtExecutor):
         from . import _quant_stream_eval
 
         return _quant_stream_eval.reference(self.pkg.model(graph), [feeds])[0]
+
+
+def _image_chain(pipe: Pipeline, recorder: _Recorder, chain: list[str], vision: dict, keep: bool) -> None:
+    """Run the image chain only as far as the recording needs, and record the targets' feeds.
+
+    A graph runs when a later target needs its outputs as feeds, or when its own FP32 outputs are
+    kept (the fidelity samples); a target after that only has its feeds recorded, since the feeds
+    are all calibration needs. With the vision encoder alone calibrated on 4 images and 2 fidelity
+    samples, 2 of the 4 FP32 forward passes of the encoder are left out (each one a whole CLIP
+    ViT-L/14-336 at LLaVA-1.5-7B widths). The feeds recorded are the ones running would give.
+    """
+    wanted = [i for i, name in enumerate(chain) if name in recorder.targets]
+    kept = [i for i in wanted if keep and chain[i] in recorder.outputs_of]
+    last_run = max([max(wanted) - 1, *kept])
+    env = pipe.vision_feeds(vision)
+    for i, name in enumerate(chain[: max(wanted) + 1]):
+        if i <= last_run:
+            env.update(pipe.run_graph(name, env))
+        elif name in recorder.targets and name not in recorder.seen:
+            recorder.seen.add(name)
+            recorder.rec.feeds[name].append({k: np.array(v) for k, v in pipe.graph_feeds(name, env).items()})
 
 
 class FeedReader(CalibrationDataReader):

@@ -110,7 +110,8 @@ class PagedKV(Pass):
             model = package.model(name)  # edited in place; its weights are never read
             layers = rewrite(model, block_size, num_blocks, heads, int(kv["head_dim"]), where=name)
             package.set_graph(name, model)
-            samples.store(package, name, sample_feeds(package, name, block_size))
+            # The sample pools are ~21 MB per layer at 7B widths: written one at a time, never all held.
+            samples.store_streamed(package, name, iter_sample_feeds(package, name, block_size))
             report["graphs"][name] = {"layers": layers, "nodes": len(model.graph)}
         kv.update(
             {
@@ -329,6 +330,11 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
 
     Generated samples (zeros everywhere) would make every position padding and every past empty.
     """
+    return dict(iter_sample_feeds(package, name, block_size, seed))
+
+
+def iter_sample_feeds(package, name: str, block_size: int, seed: int = 0):
+    """:func:`sample_feeds` one array at a time, (name, array) in the graph's input order (the same values)."""
     rng = np.random.default_rng(seed)
     specs = {i["name"]: i for i in package.info(name)["inputs"]}
     batch, seq, past, real = 2, 3, [5, 2], [3, 2]  # row 1 is left-padded by one position
@@ -345,16 +351,16 @@ def sample_feeds(package, name: str, block_size: int, seed: int = 0) -> dict[str
         slots[b, seq - real[b] :] = tables[b][p // block_size] * block_size + p % block_size
         pos[b, seq - real[b] :] = p
     ctx = np.array([p + r for p, r in zip(past, real)], np.int32)
-    feeds: dict[str, np.ndarray] = {"block_tables": tables, "slot_mapping": slots, "context_lens": ctx}
+    fixed: dict[str, np.ndarray] = {"block_tables": tables, "slot_mapping": slots, "context_lens": ctx}
+    yield from fixed.items()
     sizes = {"batch": batch, "sequence": seq, NUM_BLOCKS_DIM: nb}
     for n, spec in specs.items():
-        if n in feeds:
+        if n in fixed:
             continue
         shape = [d if isinstance(d, int) else sizes.get(d, 1) for d in spec["shape"]]
         if n == "position_ids":
-            feeds[n] = np.broadcast_to(pos, shape).astype(spec["dtype"])
+            yield n, np.broadcast_to(pos, shape).astype(spec["dtype"])
         elif np.dtype(spec["dtype"]).kind == "f":
-            feeds[n] = rng.standard_normal(shape).astype(spec["dtype"])
+            yield n, rng.standard_normal(shape).astype(spec["dtype"])
         else:
-            feeds[n] = np.zeros(shape, spec["dtype"])
-    return feeds
+            yield n, np.zeros(shape, spec["dtype"])

@@ -46,7 +46,9 @@ class Package:
         # fingerprint it had then; the graph is "unchanged" while its fingerprint is still that one.
         self._file: dict[str, Path] = {}
         self._file_fp: dict[str, str] = {}
-        self.files: dict[str, bytes] = {}  # extra files written beside the graphs (relative name -> bytes)
+        # Extra files written beside the graphs: relative name -> bytes, or the path of a file (in the
+        # scratch directory, or the saved package) too large to hold in memory (paged_kv's samples).
+        self.files: dict[str, bytes | Path] = {}
         self.report: dict = {}  # build report data (timings etc.), never part of the manifest
         self._scratch: Path | None = None
 
@@ -269,7 +271,10 @@ class Package:
                 except VlmcError:
                     raise VlmcError(f"package file {rel!r} would be written outside the package") from None
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(blob)
+                if isinstance(blob, Path):
+                    self._place_file(blob, target, move=adopt)
+                else:
+                    target.write_bytes(blob)
             if self.root is not None and self.root.resolve() != Path(out).resolve():
                 _carry_files(self.root, tmp, keep=set(self.files))
             (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
@@ -297,6 +302,19 @@ class Package:
         self._ir.clear()
         self._file_fp.clear()
         self._file = {name: self.root / info["file"] for name, info in self.manifest["graphs"].items()}
+        for rel, blob in self.files.items():
+            if isinstance(blob, Path):  # saved there with the graphs
+                self.files[rel] = self.root / rel
+
+    def _place_file(self, src: Path, dest: Path, move: bool) -> None:
+        """Put one file into the output: moved when it is the package's own scratch file, else copied."""
+        if move and self._scratch is not None and self._scratch.resolve() in src.resolve().parents:
+            try:
+                os.replace(src, dest)
+                return
+            except OSError:  # another filesystem
+                pass
+        outdir.copy_file(src, dest)
 
     def _place(self, src: Path, dest: Path, move: bool) -> None:
         """Put an unchanged graph file (and its data) into the output: moved out of scratch, else copied."""

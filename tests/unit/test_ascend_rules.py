@@ -136,6 +136,33 @@ def test_qdq_matmul_becomes_ascend_quant_int8_matmul_dequant(zp):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
 
 
+def test_symmetric_int8_deploy_weight_points_at_the_package_bytes(tmp_path):
+    """A stored symmetric int8 weight is its own deploy form: the lowered graph points at it (no copy)."""
+    graphs.save(_qdq_matmul(k=64, n=32), tmp_path / "g.onnx")  # 2 KiB weight: external data
+    x = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)}
+    source = graphs.load_ir(tmp_path / "g.onnx").graph.initializers["Wq"].const_value
+    store = graphs.TensorStore(tmp_path / "lowered.data")
+    low, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g", store=store)
+    store.close()
+    weight = _node(low, "MatMul").inputs[1].const_value
+    assert isinstance(weight, ir.ExternalTensor) and weight.name != "Wq"
+    assert (Path(weight.path), weight.offset, weight.length) == (
+        Path(source.path),
+        source.offset,
+        source.length,
+    )
+    # the same build as a lowering that copies the weight (in memory, no store)
+    held, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g")
+    for where, model in (("a", low), ("b", held)):
+        (tmp_path / where).mkdir()
+        graphs.save(model, tmp_path / where / "g.onnx")
+    for name in ("g.onnx", "g.onnx.data"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
+    np.testing.assert_array_equal(
+        reference.run(low, x, fp16=False)["y"], reference.run(held, x, fp16=False)["y"]
+    )
+
+
 def test_one_ascend_quant_serves_every_matmul_of_a_tensor():
     rng = np.random.default_rng(2)
     b = _Builder()
@@ -271,11 +298,18 @@ def test_weight_only_int4_groups_become_weight_quant_batch_matmul_from_the_facts
     }
     assert report.weight_only_sources == {"facts": 1} and report.int4_storage == int4_weights
     weight = node.inputs[1].const_value
-    # the deploy weight went to the store as it was made (1 KiB and up), not into memory
-    assert isinstance(weight, ir.ExternalTensor) and Path(weight.path) == tmp_path / "lowered.data"
+    # the deploy weight is not made during the lowering (neither in memory nor in the store): it is
+    # unpacked from the source's packed int4 when the build's data file is written
+    assert isinstance(weight, ir.LazyTensor) and not weight.cache
+    assert (tmp_path / "lowered.data").stat().st_size == 0
     assert weight.dtype == (ir.DataType.INT8 if int4_weights == "int8" else ir.DataType.INT4)
     assert weight.nbytes == (64 * 32 if int4_weights == "int8" else 64 * 32 // 2)
     np.testing.assert_array_equal(weight.numpy().astype(np.int8), q)
+    graphs.save(low, tmp_path / "low.onnx")
+    written = graphs.load_ir(tmp_path / "low.onnx").graph.initializers[node.inputs[1].name].const_value
+    assert isinstance(written, ir.ExternalTensor) and written.dtype == weight.dtype
+    np.testing.assert_array_equal(written.numpy().astype(np.int8), q)
+    assert written.tobytes() == weight.tobytes()
     antiquant = node.inputs[2].const_value.numpy()
     assert antiquant.dtype == np.float16 and np.array_equal(antiquant, scale.astype(np.float16))
     # the source's packed weight and its dequant subgraph are gone

@@ -51,7 +51,8 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
             # In memory only: a structural copy, sharing the (never mutated) weight tensors.
             model = package.model(name).clone()
         findings += precheck.check_ops(model, name, lowered=False)
-        sample = samples.load(package, name) or {}
+        # Only the samples' names and shapes are used: read from the headers (a paged decoder's are large).
+        sample = samples.shapes(package, name) or {}
         findings += precheck.check_inputs(model, name, known, set(sample))
         models[name] = model
     _raise_errors(findings)
@@ -103,9 +104,9 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
     for name, model in lowered.items():
         info = package.info(name)
         role = info["role"]
-        sample = samples.load(package, name) or {}
+        sample = samples.shapes(package, name) or {}
         ctx = gears.DimContext(
-            **{**ctx_base.__dict__, "sample_shapes": {k: list(v.shape) for k, v in sample.items()}}
+            **{**ctx_base.__dict__, "sample_shapes": {k: list(v) for k, v in sample.items()}}
         )
         input_names = [i.name for i in model.graph.inputs]
         file = f"{name}.onnx"
@@ -173,8 +174,8 @@ def _deepstack_rows(package, fixed: dict) -> tuple[str, int | list[int]] | None:
     patches = fixed.get("patches")
     if patches is None:
         chain = package.manifest.get("pipeline", {}).get("image") or []
-        pixels = (samples.load(package, chain[0]) or {}).get("pixel_values") if chain else None
-        patches = None if pixels is None else int(pixels.shape[0])
+        pixels = (samples.shapes(package, chain[0]) or {}).get("pixel_values") if chain else None
+        patches = None if pixels is None else int(pixels[0])
     if patches is None:
         return dim, 1
     return dim, [p // merge for p in patches] if isinstance(patches, list) else int(patches) // merge

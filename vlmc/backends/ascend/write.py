@@ -216,7 +216,8 @@ def write_runtime_package(package: Package, plan: dict, dest: Path) -> None:
         manifest["kv"]["num_blocks"] = int(pool[0][0])
     (dest / "vlmc.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for rel, blob in sorted(package.files.items()):
-        _copy_inside(dest, rel, blob)
+        if _runtime_file(rel):  # the same files as from a saved package's directory below
+            _copy_inside(dest, rel, blob)
     root = package.root
     if root is None:
         return
@@ -234,10 +235,13 @@ def _runtime_file(rel: str) -> bool:
     return rel not in ("vlmc.json", "report.md", "report.json", "verify.json")
 
 
-def _copy_inside(dest: Path, rel: str, blob: bytes) -> None:
+def _copy_inside(dest: Path, rel: str, blob: bytes | Path) -> None:
     target = paths.inside(dest, rel, "a package file", str(dest))
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(blob)
+    if isinstance(blob, Path):
+        outdir.copy_file(blob, target)
+    else:
+        target.write_bytes(blob)
 
 
 def _save_sharing(model: ir.Model, path: Path, base: Path) -> None:

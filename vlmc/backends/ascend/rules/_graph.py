@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,6 +109,48 @@ class Graph:
                 tensor = self.store.put(array, name)
         del array
         value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
+        self.g.register_initializer(value)
+        return value
+
+    def add_alias_init(self, base: str, source: ir.ExternalTensor) -> ir.Value:
+        """A new initializer whose bytes are exactly those of a weight stored in a file: it points at them.
+
+        Nothing is read or written here; the build's writer copies the bytes from the source file
+        (onnx-ir does it with copy_file_range, in the kernel).
+        """
+        name = self.unique(base)
+        tensor = ir.ExternalTensor(
+            source.location,
+            source.offset,
+            source.length,
+            source.dtype,
+            shape=source.shape,
+            name=name,
+            base_dir=source.base_dir,
+        )
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
+        self.g.register_initializer(value)
+        return value
+
+    def add_deferred_init(
+        self, base: str, dtype: ir.DataType, shape: tuple[int, ...], make: Callable[[], np.ndarray]
+    ) -> ir.Value:
+        """A new initializer whose values ``make()`` computes when they are first needed.
+
+        With a store, the tensor is an ``onnx_ir.LazyTensor`` (not cached): the build's writer calls
+        ``make`` when it writes the tensor, one tensor at a time, so a deploy weight the lowering only
+        reshapes (quantize's packed int4, unpacked to int8) is written once, into the build, instead
+        of to the store and then again from it. Without a store it is made at once (as add_init).
+        """
+        if self.store is None:
+            return self.add_init(base, make())
+        name = self.unique(base)
+
+        def materialize() -> ir.TensorProtocol:
+            return ir.tensor(np.ascontiguousarray(make()), name=name)
+
+        tensor = ir.LazyTensor(materialize, dtype=dtype, shape=ir.Shape(shape), name=name)
+        value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(dtype), shape=tensor.shape)
         self.g.register_initializer(value)
         return value
 

@@ -107,6 +107,13 @@ def check_activation(ctx: Context, m: QdqMatch) -> str | None:
     # AscendQuant produces int8; a uint8 zero point z is the int8 zero point z - 128.
     m.zp_x = int(zp_raw) - 128 if a_params.zero_point.dtype == np.uint8 else int(zp_raw)
     m.s_x = s_x
+    if m.wq.dtype == np.int8 and not np.any(w_params.zero_point):
+        # Symmetric int8 (quantize's QInt8 weights): the deploy weight is the stored one, byte for byte
+        # (int8_weight points at it instead of copying it).
+        m.w_int = m.wq
+        m.s_w = w_params.scale.reshape(-1).astype(np.float32)
+        m.w_params = w_params
+        return None
     zp_w = w_params.zero_point.astype(np.int32)
     if w_params.per_tensor:
         zp_w = zp_w.reshape((1,) * m.wq.ndim)
@@ -188,7 +195,14 @@ def dequant(ctx: Context, m: QdqMatch, acc: ir.Value) -> tuple[ir.Node, ir.Value
 
 def int8_weight(ctx: Context, m: QdqMatch) -> ir.Value:
     """The int8 weight initializer (written to the store), and the source weight's map dropped."""
-    value = ctx.graph.add_init(f"{m.node.name}_weight_int8", m.w_int)
+    gr, source = ctx.graph, m.w_dq.inputs[0].const_value
+    if m.w_int is m.wq and gr.store is not None and isinstance(source, ir.ExternalTensor):
+        # the deploy bytes are the source's (check_activation): the build's writer copies them from
+        # the package's data file in the kernel (copy_file_range); nothing is made or stored here
+        value = gr.add_alias_init(f"{m.node.name}_weight_int8", source)
+    else:
+        w_int = np.array(m.w_int) if m.w_int is m.wq else m.w_int  # never keep the source's map
+        value = gr.add_init(f"{m.node.name}_weight_int8", w_int)
     m.w_int = m.wq = None  # the deploy weight is in the store; neither copy is kept
     release(m.w_dq.inputs[0])
     return value

@@ -67,9 +67,34 @@ def legal_group_size(group: int, k: int) -> bool:
     return group == 0 or (group % GROUP_MULTIPLE == 0 and 0 < group <= k - 1)
 
 
+class _Unpacked:
+    """The int8 (k, n) weight of quantize's packed int4 initializer, unpacked only when called.
+
+    The lowering only needs its shape; the values are made when the build's data file is written
+    (:meth:`Graph.add_deferred_init`), so each deploy weight is computed once, straight into the
+    build, instead of being written to the lowering's scratch store and copied from there.
+    """
+
+    def __init__(self, source: ir.Value) -> None:
+        self.source = source
+        rows, cols = source.const_value.shape.numpy()
+        self.shape = (2 * int(rows), int(cols))
+
+    def __call__(self) -> np.ndarray:
+        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8.
+        # Unpacked straight into the int8 result, so the working set is that plus one half of it.
+        packed = self.source.const_value.numpy()  # memory-mapped
+        q = np.empty(self.shape, np.int8)
+        np.subtract((packed & 0x0F).view(np.int8), 8, out=q[0::2])
+        np.subtract((packed >> 4).view(np.int8), 8, out=q[1::2])
+        del packed
+        release(self.source)
+        return q
+
+
 @dataclass
 class _Lowered:
-    q8: np.ndarray  # int8 (k, n)
+    q8: np.ndarray | _Unpacked  # int8 (k, n), or quantize's packed int4 unpacked when written
     scale: np.ndarray  # (n,) or (k/g, n), float32
     offset: np.ndarray | None  # same shape as scale, or None (symmetric)
     group: int  # antiquant_group_size
@@ -124,17 +149,14 @@ def _from_facts(ctx: Context, m: WeightOnlyMatch) -> _Lowered | str | None:
     if f.get("axis", 1) != 1:
         return f"the recorded weight axis is {f.get('axis')}; only axis 1 (of [k, n]) is lowered"
     if q.dtype == np.uint8 and f.get("storage") == "packed":
-        # quantize's packing: row 2i in the low nibble, row 2i+1 in the high one, each stored q+8.
-        # Unpacked straight into the int8 result, so the working set is that plus one half of it.
-        packed = q
-        q = np.empty((packed.shape[0] * 2, *packed.shape[1:]), np.int8)
-        np.subtract((packed & 0x0F).view(np.int8), 8, out=q[0::2])
-        np.subtract((packed >> 4).view(np.int8), 8, out=q[1::2])
-        del packed
+        if q.ndim != 2:
+            return f"the recorded weight has {q.ndim} dims, not 2"
+        del q
+        q = _Unpacked(leaves[f["weight"]])
     elif q.dtype != np.int8:
         return f"the recorded weight {f['weight']} is {q.dtype}, not int8 or packed int4"
-    if q.ndim != 2:
-        return f"the recorded weight has {q.ndim} dims, not 2"
+    if len(q.shape) != 2:
+        return f"the recorded weight has {len(q.shape)} dims, not 2"
     k, n = q.shape
     if group:
         scale = scale.reshape(-1, n)
@@ -300,14 +322,20 @@ def _rewrite(ctx: Context, m: WeightOnlyMatch) -> None:
     gr, node, report = ctx.graph, m.node, ctx.report
     report.weight_only_bits = max(report.weight_only_bits or 0, low.bits)
     packed = low.bits == 4 and ctx.int4_weights == "int4"
+    q8 = low.q8
     if packed:
         # ONNX INT4: two values per byte, the lower index in the low nibble, which is GE's DT_INT4
         # layout. The weight is external data, which GE parses as a FileConstant (hicann/ge
         # onnx_file_constant_parser.cc): the bytes are used as written. INT4 needs IR 10.
-        weight = gr.add_init(f"{node.name}_weight_int4", low.q8.astype(ml_dtypes.int4))
+        name, dtype = f"{node.name}_weight_int4", ir.DataType.INT4
+        make = (lambda: q8().astype(ml_dtypes.int4)) if callable(q8) else q8.astype(ml_dtypes.int4)
         gr.model.ir_version = max(gr.model.ir_version, 10)
     else:
-        weight = gr.add_init(f"{node.name}_weight_int{low.bits}", low.q8)
+        name, dtype, make = f"{node.name}_weight_int{low.bits}", ir.DataType.INT8, q8
+    if callable(make):
+        weight = gr.add_deferred_init(name, dtype, q8.shape, make)
+    else:
+        weight = gr.add_init(name, make)
     # The deploy weight is in the store now: neither it nor the source's map is kept.
     low.q8 = None
     release(*m.leaves)
