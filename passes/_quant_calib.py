@@ -19,6 +19,7 @@ from vlmc import samples
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
+from vlmc.runtime.executor import OrtExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ def record(
     eval_samples: int,
     eval_tokens: int,
     outputs_of: set[str] | None = None,
+    feeds_only: set[str] = frozenset(),
 ) -> Recorded:
     """Run the FP32 pipeline on (prompt, image) pairs, one per sample, and record target feeds.
 
@@ -93,6 +95,8 @@ def record(
     target) and, when ``eval_tokens`` > 0, a greedy generation of that many tokens, which the pass
     compares the quantized package against. When no target is in the decoder chain (or is the embed
     graph) and no generation is asked for, only the image chain runs: no decoder session is opened.
+    Graphs in ``feeds_only`` (too large for one session) have their feeds recorded but are not run
+    whole: see :class:`_FeedsOnly`.
     """
     pipeline = pkg.manifest.get("pipeline", {})
     image_chain = set(pipeline.get("image", []))
@@ -103,7 +107,8 @@ def record(
     if runnable and pipeline.get("decoder"):
         image_only = not (runnable & text_chain) and eval_tokens <= 0
         recorder = _Recorder(rec, runnable, keep_outputs)
-        pipe = Pipeline(pkg, on_graph=recorder)
+        executor = _FeedsOnly(pkg, feeds_only & runnable, recorder) if feeds_only & runnable else None
+        pipe = Pipeline(pkg, on_graph=recorder, executor=executor)
         for i, ref in enumerate(images):
             keep = i < eval_samples
             recorder.seen.clear()
@@ -111,10 +116,16 @@ def record(
             inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
             if image_only:
                 if inp.vision:
-                    pipe.image_outputs(inp.vision)
+                    try:
+                        _image_chain(pipe, recorder, pipeline["image"], inp.vision, keep)
+                    except _Recorded:
+                        pass  # every target's feeds of this sample are recorded
                 continue
             # Only a graph's first call per sample (the prefill) is recorded; decode steps add nothing.
-            gen = pipe.generate_from(inp, max_new_tokens=max(1, eval_tokens) if keep else 1)
+            try:
+                gen = pipe.generate_from(inp, max_new_tokens=max(1, eval_tokens) if keep else 1)
+            except _Recorded:
+                continue  # every target's feeds of this sample are recorded
             if keep and eval_tokens > 0:
                 rec.inputs.append(inp)
                 rec.generations.append(gen)
@@ -123,13 +134,68 @@ def record(
         logger.info("quantize: %s is not in the package pipeline; calibrating on stored/generated samples", t)
         from vlmc import ortsession
 
-        sess = ortsession.for_graph(pkg, t) if eval_samples and t in keep_outputs else None
+        wanted = eval_samples and t in keep_outputs and t not in feeds_only
+        sess = ortsession.for_graph(pkg, t) if wanted else None
         for i in range(len(images)):
             feeds = samples.inputs_for(pkg, t, seed=i) if i else samples.inputs_for(pkg, t)
             rec.feeds[t].append(feeds)
             if sess is not None and i < eval_samples:
                 rec.outputs[t].append(dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds))))
     return rec
+
+
+class _Recorded(Exception):
+    """Ends a calibration sample: every target's feeds are recorded and no output is needed."""
+
+
+class _FeedsOnly(OrtExecutor):
+    """onnxruntime on the package's graphs, except ``large`` ones, which are never opened whole.
+
+    A large graph's call records its feeds and ends the sample (a decoder's prefill is the last call
+    a sample needs once generation is off) when every other target was seen; its outputs are then
+    computed segment by segment over all samples at once (``_quant_stream_eval.reference``). When a
+    target is still to come after it, this one call runs segment by segment instead.
+    """
+
+    def __init__(self, pkg: Package, large: set[str], recorder: _Recorder) -> None:
+        super().__init__(pkg)
+        self.large, self.recorder = large, recorder
+
+    def inputs(self, graph: str) -> list[dict]:
+        if graph not in self.large:
+            return super().inputs(graph)
+        return [{"name": v.name, "dtype": v.dtype.numpy().name} for v in self.pkg.model(graph).graph.inputs]
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if graph not in self.large:
+            return super().run(graph, feeds)
+        if self.recorder.targets - self.recorder.seen <= {graph}:
+            self.recorder(graph, feeds, {})
+            raise _Recorded
+        from . import _quant_stream_eval
+
+        return _quant_stream_eval.reference(self.pkg.model(graph), [feeds])[0]
+
+
+def _image_chain(pipe: Pipeline, recorder: _Recorder, chain: list[str], vision: dict, keep: bool) -> None:
+    """Run the image chain only as far as the recording needs, and record the targets' feeds.
+
+    A graph runs when a later target needs its outputs as feeds, or when its own FP32 outputs are
+    kept (the fidelity samples); a target after that only has its feeds recorded, since the feeds
+    are all calibration needs. With the vision encoder alone calibrated on 4 images and 2 fidelity
+    samples, 2 of the 4 FP32 forward passes of the encoder are left out (each one a whole CLIP
+    ViT-L/14-336 at LLaVA-1.5-7B widths). The feeds recorded are the ones running would give.
+    """
+    wanted = [i for i, name in enumerate(chain) if name in recorder.targets]
+    kept = [i for i in wanted if keep and chain[i] in recorder.outputs_of]
+    last_run = max([max(wanted) - 1, *kept])
+    env = pipe.vision_feeds(vision)
+    for i, name in enumerate(chain[: max(wanted) + 1]):
+        if i <= last_run:
+            env.update(pipe.run_graph(name, env))
+        elif name in recorder.targets and name not in recorder.seen:
+            recorder.seen.add(name)
+            recorder.rec.feeds[name].append({k: np.array(v) for k, v in pipe.graph_feeds(name, env).items()})
 
 
 class FeedReader(CalibrationDataReader):

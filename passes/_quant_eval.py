@@ -47,16 +47,20 @@ def graph_fidelity(
     names = [o.name for o in sess.get_outputs()]
     out: dict[str, dict] = {}
     for feed, ref in zip(feeds, refs):
-        got = dict(zip(names, sess.run(None, _cast_feeds(sess, feed))))
-        for k, r in ref.items():
-            if k not in got or r.dtype.kind != "f" or r.size == 0:
-                continue
-            g = got[k]
-            c = metrics.cosine(r, g)
-            d = metrics.max_abs_diff(r, g)
-            e = out.setdefault(k, {"cosine": c, "max_abs_diff": d})
-            e["cosine"], e["max_abs_diff"] = min(e["cosine"], c), max(e["max_abs_diff"], d)
+        accumulate(out, ref, dict(zip(names, sess.run(None, _cast_feeds(sess, feed)))))
     return out
+
+
+def accumulate(out: dict, ref: dict, got: dict) -> None:
+    """Fold one sample's outputs into ``out``: per float output, the worst cosine and max |Δ| so far."""
+    for k, r in ref.items():
+        if k not in got or r.dtype.kind != "f" or r.size == 0:
+            continue
+        g = got[k]
+        c = metrics.cosine(r, g)
+        d = metrics.max_abs_diff(r, g)
+        e = out.setdefault(k, {"cosine": c, "max_abs_diff": d})
+        e["cosine"], e["max_abs_diff"] = min(e["cosine"], c), max(e["max_abs_diff"], d)
 
 
 def _cast_feeds(sess, feed: dict) -> dict:

@@ -109,6 +109,12 @@ def quantize_int8(
     # LinearQAT refuses channel-wise). per_channel=False and a per-channel override on each Conv weight
     # gives exactly that with onnxruntime's own quantizer.
     wanted = set(nodes)
+    # The op types of the nodes quantized, given to quantize_static: its calibrator then records
+    # min/max of those ops' inputs and outputs only, not of every float tensor of every op type it
+    # can quantize (the 24-layer CLIP ViT-L/14-336: 1657 tensors). The ranges quantize_static uses,
+    # those of the quantized nodes' inputs, are the same values either way: each is its own
+    # ReduceMin/ReduceMax of the same tensor.
+    op_types = sorted({n.op_type for n, name in zip(model.graph, names) if name in wanted})
     conv_weights = {
         n.inputs[1].name
         for n, name in zip(model.graph, names)
@@ -120,16 +126,21 @@ def quantize_int8(
         with _named(model, names), interop.as_file(model, tmp, "fp32.onnx") as src:
             pass
         np.random.seed(seed)  # the entropy/percentile calibrators subsample with numpy's global RNG
+        cache = None
+        if method == CalibrationMethod.MinMax:
+            cache = _minmax_cache(model, names, wanted, reader, src)
         with _quiet_root_logger(), _calibration_without_arena():
             quantize_static(
                 str(src),
                 str(dst),
-                _OneAtATime(reader),
+                None if cache is not None else _OneAtATime(reader),
+                calibration_cache_path=cache,
                 quant_format=QuantFormat.QDQ,
                 per_channel=False,
                 activation_type=QuantType.QInt8,
                 weight_type=QuantType.QInt8,
                 nodes_to_quantize=nodes,
+                op_types_to_quantize=op_types,
                 calibrate_method=method,
                 use_external_data_format=True,
                 extra_options={
@@ -158,6 +169,87 @@ def quantize_int8(
         }
     )
     return out, facts
+
+
+def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, src: Path) -> Path | None:
+    """MinMax ranges of the quantized nodes' activation inputs, written as onnxruntime's calibration cache.
+
+    quantize_static takes ranges from ``calibration_cache_path`` instead of calibrating itself
+    (onnxruntime.quantization's own cache: save_tensors_data / load_tensors_data). Its MinMax
+    calibrator would load the model a second time (weights and all), add a ReduceMin and a ReduceMax
+    per input and output of every calibrated op, write that augmented copy with all its weights and
+    open a session on it (for the 24-layer CLIP ViT-L/14-336: 1.25 GB held twice more, written and
+    read again, and 1657 tensors reduced per sample). Here one session on ``src`` (the graph file
+    quantize_static reads) returns just the tensors the quantizer uses: the float activation inputs
+    of the quantized nodes, added as outputs in a second small model file beside ``src`` that shares
+    its data file. The numbers are the calibrator's: its session options (from a file, no graph
+    optimisation, arena off as :func:`_calibration_without_arena` sets it), so the same kernels give
+    the same activations; each sample's min and max of each tensor, the least and greatest over the
+    samples, stored as 1-element arrays of the tensor's dtype as the calibrator stores them. Returns
+    None (the calibrator then runs) if a tensor is empty or not finite, where onnxruntime's
+    ReduceMin/ReduceMax and numpy could differ.
+    """
+    import onnx
+    import onnxruntime
+    from onnxruntime.quantization.calibrate import (
+        CalibrationMethod,
+        TensorData,
+        TensorsData,
+        save_tensors_data,
+    )
+
+    # The quantized nodes (MatMul, Gemm, Conv) have a float32 weight (weighted_nodes), and each op's
+    # inputs share one type: the activations they read are float32 whether or not the graph says so.
+    tensors: list[str] = []
+    for node, name in zip(model.graph, names):
+        if name not in wanted:
+            continue
+        for v in node.inputs:
+            if v is None or v.is_initializer() or v.const_value is not None:
+                continue
+            tensors.append(v.name)
+    tensors = list(dict.fromkeys(tensors))
+    inputs = {v.name for v in model.graph.inputs}
+    outputs = {v.name for v in model.graph.outputs}
+    fetch = [t for t in tensors if t not in inputs]
+    # Protobuf appends a repeated field that occurs twice: the graph's bytes followed by a model
+    # holding only the extra outputs is the graph with those outputs (see ortsession.from_model).
+    extra = onnx.ModelProto()
+    extra.graph.output.extend(
+        onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in fetch if t not in outputs
+    )
+    calib = src.with_name(src.stem + "-ranges.onnx")
+    calib.write_bytes(src.read_bytes() + extra.SerializeToString())
+    so = onnxruntime.SessionOptions()
+    so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.enable_cpu_mem_arena = False
+    sess = onnxruntime.InferenceSession(str(calib), sess_options=so, providers=["CPUExecutionProvider"])
+    low: dict[str, np.ndarray] = {}
+    high: dict[str, np.ndarray] = {}
+    reader.rewind()
+    try:
+        while (feed := reader.get_next()) is not None:
+            values = dict(zip(fetch, sess.run(fetch, feed))) if fetch else {}
+            for t in tensors:
+                a = values[t] if t in values else np.asarray(feed[t])
+                if a.size == 0:
+                    return None
+                lo, hi = a.min(keepdims=True).reshape(-1), a.max(keepdims=True).reshape(-1)
+                if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+                    return None
+                low[t] = lo if t not in low else np.minimum(low[t], lo)
+                high[t] = hi if t not in high else np.maximum(high[t], hi)
+            del values
+    finally:
+        del sess
+        calib.unlink()
+        reader.rewind()
+    if not low:
+        return None
+    path = src.with_name("ranges.json")
+    ranges = {t: TensorData(lowest=low[t], highest=high[t]) for t in tensors}
+    save_tensors_data(TensorsData(CalibrationMethod.MinMax, ranges), path)
+    return path
 
 
 class _OneAtATime:

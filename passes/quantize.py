@@ -62,6 +62,14 @@ class Quantize(Pass):
             min=0,
             max=limits.MAX_CALIBRATION_SAMPLES,
         ),
+        Option(
+            "streamed_fidelity",
+            bool,
+            False,
+            "measure per-graph fidelity of graphs above VLMC_MAX_FIDELITY_BYTES of FP32 weights segment "
+            "by segment (one segment's weights in memory; costs a read of the FP32 and quantized graph "
+            "and their prefill compute on eval_samples)",
+        ),
         Option("eval_tokens", int, 8, "greedy tokens compared end to end vs FP32 (0: skip)", min=0, max=4096),
         Option("seed", int, 0, "seed for demo calibration images and sampling", min=0, max=2**32 - 1),
         Option(
@@ -140,7 +148,7 @@ class Quantize(Pass):
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, package, plan=None):
-        from . import _quant_calib, _quant_eval
+        from . import _quant_calib, _quant_eval, _quant_stream_eval
 
         plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
         eval_samples, eval_tokens, seed = (
@@ -154,7 +162,9 @@ class Quantize(Pass):
         # What fidelity is measured (bounded by size and tokens: vlmc/limits.py), so only the feeds
         # and FP32 outputs it needs are recorded.
         fp32_bytes = {n: graphs.initializer_bytes(package.model(n)) for n in plans}
-        graph_eval, skipped = _graph_eval(plans, fp32_bytes, eval_samples)
+        graph_eval, streamed, skipped = _graph_eval(
+            plans, fp32_bytes, eval_samples, self.opts["streamed_fidelity"]
+        )
         e2e_tokens, e2e_note = _e2e_budget(package, eval_samples, eval_tokens, sharded)
         # One FP32 pipeline run per distinct calibration set, before any graph changes.
         groups: dict[tuple, list[str]] = {}
@@ -180,8 +190,12 @@ class Quantize(Pass):
                 list(prompts),
                 eval_samples,
                 e2e_tokens if wants_e2e else 0,
-                outputs_of=set(evaluated),
+                outputs_of=set(evaluated) - streamed,
+                feeds_only=streamed & set(evaluated),
             )
+            for n in sorted(streamed & set(evaluated)):
+                # Before any graph changes: the FP32 outputs, one segment's weights at a time.
+                rec.outputs[n] = _quant_stream_eval.reference(package.model(n), rec.feeds[n][:eval_samples])
             if e2e_source is None and rec.generations:
                 e2e_source = rec
             for n in names:
@@ -232,6 +246,10 @@ class Quantize(Pass):
                 entry["matmul_weight_bytes_ratio"] = round(weight_bytes[1] / max(weight_bytes[0], 1), 4)
             if name in skipped:
                 entry["fidelity"] = skipped[name]
+            elif rec is not None and name in streamed:
+                entry["fidelity"], entry["fidelity_streamed"] = _quant_stream_eval.graph_fidelity(
+                    model, plan.mode, feeds[:eval_samples], rec.outputs.get(name, [])
+                )
             elif rec is not None and name in graph_eval:
                 entry["fidelity"] = _quant_eval.graph_fidelity(
                     package, name, feeds[:eval_samples], rec.outputs.get(name, []), sessions
@@ -275,29 +293,37 @@ class Quantize(Pass):
 
 
 _FORCE = "raise VLMC_MAX_FIDELITY_BYTES (bytes) to measure it"
+# How a graph above the limit is measured without holding it whole (a 7B decoder on a 24 GB machine).
+_STREAM = "set quantize's option streamed_fidelity: true to measure it segment by segment"
 
 
 def _graph_eval(
-    plans: dict, fp32_bytes: dict[str, int], eval_samples: int
-) -> tuple[set[str], dict[str, str]]:
-    """Graphs whose per-graph fidelity is measured, and why the others are not (one line each).
+    plans: dict, fp32_bytes: dict[str, int], eval_samples: int, stream: bool = False
+) -> tuple[set[str], set[str], dict[str, str]]:
+    """Graphs whose per-graph fidelity is measured, those of them measured segment by segment, and
+    why the others are not (one line each).
 
-    The FP32 outputs are recorded through an onnxruntime session on the FP32 graph and the quantized
-    graph is run on another: above limits.MAX_FIDELITY_BYTES of FP32 weights that is more memory and
-    time than the build itself, so the comparison is skipped and the report and the log say so.
+    The whole-graph path records the FP32 outputs through an onnxruntime session on the FP32 graph and
+    runs the quantized graph on another: above limits.MAX_FIDELITY_BYTES of FP32 weights that is more
+    memory and time than the build itself. There ``stream`` (option ``streamed_fidelity``) runs
+    both graphs segment by segment instead (``_quant_stream_eval``); without it the comparison is
+    skipped and the report and the log say so and how to turn it on.
     """
     if not eval_samples:
-        return set(), {}
+        return set(), set(), {}
     limit = limits.MAX_FIDELITY_BYTES
-    measured = {n for n in plans if fp32_bytes[n] <= limit}
+    large = {n for n in plans if fp32_bytes[n] > limit}
+    if stream:
+        return set(plans), large, {}
     skipped = {}
-    for n in sorted(set(plans) - measured):
+    for n in sorted(large):
         skipped[n] = (
             f"not measured: {n} has {fp32_bytes[n] / 2**30:.2f} GiB of FP32 weights, above the "
-            f"fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE}"
+            f"whole-graph fidelity limit of {limit / 2**30:.2f} GiB; {_STREAM} (one segment's weights "
+            f"in memory), or {_FORCE} whole"
         )
         logger.warning("quantize: per-graph fidelity of %s %s", n, skipped[n])
-    return measured, skipped
+    return set(plans) - large, set(), skipped
 
 
 def _e2e_budget(package, eval_samples: int, eval_tokens: int, sharded: bool) -> tuple[int, str]:
@@ -314,7 +340,8 @@ def _e2e_budget(package, eval_samples: int, eval_tokens: int, sharded: bool) -> 
     if total > limit:
         note = (
             f"not measured: the pipeline's graphs have {total / 2**30:.2f} GiB of FP32 weights, above "
-            f"the fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE}"
+            f"the fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE} (it runs the decoder once per "
+            "greedy token, so it is not streamed: that would read the decoder once per token)"
         )
         logger.warning("quantize: end-to-end fidelity %s", note)
         return 0, note

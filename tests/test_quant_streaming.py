@@ -121,3 +121,80 @@ def test_int32_bias_on_the_ir_replaces_the_float_bias():
     dq = add.inputs[1].producer()
     assert dq.op_type == "DequantizeLinear" and dq.inputs[0].const_value.dtype == ir.DataType.INT32
     onnx.checker.check_model(ir.to_proto(out), full_check=True)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN and inf casts, in the worker threads too
+@pytest.mark.parametrize("threads", [1, 2])
+def test_threaded_blocks_match_the_whole_array_reference_on_edge_values(threads, tmp_path, monkeypatch):
+    """The streamed int4/int8 kernels (in-place, threaded, fewer passes) give the reference's bits.
+
+    Edge values: all-zero and negative-zero groups, subnormals, ±inf, NaN and near-max floats; the
+    weight is read from its file and from memory, one group per block and a whole block.
+    """
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((256, 24)).astype(np.float32)
+    w[:32, :3] = 0.0
+    w[:32, 3] = -0.0
+    w[5, 4] = np.float32(1e-45)
+    w[32:64, 5] = np.float32(1e-44) * rng.standard_normal(32).astype(np.float32)
+    w[70, 6], w[71, 7], w[72, 8], w[100, 9] = np.inf, -np.inf, np.nan, 3e38
+    monkeypatch.setattr(_quant_weight_only, "_THREADS", threads)
+    on_disk = _on_disk(_matmul_ir(w), tmp_path).graph.initializers["w"].const_value
+    with np.errstate(all="ignore"):
+        q4, s4 = _quant_weight_only.quant_int4_group(w, 32)
+        q8, s8 = _quant_weight_only.quant_int8_channel(w)
+        for block in (1, 1 << 20):
+            monkeypatch.setattr(_quant_weight_only, "_BLOCK_BYTES", block)
+            for t in (on_disk, ir.tensor(w.copy())):
+                packed, s = _quant_weight_only._int4_streamed(t, 32, True)
+                np.testing.assert_array_equal(packed, _quant_weight_only.pack_int4(q4))
+                np.testing.assert_array_equal(s.view(np.uint32), s4.view(np.uint32))
+                np.testing.assert_array_equal(_quant_weight_only._int4_streamed(t, 32, False)[0], q4)
+                q, s = _quant_weight_only._int8_streamed(t)
+                np.testing.assert_array_equal(q, q8)
+                np.testing.assert_array_equal(s.view(np.uint32), s8.view(np.uint32))
+                np.testing.assert_array_equal(t.numpy(), w)  # the source is not changed in place
+
+
+def _two_matmuls_ir(rng) -> ir.Model:
+    """x -> MatMul(w1) -> Relu -> MatMul(w2) -> y: the second MatMul reads an intermediate activation."""
+    model = _matmul_ir(rng.standard_normal((16, 12)).astype(np.float32))
+    mm = next(iter(model.graph))
+    relu = ir.node("Relu", [mm.outputs[0]], name="relu", outputs=[ir.Value(name="r")])
+    w2 = ir.Value(
+        name="w2", const_value=ir.tensor(rng.standard_normal((12, 8)).astype(np.float32), name="w2")
+    )
+    w2.shape, w2.dtype = w2.const_value.shape, w2.const_value.dtype
+    model.graph.register_initializer(w2)
+    mm2 = ir.node("MatMul", [relu.outputs[0], w2], name="mm2", outputs=[ir.Value(name="z")])
+    model.graph.extend([relu, mm2])
+    model.graph.outputs[0] = mm2.outputs[0]
+    mm2.outputs[0].dtype, mm2.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([3, 8])
+    return model
+
+
+def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypatch, tmp_path):
+    """int8 minmax takes its ranges from vlmc's session through onnxruntime's calibration cache;
+    the quantized graph is the one onnxruntime's own calibrator gives (forced by failing the cache)."""
+    rng = np.random.default_rng(4)
+    feeds = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(3)]
+    plan = _quant_plan.GraphPlan(
+        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=3)
+    )
+    cached = []
+    real = _quant_static._minmax_cache
+    monkeypatch.setattr(_quant_static, "_minmax_cache", lambda *a: cached.append(real(*a)) or cached[-1])
+    out, facts = _quant_static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds), plan)
+    assert cached and cached[0] is not None  # the cache was written and used
+    assert set(facts["activations"]["tensors"]) == {"x", "r"}
+    monkeypatch.setattr(_quant_static, "_minmax_cache", lambda *a: None)  # the calibrator's way
+    rng = np.random.default_rng(4)
+    feeds2 = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(3)]
+    ref, ref_facts = _quant_static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds2), plan)
+    assert graphs.fingerprint(out) == graphs.fingerprint(ref)
+    assert facts == ref_facts
+    # negative: an activation that is not finite leaves the ranges to the calibrator (no cache)
+    bad = [{"x": np.full((3, 16), np.inf, np.float32)}]
+    model = _two_matmuls_ir(rng)
+    graphs.save(model, tmp_path / "fp32.onnx")
+    assert real(model, ["mm", "relu", "mm2"], {"mm", "mm2"}, FeedReader(bad), tmp_path / "fp32.onnx") is None

@@ -8,6 +8,7 @@ which submodules to use and which facts go into the manifest.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import logging
@@ -320,41 +321,158 @@ def _transposed_forward(m: torch.nn.Linear):
     return forward
 
 
-# Views up to this size are made contiguous whole before conversion (see _byte_chunks).
+# Views up to this size are transposed whole, into the writer's reused scratch buffer (see _chunks).
 _WHOLE_TRANSPOSE_BYTES = 256 << 20
+# Bytes per write (and per converted block), and how many converted blocks may be in flight.
+_CHUNK_BYTES = 32 << 20
+_CHUNK_BUFFERS = 3
 
 
-def _byte_chunks(tensor: torch.Tensor, limit: int = 64 << 20, dtype: torch.dtype | None = None):
-    """A tensor's bytes in C order (as ``dtype``, default its own), in pieces of about ``limit`` bytes.
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, in place (bf16 has no numpy dtype: read as bytes)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
-    A contiguous tensor is one piece straight from its memory; a view (a transposed Linear weight)
-    of up to ``_WHOLE_TRANSPOSE_BYTES`` is made contiguous whole in its own dtype (a bf16 checkpoint
-    weight is transposed in bf16), larger views a block of rows at a time; then it is converted
-    block by block, so writing never holds a full copy in the target dtype.
+
+class _DataWriter:
+    """Writes a graph's data file and hashes each tensor's bytes behind the thread that prepares them.
+
+    The caller (:func:`_write_with_weights`) transposes and converts the next weight while the
+    previous one's blocks are written (one thread) and hashed (another); file writes, sha256 and
+    torch's copies all release the GIL, so reading the checkpoint, converting, hashing and writing
+    overlap instead of adding up. Converted blocks live in a few buffers of ``_CHUNK_BYTES`` that are
+    reused once written and hashed, and a transposed weight in one scratch buffer reused for the
+    next: after the first weights, no memory is allocated per tensor. (Fresh allocations were the
+    slowest part of the writer on a machine whose page cache is full of the data being written:
+    each one had to reclaim pages first.) Memory in flight: the scratch (the largest transposed
+    weight that is not the embedding or head) plus ``_CHUNK_BUFFERS`` blocks. Bounding the file's
+    dirty pages (sync_file_range every 64 MB, with or without dropping them from the page cache)
+    was measured at LLaVA-1.5-7B widths and changed nothing, so writeback is left to the kernel.
     """
-    import numpy as np
 
-    dtype = dtype or tensor.dtype
+    def __init__(self, f) -> None:
+        self._f = f
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="vlmc-write")
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="vlmc-hash")
+        self._pending: collections.deque = collections.deque()  # (write, hash, buffer to free)
+        self._free: list[torch.Tensor] = []
+        self._buffers = 0
+        self._scratch: torch.Tensor | None = None
+        self.offset = 0
 
-    def as_bytes(t: torch.Tensor) -> memoryview:
-        t = t.to(dtype)
-        arr = t.numpy() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy()
-        return memoryview(np.ascontiguousarray(arr)).cast("B")
+    def __enter__(self) -> _DataWriter:
+        return self
 
-    if (tensor.is_contiguous() and dtype == tensor.dtype) or tensor.dim() == 0:
-        yield as_bytes(tensor.contiguous())
+    def __exit__(self, *exc) -> None:
+        failed = exc[0] is not None  # then what is queued is dropped: the file is not used
+        try:
+            if not failed:
+                self.drain()
+        finally:
+            self._writer.shutdown(wait=True, cancel_futures=failed)
+            self._hasher.shutdown(wait=True, cancel_futures=failed)
+            self._scratch = None
+            self._free.clear()
+
+    def buffer(self, nbytes: int = 0) -> torch.Tensor | None:
+        """A block buffer (uint8, ``_CHUNK_BYTES``) no write or hash still reads; None if ``nbytes``
+        is more than a block (the caller makes its own)."""
+        if nbytes > _CHUNK_BYTES:
+            return None
+        while not self._free and self._buffers >= _CHUNK_BUFFERS:
+            self._retire()
+        if self._free:
+            return self._free.pop()
+        self._buffers += 1
+        return torch.empty(_CHUNK_BYTES, dtype=torch.uint8)
+
+    def scratch(self, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous buffer shaped and typed like ``like``, reused (after what reads it is written)."""
+        self.drain()
+        n = like.numel() * like.element_size()
+        if self._scratch is None or self._scratch.numel() < n:
+            self._scratch = None
+            self._scratch = torch.empty(n, dtype=torch.uint8)
+        return self._scratch[:n].view(like.dtype).view(like.shape)
+
+    def _retire(self) -> None:
+        write, digest, buf = self._pending.popleft()
+        write.result()
+        if digest is not None:
+            digest.result()
+        if buf is not None:
+            self._free.append(buf)
+
+    def drain(self) -> None:
+        while self._pending:
+            self._retire()
+
+    def _submit(self, data: memoryview, h, buf: torch.Tensor | None) -> None:
+        write = self._writer.submit(self._f.write, data)
+        digest = self._hasher.submit(h.update, data) if h is not None else None
+        self._pending.append((write, digest, buf))
+        self.offset += len(data)
+
+    def put(self, dtype: int, dims: list[int], chunks):
+        """Append one tensor's blocks ``(bytes, buffer or None)`` 64-byte aligned.
+
+        Returns ``(offset, length, digest)``, ``digest`` a future of its :func:`graphs.tensor_hash`.
+        """
+        pad = (-self.offset) % 64
+        if pad:
+            self._submit(memoryview(b"\0" * pad), None, None)
+        start = self.offset
+        h = graphs.digest_start(dtype, dims)
+        for data, buf in chunks:
+            self._submit(data, h, buf)
+        return start, self.offset - start, self._hasher.submit(h.hexdigest)
+
+
+def _chunks(tensor: torch.Tensor, dtype: torch.dtype, out: _DataWriter | None = None):
+    """A tensor's bytes in C order as ``dtype``, as ``(memoryview, buffer)`` blocks for ``out``.
+
+    A contiguous tensor in its dtype is one block straight from its memory (buffer None). A view (a
+    transposed Linear weight) of up to ``_WHOLE_TRANSPOSE_BYTES`` is transposed whole in its own
+    dtype into the writer's scratch (torch's cache-blocked 2-D transpose; a bf16 checkpoint weight
+    is transposed in bf16, half the bytes), then converted block by block into the writer's block
+    buffers; a larger view (the LM head) is gathered a block of rows at a time into them. Values
+    are exactly ``tensor.to(dtype)`` (torch's conversion; bf16 -> fp32 is exact). Without ``out``
+    (small tensors, inlined in the graph), blocks are fresh tensors.
+    """
+    src = tensor
+    nbytes = src.numel() * dtype.itemsize
+    if src.dim() == 0 or (src.is_contiguous() and src.dtype == dtype):
+        yield _as_bytes(src.contiguous().to(dtype)), None
         return
-    if not tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= _WHOLE_TRANSPOSE_BYTES:
-        # torch transposes a whole 2-D tensor with a cache-blocked copy; a block of rows of a
-        # transposed view is a strided gather, 2x slower (a 7B MLP weight: 1.2 s against 2.4 s, the
-        # conversion included), which over 30 stitched layers is minutes of a 7B export. So a layer
-        # weight is made contiguous in its own dtype (one bf16 copy, at most this size) and then
-        # converted block by block.
-        tensor = tensor.contiguous()
-    row_bytes = max(1, tensor[0].numel() * max(tensor.element_size(), dtype.itemsize))
-    step = max(1, limit // row_bytes)
-    for r in range(0, tensor.shape[0], step):
-        yield as_bytes(tensor[r : r + step].contiguous())
+    if out is None:
+        yield _as_bytes(src.to(dtype).contiguous()), None
+        return
+    if not src.is_contiguous() and src.numel() * src.element_size() <= _WHOLE_TRANSPOSE_BYTES:
+        # The transpose is only fast as one whole 2-D copy (torch's blocked copy_same_type_transpose_
+        # needs the full matrix); a block of rows of a transposed view is a strided gather, 2x slower.
+        src = out.scratch(src).copy_(src)
+    if src.is_contiguous():
+        if src.dtype == dtype:  # a transposed weight in its own dtype: write the scratch as it is
+            flat = _as_bytes(src)
+            for a in range(0, nbytes, _CHUNK_BYTES):
+                yield flat[a : a + _CHUNK_BYTES], None
+            return
+        flat = src.reshape(-1)
+        step = _CHUNK_BYTES // dtype.itemsize
+        for a in range(0, flat.numel(), step):
+            piece = flat[a : a + step]
+            buf = out.buffer()
+            block = buf[: piece.numel() * dtype.itemsize].view(dtype).copy_(piece)
+            yield _as_bytes(block), buf
+        return
+    row_bytes = max(1, src[0].numel() * dtype.itemsize)
+    step = max(1, _CHUNK_BYTES // row_bytes)
+    for r in range(0, src.shape[0], step):
+        piece = src[r : r + step]
+        n = piece.numel() * dtype.itemsize
+        buf = out.buffer(n)
+        room = buf if buf is not None else torch.empty(n, dtype=torch.uint8)  # a row over a block
+        block = room[:n].view(dtype).view(piece.shape).copy_(piece)
+        yield _as_bytes(block), buf
 
 
 def _write_with_weights(
@@ -384,44 +502,31 @@ def _write_with_weights(
     infos = [v for v in g.value_info if v.name not in large]
     del g.value_info[:]
     g.value_info.extend(infos)
-    hashes: list[tuple[int, int, str]] = []
-    offset = 0
-    # sha256 and the file write both release the GIL: each block is hashed on a second thread while
-    # it is written, so hashing adds no time at 7 B scale (28 GB) where it would add a minute.
-    with open(path.parent / data_name, "wb") as f, ThreadPoolExecutor(1) as hasher:
+    written: list[tuple[int, int, object]] = []  # (offset, length, digest future)
+    with open(path.parent / data_name, "wb") as f, _DataWriter(f) as out:
 
         def put(t: onnx.TensorProto, chunks) -> None:
-            nonlocal offset
-            pad = (-offset) % 64
-            f.write(b"\0" * pad)
-            offset += pad
-            h = graphs.digest_start(t.data_type, list(t.dims))
-            n = 0
-            for chunk in chunks:
-                hashed = hasher.submit(h.update, chunk)
-                n += f.write(chunk)
-                hashed.result()
-            hashes.append((offset, n, h.hexdigest()))
+            offset, n, digest = out.put(t.data_type, list(t.dims), chunks)
+            written.append((offset, n, digest))
             graphs._point_at(t, data_name, offset, n)
             t.data_location = onnx.TensorProto.EXTERNAL
-            offset += n
 
         for t in g.initializer:
             if t.HasField("raw_data") and len(t.raw_data) >= graphs.EXTERNAL_DATA_THRESHOLD:
                 raw = t.raw_data
                 t.ClearField("raw_data")
-                put(t, [raw])
+                put(t, [(memoryview(raw), None)])
 
         def add(name: str, elem_type: int, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> None:
             t = g.initializer.add()
             t.name = name
             t.data_type = elem_type
             t.dims.extend(tensor.shape)
-            chunks = _byte_chunks(tensor, dtype=dtype)
-            if tensor.numel() * (dtype or tensor.dtype).itemsize < graphs.EXTERNAL_DATA_THRESHOLD:
-                t.raw_data = b"".join(bytes(c) for c in chunks)  # small: inline, as saved
+            dtype = dtype or tensor.dtype
+            if tensor.numel() * dtype.itemsize < graphs.EXTERNAL_DATA_THRESHOLD:
+                t.raw_data = b"".join(bytes(c) for c, _ in _chunks(tensor, dtype))  # small: inline, as saved
             else:
-                put(t, chunks)
+                put(t, _chunks(tensor, dtype, out))
 
         for vi in params:
             tensor = large.pop(vi.name).detach()
@@ -440,6 +545,7 @@ def _write_with_weights(
                 )
             add(c.name, elem_types[c.template], tensor, dtype=tmpl.dtype)
             del tensor
+    hashes = [(offset, n, digest.result()) for offset, n, digest in written]
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
     graphs.remember_hashes(path.parent / data_name, hashes)

@@ -96,6 +96,14 @@ class Pipeline:
 
     def run_graph(self, name: str, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one graph, feeding each declared input by name from ``available``."""
+        feeds = self.graph_feeds(name, available)
+        outs = self.executor.run(name, feeds)
+        if self.on_graph is not None:
+            self.on_graph(name, feeds, outs)
+        return outs
+
+    def graph_feeds(self, name: str, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The feeds :meth:`run_graph` gives graph ``name`` from ``available`` (calibration records them)."""
         feeds = {}
         for spec in self.executor.inputs(name):
             iname = spec["name"]
@@ -106,10 +114,7 @@ class Pipeline:
             want = _FLOAT_TYPES.get(spec["dtype"])
             if want is not None and feeds[iname].dtype != want and feeds[iname].dtype.kind == "f":
                 feeds[iname] = feeds[iname].astype(want)
-        outs = self.executor.run(name, feeds)
-        if self.on_graph is not None:
-            self.on_graph(name, feeds, outs)
-        return outs
+        return feeds
 
     def run_chain(self, names: list[str], available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run graphs in order; each one's outputs become available to the next (stage chains, decoder ranges)."""
