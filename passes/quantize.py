@@ -340,8 +340,9 @@ def _e2e_budget(package, eval_samples: int, eval_tokens: int, sharded: bool) -> 
     if total > limit:
         note = (
             f"not measured: the pipeline's graphs have {total / 2**30:.2f} GiB of FP32 weights, above "
-            f"the fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE} (it runs the decoder once per "
-            "greedy token, so it is not streamed: that would read the decoder once per token)"
+            f"the fidelity limit of {limit / 2**30:.2f} GiB; {_FORCE} where memory holds them all (it "
+            "runs the decoder once per greedy token, so it is not streamed: that would read the decoder "
+            "once per token)"
         )
         logger.warning("quantize: end-to-end fidelity %s", note)
         return 0, note
