@@ -563,11 +563,7 @@ def _restore_fp16(result, held: dict[str, ir.Value], like: ir.Model, store) -> i
         for use in v.uses():  # the Casts the converter put before float32 readers copied the stub's shape
             if use.node.op_type == "Cast":
                 use.node.outputs[0].shape = ir.Shape(v.const_value.shape)
-    rank = {n: i for i, n in enumerate(like.graph.initializers)}
-    order = sorted(g.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
-    g.initializers.clear()
-    for _, v in order:
-        g.register_initializer(v)
+    interop.order_initializers_like(g, like)
     return out
 
 

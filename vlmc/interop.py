@@ -108,12 +108,18 @@ def _with_held(proto: onnx.ModelProto, held: dict[str, ir.Value], like: ir.Model
         g.inputs.remove(v)
         v.const_value = held[v.name].const_value
         g.register_initializer(v)
-    rank = {n: i for i, n in enumerate(like.graph.initializers)}
-    order = sorted(g.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
-    g.initializers.clear()
-    for _, v in order:
-        g.register_initializer(v)
+    order_initializers_like(g, like)
     return model
+
+
+def order_initializers_like(graph: ir.Graph, like: ir.Model) -> None:
+    """Register ``graph``'s initializers again in ``like``'s order, new ones last: a foreign tool's
+    result keeps the package's weight order, so its data file is laid out as before."""
+    rank = {n: i for i, n in enumerate(like.graph.initializers)}
+    order = sorted(graph.initializers.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+    graph.initializers.clear()
+    for _, v in order:
+        graph.register_initializer(v)
 
 
 def _full_proto(model: ir.Model) -> onnx.ModelProto:

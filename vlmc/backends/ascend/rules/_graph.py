@@ -96,15 +96,7 @@ class Graph:
             if tensor.dtype.bitwidth == 4:
                 # numpy holds 4-bit values one per byte; the file holds them packed, as ONNX does
                 stored = self.store.put(np.frombuffer(tensor.tobytes(), np.uint8), name)
-                tensor = ir.ExternalTensor(
-                    stored.location,
-                    stored.offset,
-                    stored.length,
-                    tensor.dtype,
-                    shape=tensor.shape,
-                    name=name,
-                    base_dir=stored.base_dir,
-                )
+                tensor = _pointing_at(stored, tensor.dtype, tensor.shape, name)
             else:
                 tensor = self.store.put(array, name)
         del array
@@ -119,15 +111,7 @@ class Graph:
         (onnx-ir does it with copy_file_range, in the kernel).
         """
         name = self.unique(base)
-        tensor = ir.ExternalTensor(
-            source.location,
-            source.offset,
-            source.length,
-            source.dtype,
-            shape=source.shape,
-            name=name,
-            base_dir=source.base_dir,
-        )
+        tensor = _pointing_at(source, source.dtype, source.shape, name)
         value = ir.Value(name=name, const_value=tensor, type=ir.TensorType(tensor.dtype), shape=tensor.shape)
         self.g.register_initializer(value)
         return value
@@ -312,3 +296,10 @@ def folded_value(gr: Graph, value: ir.Value | None) -> np.ndarray | None:
             zp = params.zero_point.astype(np.float32).reshape(broadcast_shape(params, q.ndim))
             return (q.astype(np.float32) - zp) * params.scale.reshape(broadcast_shape(params, q.ndim))
     return None
+
+
+def _pointing_at(stored: ir.ExternalTensor, dtype: ir.DataType, shape, name: str) -> ir.ExternalTensor:
+    """A tensor named ``name`` whose bytes are ``stored``'s bytes in its file (nothing is read)."""
+    return ir.ExternalTensor(
+        stored.location, stored.offset, stored.length, dtype, shape=shape, name=name, base_dir=stored.base_dir
+    )
