@@ -88,6 +88,7 @@ def record(
     eval_tokens: int,
     outputs_of: set[str] | None = None,
     feeds_only: set[str] = frozenset(),
+    every_sample: set[str] | None = None,
 ) -> Recorded:
     """Run the FP32 pipeline on (prompt, image) pairs, one per sample, and record target feeds.
 
@@ -96,7 +97,9 @@ def record(
     compares the quantized package against. When no target is in the decoder chain (or is the embed
     graph) and no generation is asked for, only the image chain runs: no decoder session is opened.
     Graphs in ``feeds_only`` (too large for one session) have their feeds recorded but are not run
-    whole: see :class:`_FeedsOnly`.
+    whole: see :class:`_FeedsOnly`. Graphs in ``every_sample`` (default: every target; the calibrated
+    ones) have their feeds recorded for every sample, the others for the fidelity samples only; a
+    later sample whose remaining graphs are all in the image chain runs only that chain.
     """
     pipeline = pkg.manifest.get("pipeline", {})
     image_chain = set(pipeline.get("image", []))
@@ -106,6 +109,7 @@ def record(
     rec = Recorded(feeds={t: [] for t in targets}, outputs={t: [] for t in targets})
     if runnable and pipeline.get("decoder"):
         image_only = not (runnable & text_chain) and eval_tokens <= 0
+        later = runnable if every_sample is None else runnable & every_sample
         recorder = _Recorder(rec, runnable, keep_outputs)
         executor = _FeedsOnly(pkg, feeds_only & runnable, recorder) if feeds_only & runnable else None
         pipe = Pipeline(pkg, on_graph=recorder, executor=executor)
@@ -113,8 +117,13 @@ def record(
             keep = i < eval_samples
             recorder.seen.clear()
             recorder.keep_outputs = keep
+            # Past the fidelity samples only the calibrated graphs' feeds are wanted: a 512 M LLaVA's
+            # vision int8 calibration on 4 images then runs the FP32 decoder for 2 of them, not 4.
+            recorder.targets = runnable if keep else later
+            if not recorder.targets:
+                break
             inp = pipe.prepare([prompts[i % len(prompts)]], [[ref]])
-            if image_only:
+            if image_only or not (keep or later & text_chain):
                 if inp.vision:
                     try:
                         _image_chain(pipe, recorder, pipeline["image"], inp.vision, keep)

@@ -192,6 +192,7 @@ class Quantize(Pass):
                 e2e_tokens if wants_e2e else 0,
                 outputs_of=set(evaluated) - streamed,
                 feeds_only=streamed & set(evaluated),
+                every_sample=set(calibrated),
             )
             for n in sorted(streamed & set(evaluated)):
                 # Before any graph changes: the FP32 outputs, one segment's weights at a time.

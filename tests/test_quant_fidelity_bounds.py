@@ -105,3 +105,35 @@ def test_dequantized_session_matches_the_per_call_graph(bits):
     (b,) = once.run(None, feed)
     # Same float weights (the same kernels computed them); only the MatMul's accumulation may differ.
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_samples_past_the_fidelity_ones_run_only_what_calibration_needs(tiny_llava, monkeypatch):
+    # The vision encoder is calibrated on 4 samples; the decoder is only evaluated (2 fidelity
+    # samples). Samples 3 and 4 then record the vision feeds alone and never run the FP32 decoder.
+    from vlmc.passes import _quant_calib
+    from vlmc.runtime import Pipeline
+
+    pkg = Package.load(tiny_llava)
+    decoder = pkg.manifest["pipeline"]["decoder"][0]
+    ran: list[str] = []
+    real = Pipeline.run_graph
+
+    def counting(self, name, env):
+        ran.append(name)
+        return real(self, name, env)
+
+    monkeypatch.setattr(Pipeline, "run_graph", counting)
+    refs = _quant_calib.image_refs(None, 4, 0)
+    targets = {"vision_encoder", decoder}
+    args = (pkg, targets, refs, ["describe the image"], 2, 1)
+    rec = _quant_calib.record(*args, every_sample={"vision_encoder"})
+    assert [len(rec.feeds["vision_encoder"]), len(rec.feeds[decoder])] == [4, 2]
+    assert ran.count(decoder) == 2 and len(rec.generations) == 2, ran
+    ran.clear()
+    every = _quant_calib.record(*args)  # every target on every sample: what was recorded before
+    assert ran.count(decoder) == 4 and len(every.feeds[decoder]) == 4
+    for got, want in zip(rec.feeds["vision_encoder"], every.feeds["vision_encoder"]):
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)
+    assert all(
+        np.array_equal(a[k], b[k]) for a, b in zip(rec.feeds[decoder], every.feeds[decoder]) for k in a
+    )

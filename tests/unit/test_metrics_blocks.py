@@ -84,3 +84,23 @@ def test_cosine_and_max_abs_diff_hold_no_float64_copy():
     done = subprocess.run([sys.executable, "-c", _CHILD, str(n)], capture_output=True, text=True, check=True)
     grown = int(done.stdout)
     assert grown < 0.5 * n * 4, grown  # whole-array: >= 4 float32 sizes (two float64 copies)
+
+
+def test_cosine_keeps_no_reference_to_its_arrays():
+    # Arrays compared are freed when the caller drops them, without waiting for a garbage
+    # collection: a recursive closure in the block sums once made a reference cycle that kept two
+    # decoders' prefill logits (316 MB at 512 M) alive at a build's memory peak.
+    import gc
+    import weakref
+
+    a = np.ones(3 * (1 << 20) + 5, np.float32)
+    b = a * 2
+    alive = weakref.ref(a), weakref.ref(b)
+    gc.disable()
+    try:
+        metrics.cosine(a, b)
+        metrics.max_abs_diff(a, b)
+        del a, b
+        assert [r() is None for r in alive] == [True, True]
+    finally:
+        gc.enable()
