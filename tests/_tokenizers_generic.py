@@ -98,10 +98,10 @@ def llava_next_dir(path: Path, seed: int = 1) -> Path:
     import torch
     from transformers import LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil, LlavaNextProcessor
 
-    from vlmc.exporters import llava_next as LN
+    from vlmc.exporters.llava_next import tiny_llava_next_config
 
     tok = _real_tokenizers.llama_tokenizer()
-    cfg = LN.tiny_llava_next_config(**_text_ids(tok))
+    cfg = tiny_llava_next_config(**_text_ids(tok))
     cfg.image_token_index = tok.convert_tokens_to_ids("<image>")
     cfg.pad_token_id = tok.pad_token_id
     torch.manual_seed(seed)
@@ -145,12 +145,12 @@ def llava_onevision_dir(path: Path, seed: int = 1, max_tiles: int = 4) -> Path:
     import torch
     from transformers import LlavaOnevisionForConditionalGeneration, LlavaOnevisionImageProcessorPil
 
-    from vlmc.exporters import llava_onevision as LO
+    from vlmc.exporters.llava_onevision import tiny_llava_onevision_config
 
     tok = onevision_tokenizer()
     ids = _text_ids(tok)
     ids["eos_token_id"] = tok.convert_tokens_to_ids("<|im_end|>")
-    cfg = LO.tiny_llava_onevision_config(**ids)
+    cfg = tiny_llava_onevision_config(**ids)
     cfg.vision_aspect_ratio = f"anyres_max_{max_tiles}"
     cfg.image_token_index = tok.convert_tokens_to_ids("<image>")
     cfg.video_token_index = tok.convert_tokens_to_ids("<video>")

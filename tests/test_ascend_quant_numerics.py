@@ -253,10 +253,10 @@ def test_npu_domain_lists_every_op_the_parsers_register():
 
 
 def test_plan_says_int4_runs_with_int8_storage_on_ascend():
-    from vlmc import plan as PL
+    from vlmc import plan
 
-    graphs = [PL.GraphWeights("decoder", "decoder", "int4_weight_only", 1000, 500)]
-    spec = PL.Spec(
+    graphs = [plan.GraphWeights("decoder", "decoder", "int4_weight_only", 1000, 500)]
+    spec = plan.Spec(
         name="toy",
         graphs=graphs,
         layers=2,
@@ -271,10 +271,10 @@ def test_plan_says_int4_runs_with_int8_storage_on_ascend():
         intermediate=64,
         vocab=50,
     )
-    notes = PL.plan(spec, 1_000_000, text_tokens=13).notes
+    notes = plan.plan(spec, 1_000_000, text_tokens=13).notes
     assert [n for n in notes if "INT4 runs with INT8 storage on Ascend (decoder)" in n and "500 B more" in n]
     graphs[0].precision = "fp16"
-    assert not [n for n in PL.plan(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
+    assert not [n for n in plan.plan(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
 
 
 def test_conv_stays_per_channel_and_matches_onnxruntime():

@@ -11,9 +11,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from vlmc import build, exporters, manager
-from vlmc import graphs as G
-from vlmc import recipe as R
+from vlmc import build, exporters, graphs, manager, recipe
 from vlmc.package import Package
 
 
@@ -46,17 +44,17 @@ def _big_model(mib: int = 64) -> ir.Model:
 
 def test_save_and_check_leave_the_model_and_its_memory_alone(tmp_path):
     model = _big_model(64)
-    before = G.fingerprint(model)
-    G.check(model)  # warm up imports and allocator pools before measuring
+    before = graphs.fingerprint(model)
+    graphs.check(model)  # warm up imports and allocator pools before measuring
     rss = _rss_bytes()
     for i in range(4):
-        G.check(model)
-        G.save(model, tmp_path / f"m{i}.onnx")
+        graphs.check(model)
+        graphs.save(model, tmp_path / f"m{i}.onnx")
     # check writes placeholders, save streams the weight: neither keeps a copy (4 x 64 MiB if they did)
     assert _rss_bytes() - rss < 96 * 2**20
-    assert G.fingerprint(model) == before
-    loaded = G.load_ir(tmp_path / "m3.onnx")
-    assert G.fingerprint(loaded) == before  # structure and every weight byte
+    assert graphs.fingerprint(model) == before
+    loaded = graphs.load_ir(tmp_path / "m3.onnx")
+    assert graphs.fingerprint(loaded) == before  # structure and every weight byte
     onnx.checker.check_model(str(tmp_path / "m3.onnx"), full_check=True)
     stored = onnx.load(str(tmp_path / "m3.onnx"), load_external_data=False)
     assert [t.data_location for t in stored.graph.initializer] == [TensorProto.EXTERNAL]
@@ -67,7 +65,7 @@ def test_check_path_reports_an_invalid_graph(tmp_path):
     proto.graph.node[1].input[1] = "missing"
     onnx.save(proto, str(tmp_path / "bad.onnx"))
     with pytest.raises(Exception, match="bad: ONNX check failed"):
-        G.check_path(tmp_path / "bad.onnx", name="bad")
+        graphs.check_path(tmp_path / "bad.onnx", name="bad")
 
 
 @pytest.fixture(scope="module")
@@ -79,29 +77,30 @@ def tiny_dir(tmp_path_factory):
 
 def test_opening_and_fingerprinting_a_package_reads_weights_once(tmp_path):
     """Graphs open as onnx-ir models whose weights stay in the file; a fingerprint hashes each weight once."""
-    G.save(_big_model(64), tmp_path / "m.onnx")
+    graphs.save(_big_model(64), tmp_path / "m.onnx")
     rss = _rss_bytes()
-    model = G.load_ir(tmp_path / "m.onnx")
+    model = graphs.load_ir(tmp_path / "m.onnx")
     w = model.graph.initializers["w"].const_value
     assert isinstance(w, ir.ExternalTensor)
     assert _rss_bytes() - rss < 16 * 2**20  # 64 MiB of weights, not read
-    first = G.fingerprint(model)
-    assert w.meta[G._HASH_KEY] == first_hash(w)  # the weight's hash is kept with it
-    assert G.fingerprint(G.load_ir(tmp_path / "m.onnx")) == first  # a new read of the same file: same hash
+    first = graphs.fingerprint(model)
+    assert w.meta[graphs._HASH_KEY] == first_hash(w)  # the weight's hash is kept with it
+    # a new read of the same file: the same hash
+    assert graphs.fingerprint(graphs.load_ir(tmp_path / "m.onnx")) == first
 
 
 def first_hash(t) -> str:
-    return G._digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    return graphs._digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
 
 
 def test_fingerprint_sees_one_changed_value_deep_inside_a_large_weight(tmp_path):
     model = _big_model(8)
-    before = G.fingerprint(model)
+    before = graphs.fingerprint(model)
     w = model.graph.initializers["w"]
     arr = w.const_value.numpy().copy()
     arr[5, 100, 1000] += 1.0  # one value in the middle of 8 MiB: windowed hashes missed this
     w.const_value = ir.tensor(arr, name="w")
-    assert G.fingerprint(model) != before
+    assert graphs.fingerprint(model) != before
 
 
 def test_unchanged_graphs_are_not_rewritten_and_changed_ones_stream(tiny_dir, tmp_path):
@@ -123,9 +122,9 @@ def test_folding_leaves_big_weights_unread_and_folds_everything_else(tiny_dir, s
     """With every weight matrix above weight_limit_mb, fold_constants/simplify never read those weights:
     numerics are unchanged (--check), and the only nodes they keep that a full fold removes are
     expressions over weights alone (e.g. CLIP's Gather of its position table)."""
-    plain = manager.run(Package.load(tiny_dir), R.from_dict({"passes": steps}).steps)
+    plain = manager.run(Package.load(tiny_dir), recipe.from_dict({"passes": steps}).steps)
     opaque_steps = [{s: {"weight_limit_mb": 0.004}} for s in steps]  # every weight matrix (>= 4 KiB)
-    opaque = manager.run(Package.load(tiny_dir), R.from_dict({"passes": opaque_steps}).steps, check=True)
+    opaque = manager.run(Package.load(tiny_dir), recipe.from_dict({"passes": opaque_steps}).steps, check=True)
     for h in opaque.manifest["history"]:
         for g, r in h["report"].get("numerics_check", {}).items():
             assert r["max_abs_diff"] <= 1e-5, (h["pass"], g)
@@ -140,8 +139,8 @@ def test_folding_leaves_big_weights_unread_and_folds_everything_else(tiny_dir, s
 
 
 def test_unchanged_pass_reports_unmodified(tiny_dir):
-    once = manager.run(Package.load(tiny_dir), R.from_dict({"passes": ["simplify"]}).steps)
-    twice = manager.run(once, R.from_dict({"passes": ["simplify"]}).steps)
+    once = manager.run(Package.load(tiny_dir), recipe.from_dict({"passes": ["simplify"]}).steps)
+    twice = manager.run(once, recipe.from_dict({"passes": ["simplify"]}).steps)
     assert twice.manifest["history"][-1]["modified"] is False
 
 
@@ -175,7 +174,7 @@ def test_streaming_export_matches_torch_export(tmp_path):
             input_names=names,
             output_names=["logits", *present_names],
             dynamic_axes=base.decoder_axes(kv["layers"]),
-            opset_version=G.EXPORT_OPSET,
+            opset_version=graphs.EXPORT_OPSET,
             dynamo=False,
         )
     ours = ortsession.for_graph(pkg, "decoder").run(None, feeds)
@@ -183,10 +182,10 @@ def test_streaming_export_matches_torch_export(tmp_path):
     for a, b in zip(ours, theirs):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     # the same ops, but for the Identity nodes vlmc replaces with small copies of shared constants
-    theirs_ops = G.op_histogram(G.load_ir(tmp_path / "torch.onnx"))
+    theirs_ops = graphs.op_histogram(graphs.load_ir(tmp_path / "torch.onnx"))
     theirs_ops.pop("Identity", None)
-    assert G.op_histogram(pkg.model("decoder")) == theirs_ops
-    stored = G.load_ir(pkg.path_of("decoder"))
+    assert graphs.op_histogram(pkg.model("decoder")) == theirs_ops
+    stored = graphs.load_ir(pkg.path_of("decoder"))
     assert all(
         isinstance(v.const_value, ir.ExternalTensor)
         for v in stored.graph.initializers.values()
@@ -210,8 +209,8 @@ def test_build_frees_the_source_model_and_leaves_no_scratch(tmp_path, monkeypatc
 
     monkeypatch.setattr(exporters, "export", export)
     monkeypatch.setattr(manager, "run", run)
-    recipe = R.from_dict({"model": "tiny-llava", "passes": ["fold_constants"], "target": {"backend": "ort"}})
-    result = build.build(recipe, tmp_path / "out")
+    r = recipe.from_dict({"model": "tiny-llava", "passes": ["fold_constants"], "target": {"backend": "ort"}})
+    result = build.build(r, tmp_path / "out")
     assert refs["alive_during_passes"] is False
     assert refs["resident"] == []  # exported graphs are files until a pass reads them
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no scratch or temp directory left
@@ -219,7 +218,7 @@ def test_build_frees_the_source_model_and_leaves_no_scratch(tmp_path, monkeypatc
     assert result.package.root == tmp_path / "out" / "package"
     saved = Package.load(tmp_path / "out" / "package")  # complete on its own: every graph and its weights
     for g in saved.graph_names:
-        assert G.fingerprint(saved.model(g)) == G.fingerprint(result.package.model(g))
+        assert graphs.fingerprint(saved.model(g)) == graphs.fingerprint(result.package.model(g))
 
 
 def test_graph_read_before_a_pass_and_unchanged_is_not_a_change(tiny_llava):
@@ -229,12 +228,14 @@ def test_graph_read_before_a_pass_and_unchanged_is_not_a_change(tiny_llava):
     for name in pkg.graph_names:
         pkg.model(name)
     assert pkg.state() == before
-    out = manager.run(pkg, R.parse("passes: [{simplify: {graphs: [embed_tokens]}}]").steps)
+    out = manager.run(pkg, recipe.parse("passes: [{simplify: {graphs: [embed_tokens]}}]").steps)
     assert out.manifest["history"][-1]["modified"] is False
 
 
 def test_per_pass_peak_memory_is_recorded(tiny_dir):
-    out = manager.run(Package.load(tiny_dir), R.from_dict({"passes": ["fold_constants", "simplify"]}).steps)
+    out = manager.run(
+        Package.load(tiny_dir), recipe.from_dict({"passes": ["fold_constants", "simplify"]}).steps
+    )
     peaks = [p["peak_rss_bytes"] for p in out.report["passes"]]
     assert len(peaks) == 2 and all(isinstance(x, int) and x > 10 * 2**20 for x in peaks)
 
@@ -242,16 +243,16 @@ def test_per_pass_peak_memory_is_recorded(tiny_dir):
 def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
     """Hashing a weight in a file maps it only while it is hashed: a fingerprinted package's
     process does not keep every weight resident (onnx-ir maps the whole data file per tensor)."""
-    G.save(_big_model(64), tmp_path / "m.onnx")
-    model = G.load_ir(tmp_path / "m.onnx")
+    graphs.save(_big_model(64), tmp_path / "m.onnx")
+    model = graphs.load_ir(tmp_path / "m.onnx")
     w = model.graph.initializers["w"].const_value
     rss = _rss_bytes()
-    digest = G.fingerprint(model)
+    digest = graphs.fingerprint(model)
     assert w.raw is None  # released again
     assert _rss_bytes() - rss < 16 * 2**20  # not 64 MiB of mapped pages
-    assert w.meta[G._HASH_KEY] == G._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
+    assert w.meta[graphs._HASH_KEY] == graphs._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
     w.release()
     # a weight a pass had mapped stays mapped (its numpy views stay valid)
-    fresh = G.load_ir(tmp_path / "m.onnx")
+    fresh = graphs.load_ir(tmp_path / "m.onnx")
     view = fresh.graph.initializers["w"].const_value.numpy()
-    assert G.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5
+    assert graphs.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5

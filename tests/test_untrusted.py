@@ -272,13 +272,13 @@ def write_error_leaves_no_parents(work, pkg):
 def disk_full(monkeypatch) -> None:
     import errno
 
-    from vlmc import graphs as G
+    from vlmc import graphs
 
     def save(model, path, *args, **kwargs):
         Path(path).write_bytes(b"\0" * 100)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(G, "save", save)
+    monkeypatch.setattr(graphs, "save", save)
 
 
 # ---- read outside the package -----------------------------------------------------------------------

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlmc import exporters, manager, memory, outdir, ui
-from vlmc import package as P
 from vlmc.errors import VlmcError
+from vlmc.package import Package
 from vlmc.recipe import Recipe
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def _phase(phases: dict, name: str):
 
 @dataclass
 class BuildResult:
-    package: P.Package
+    package: Package
     output: Path
     compile: dict | None
 

@@ -176,11 +176,11 @@ def optimize(package, recipe_path, output, check, force):
         vlmc optimize out/tiny-llava --recipe recipes/demo.yaml -o out/tiny-llava-opt --check
     """
     from vlmc import manager, outdir, recipe
-    from vlmc import package as P
+    from vlmc.package import Package
 
     r = recipe.load(recipe_path)
     outdir.check(output, force, source=package)
-    pkg = P.Package.load(package)
+    pkg = Package.load(package)
     pkg = manager.run(pkg, r.steps, check=check)
     path = pkg.save(output, force=force)
     ui.info(f"wrote {path}")
@@ -615,7 +615,7 @@ def plan(
 
     With --tp N, also one card's memory when the tensor_parallel pass splits the decoder over N cards.
     """
-    from vlmc import plan as PL
+    from vlmc import plan
     from vlmc.package import Package
 
     if (package is None) == (config_path is None):
@@ -623,26 +623,26 @@ def plan(
     prec = {}
     for item in precisions:
         role, _, value = item.partition("=")
-        if not value or value not in PL.WEIGHT_BYTES:
+        if not value or value not in plan.WEIGHT_BYTES:
             raise VlmcError(
-                f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(PL.WEIGHT_BYTES)}"
+                f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(plan.WEIGHT_BYTES)}"
             )
         prec[role] = value
-    size = PL.parse_image_size(image_size)
+    size = plan.parse_image_size(image_size)
     if config_path is not None:
-        spec = PL.load_spec(config_path, prec or None, size)
+        spec = plan.load_spec(config_path, prec or None, size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = PL.spec_from_package(Package.load(package), size)
+        spec = plan.spec_from_package(Package.load(package), size)
     if tp and cards not in (1, int(tp)):
         raise click.UsageError(
             f"--tp {tp} splits the model over {tp} cards; leave out --cards or give --cards {tp}"
         )
     cards = int(tp) if tp else cards
-    result = PL.plan(
+    result = plan.plan(
         spec,
         device_memory,
         images=images,

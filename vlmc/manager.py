@@ -11,9 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmc import graphs as G
-from vlmc import manifest as M
-from vlmc import memory, ortsession, samples, ui
+from vlmc import graphs, manifest, memory, ortsession, samples, ui
 from vlmc.errors import CheckFailed, PassFailed, PassRefused, VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import check_requirements
@@ -93,7 +91,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     raise PassFailed(f"{label} did not return a PassResult{after_txt}")
                 out = result.package
                 try:
-                    M.validate(out.manifest, where=f"the manifest after {step.name}")
+                    manifest.validate(out.manifest, where=f"the manifest after {step.name}")
                 except VlmcError as exc:
                     raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
                 changed = _changed(before, out)
@@ -110,9 +108,9 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     try:
                         path = out.path_of(name)
                         if path is not None:
-                            G.check_path(path, name=f"{name} after {step.name}")
+                            graphs.check_path(path, name=f"{name} after {step.name}")
                         else:
-                            G.check(out.model(name), name=f"{name} after {step.name}")
+                            graphs.check(out.model(name), name=f"{name} after {step.name}")
                     except VlmcError as exc:
                         raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
                 report = dict(result.report or {})
@@ -153,7 +151,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
 
 
 def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool) -> _Before:
-    graphs: dict[str, object] = {}
+    kept: dict[str, object] = {}
     if keep_graphs:
         # Files are never changed once written, so an unchanged graph's file is its before-state; a
         # graph already changed in memory is written out (the pass may edit it in place).
@@ -162,12 +160,12 @@ def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool) ->
             if path is None:
                 path = tmp / name / pkg.info(name)["file"]
                 path.parent.mkdir(parents=True)
-                G.save(pkg.model(name), path)
-            graphs[name] = path
+                graphs.save(pkg.model(name), path)
+            kept[name] = path
     return _Before(
         state=pkg.state(),
         manifest=_manifest_text(pkg),
-        graphs=graphs,
+        graphs=kept,
         package=pkg.snapshot() if keep_package else None,
     )
 

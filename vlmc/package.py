@@ -20,9 +20,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs as G
-from vlmc import manifest as M
-from vlmc import outdir, paths
+from vlmc import graphs, manifest, outdir, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -59,16 +57,16 @@ class Package:
         root = Path(path)
         if not root.exists():
             raise VlmcError(f"package {root} does not exist")
-        mpath = root / M.MANIFEST_NAME
+        mpath = root / manifest.MANIFEST_NAME
         if not mpath.is_file():
             raise VlmcError(
-                f"{root} is not a vlmc package (no {M.MANIFEST_NAME}); create one with `vlmc export`"
+                f"{root} is not a vlmc package (no {manifest.MANIFEST_NAME}); create one with `vlmc export`"
             )
         # Every file of the package obeys the confinement rule (vlmc/paths.py), checked before any is read.
         paths.package_files(root, str(root))
-        text = paths.read_text(root, M.MANIFEST_NAME, "manifest", str(mpath))
-        manifest = M.loads(text, where=str(mpath))
-        for name, g in manifest["graphs"].items():
+        text = paths.read_text(root, manifest.MANIFEST_NAME, "manifest", str(mpath))
+        data = manifest.loads(text, where=str(mpath))
+        for name, g in data["graphs"].items():
             key = f"graphs.{name}.file"
             if not paths.inside(root, g["file"], key, str(mpath)).exists():
                 raise VlmcError(f"{root}: graph {name!r} file {g['file']} is missing")
@@ -76,17 +74,17 @@ class Package:
             if g.get("weights_file"):
                 paths.inside(root, g["weights_file"], f"graphs.{name}.weights_file", str(mpath))
             _check_graph_file(root, name, g, str(mpath))
-        text_facts = manifest["text"]
+        text_facts = data["text"]
         for key in ("tokenizer_file", "chat_template"):
             if text_facts.get(key):  # refused at open, before anything reads them
                 paths.regular_file(root, text_facts[key], f"text.{key}", str(mpath))
-        pkg = cls(manifest, root)
-        for name, g in manifest["graphs"].items():
+        pkg = cls(data, root)
+        for name, g in data["graphs"].items():
             pkg._file[name] = root / g["file"]
-        report = root / "report.json"
-        if report.is_file():
+        report_file = root / "report.json"
+        if report_file.is_file():
             try:
-                pkg.report = json.loads(report.read_text())
+                pkg.report = json.loads(report_file.read_text())
             except (OSError, ValueError, RecursionError):  # a damaged report only loses the timings
                 pkg.report = {}
         return pkg
@@ -114,9 +112,9 @@ class Package:
             path = self._file.get(name)
             if path is None:
                 raise VlmcError(f"graph {name!r} has no data")
-            model = G.load_ir(path)
+            model = graphs.load_ir(path)
             self._ir[name] = model
-            self._file_fp.setdefault(name, G.fingerprint(model))
+            self._file_fp.setdefault(name, graphs.fingerprint(model))
         return self._ir[name]
 
     def set_graph(
@@ -131,7 +129,7 @@ class Package:
         if not isinstance(model, ir.Model):
             raise TypeError(f"set_graph({name!r}) takes an onnx_ir.Model, not {type(model).__name__}")
         entry = self._entry(name, role, precision, extra)
-        entry.update(G.signature(model))
+        entry.update(graphs.signature(model))
         self.manifest["graphs"][name] = entry
         self._ir[name] = model
 
@@ -140,7 +138,7 @@ class Package:
     ) -> None:
         """Add a graph whose content is a file (with its external data beside it); nothing is read but its IO."""
         entry = self._entry(name, role, precision, extra)
-        entry.update(G.signature(G.load_ir(path)))
+        entry.update(graphs.signature(graphs.load_ir(path)))
         self.manifest["graphs"][name] = entry
         self._ir.pop(name, None)
         self._file[name] = Path(path)
@@ -149,8 +147,8 @@ class Package:
     def _entry(self, name: str, role: str | None, precision: str | None, extra: dict) -> dict:
         entry = dict(self.manifest["graphs"].get(name, {}))
         role = role or entry.get("role")
-        if role not in M.ROLES:
-            raise VlmcError(f"graph {name!r}: role {role!r} is not one of {', '.join(M.ROLES)}")
+        if role not in manifest.ROLES:
+            raise VlmcError(f"graph {name!r}: role {role!r} is not one of {', '.join(manifest.ROLES)}")
         entry.update(
             {
                 "file": entry.get("file", f"{name}.onnx"),
@@ -171,7 +169,7 @@ class Package:
 
     def _current_fp(self, name: str) -> str | None:
         if name in self._ir:
-            return G.fingerprint(self._ir[name])
+            return graphs.fingerprint(self._ir[name])
         return None
 
     def path_of(self, name: str) -> Path | None:
@@ -245,7 +243,7 @@ class Package:
         With ``adopt=False`` (a copy for a build directory) scratch files are copied, not moved, and
         the package stays as it was.
         """
-        M.validate(self.manifest, where="manifest to save")
+        manifest.validate(self.manifest, where="manifest to save")
         with outdir.atomic(out, force, source=self.root) as tmp:
             shared: dict[str, list[str]] = {}  # weights_file -> graphs storing their weights in it
             unchanged: dict[str, Path] = {}
@@ -255,13 +253,13 @@ class Package:
                     continue
                 path = self.path_of(name)
                 if path is None or not _own_data_only(path):
-                    G.save(self.model(name), tmp / info["file"])
+                    graphs.save(self.model(name), tmp / info["file"])
                 else:
                     unchanged[name] = path
             for data_file, names in sorted(shared.items()):
                 # Graphs that share weights (merge) are written together so each weight is stored once.
                 dest = paths.inside(tmp, data_file, f"graphs.{names[0]}.weights_file", "manifest to save")
-                G.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, dest)
+                graphs.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, dest)
             # Unchanged files go last: a changed graph may still read weights from them.
             for name, src in unchanged.items():
                 self._place(src, tmp / self.info(name)["file"], move=adopt)
@@ -277,13 +275,13 @@ class Package:
                     target.write_bytes(blob)
             if self.root is not None and self.root.resolve() != Path(out).resolve():
                 _carry_files(self.root, tmp, keep=set(self.files))
-            (tmp / M.MANIFEST_NAME).write_text(M.dumps(self.manifest))
-            from vlmc import report as R
+            (tmp / manifest.MANIFEST_NAME).write_text(manifest.dumps(self.manifest))
+            from vlmc import report
 
             (tmp / "report.json").write_text(
                 json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n"
             )
-            (tmp / "report.md").write_text(R.render_markdown(self._view(tmp), tmp))
+            (tmp / "report.md").write_text(report.render_markdown(self._view(tmp), tmp))
         out = Path(out).resolve()
         if adopt:
             self.reroot(out)
@@ -339,7 +337,7 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
     catching these here keeps them from surfacing later as onnxruntime errors mid-run.
     """
     path = root / info["file"]
-    actual = G.signature(G.open_checked(path))
+    actual = graphs.signature(graphs.open_checked(path))
     for io in ("inputs", "outputs"):
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]
@@ -360,7 +358,7 @@ def _own_data_only(path: Path) -> bool:
     A graph that was saved beside others in a shared weights file (merge) and no longer shares it
     must be written out again instead.
     """
-    model = G.load_ir(path)
+    model = graphs.load_ir(path)
     locations = {
         v.const_value.location
         for v in model.graph.initializers.values()
@@ -374,7 +372,7 @@ def _carry_files(src_root: Path, dest_root: Path, keep: set[str]) -> None:
     # Every file is checked by the one confinement rule: a regular file resolving inside the source
     # package (a symlink out of it refuses the package instead of copying what it points at).
     for rel, p in paths.package_files(src_root, str(src_root)):
-        if rel in keep or rel == M.MANIFEST_NAME or rel in _REPORT_FILES:
+        if rel in keep or rel == manifest.MANIFEST_NAME or rel in _REPORT_FILES:
             continue
         if rel.endswith(".onnx") or rel.endswith(".onnx.data"):
             continue  # graphs are written from the manifest; stale ones must not leak

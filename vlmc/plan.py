@@ -480,12 +480,12 @@ def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
     on it (the preprocessing kind's rule: tiles, anyres); a tiled package without it is planned at its
     worst case.
     """
-    from vlmc import graphs as G
+    from vlmc.graphs import initializer_bytes
 
     m = pkg.manifest
     kv, t, v = m["kv"], m["text"], m["vision"]
     ws = [
-        GraphWeights(n, g["role"], g["precision"], None, G.initializer_bytes(pkg.model(n)))
+        GraphWeights(n, g["role"], g["precision"], None, initializer_bytes(pkg.model(n)))
         for n, g in m["graphs"].items()
     ]
     tpi, rows, note, unpruned = _package_tokens(v, image_size)

@@ -112,12 +112,12 @@ def processor_inputs(pkg: Package, proc, prompts: list[str], images: list[list])
     without one, filled into the manifest's prompt_template. A processor that puts its image tokens first by
     itself (text.image_tokens_first: BLIP-2) gets the text without the marker.
     """
-    from vlmc.exporters import processor as P
+    from vlmc.exporters import processor
 
     t = pkg.manifest["text"]
     marker = t.get("image_marker", "<image>")
-    template = P.chat_template(proc)
-    tok = P.tokenizer_of(proc)
+    template = processor.chat_template(proc)
+    tok = processor.tokenizer_of(proc)
     texts, add_special = [], True
     for prompt, per in zip(prompts, images):
         if marker in prompt:
@@ -285,9 +285,9 @@ def verify(
         source = reference_source(pkg, trust_remote_code, allow_pickle)
     model = source.model
     if source.directory is not None and pkg.manifest["text"].get("tokenizer") == "source":
-        from vlmc.exporters import processor as P
+        from vlmc.exporters import processor
 
-        proc = P.load(source.directory, trust_remote_code)
+        proc = processor.load(source.directory, trust_remote_code)
         ref_inp = processor_inputs(pkg, proc, prompts, images)
         checked = compare_inputs(runtime_ref, ref_inp)
         checked["processor"] = type(proc).__name__

@@ -5,8 +5,7 @@ from __future__ import annotations
 import logging
 
 from vlmc import limits, pass_api
-from vlmc.backends.ascend import atc
-from vlmc.backends.ascend import soc as S
+from vlmc.backends.ascend import atc, soc
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -17,7 +16,9 @@ PRECISIONS = ("auto", "fp16", "mixed_float16", "mixed_bfloat16", "origin")
 QUANTIZED_PRECISIONS = ("int8", "int8_weight_only", "int4_weight_only")
 
 TARGET_OPTIONS = (
-    pass_api.Option("soc", str, S.FAMILY_910B, "Ascend SoC: an exact --soc_version or the family Ascend910B"),
+    pass_api.Option(
+        "soc", str, soc.FAMILY_910B, "Ascend SoC: an exact --soc_version or the family Ascend910B"
+    ),
     pass_api.Option(
         "soc_variant",
         str,
@@ -97,7 +98,7 @@ TARGET_OPTIONS = (
 
 def check_target(opts: dict, where: str) -> None:
     """Cross-option checks for an ascend target (raises VlmcError)."""
-    S.check(opts["soc"], opts.get("soc_variant"), where)
+    soc.check(opts["soc"], opts.get("soc_variant"), where)
     for key in ("sequence_buckets", "past_buckets", "batch_sizes", "images"):
         values = opts.get(key)
         if values is None:
