@@ -2,7 +2,8 @@
 
 One tensor in memory at a time, no graph, no hashing, no transposition: what any export of that
 checkpoint to an FP32 graph must at least cost on this machine. bench.py runs it beside the build
-it measures (same run, same page-cache state) and reports the build's time as a multiple of it.
+it measures (same run; bench.py drops the checkpoint from the page cache before each, so both
+read it from the disk) and reports the build's time as a multiple of it.
 
     python scripts/disk_floor.py CHECKPOINT_DIR OUT_FILE [--max-file-gib N]
 
