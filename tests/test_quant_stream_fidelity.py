@@ -8,8 +8,9 @@ numbers must be the same.
 from __future__ import annotations
 
 import pytest
+from test_quant_fidelity_bounds import _opened
 
-from vlmc import limits, ortsession
+from vlmc import limits
 from vlmc.package import Package
 from vlmc.pass_api import get
 from vlmc.passes import _quant_stream_eval
@@ -31,14 +32,7 @@ def whole(tiny_llava):
 def test_streamed_fidelity_equals_whole_graph_fidelity(tiny_llava, whole, monkeypatch):
     monkeypatch.setattr(limits, "MAX_FIDELITY_BYTES", 1024)  # every graph is above: all streamed
     monkeypatch.setattr(_quant_stream_eval, "SEGMENT_BYTES", 16 << 10)  # several segments per graph
-    opened: list[str] = []
-    real = ortsession.for_graph
-
-    def recording(pkg, name, threads=None):
-        opened.append(name)
-        return real(pkg, name, threads)
-
-    monkeypatch.setattr(ortsession, "for_graph", recording)
+    opened = _opened(monkeypatch)
     pkg = Package.load(tiny_llava)
     decoder = pkg.manifest["pipeline"]["decoder"][0]
     res = get("quantize")(**_PLAN, streamed_fidelity=True).run(pkg)

@@ -73,12 +73,12 @@ def _square(x: np.ndarray) -> np.ndarray:
 def _sum_float64(block, n: int) -> np.float64:
     """``np.sum`` of a float64 vector of ``n`` elements, bit for bit, made ``block(i, j)`` at a time.
 
-    numpy sums a contiguous float64 vector pairwise: 0 + s(0, n), where s(lo, n) (:func:`_pairwise`) halves ``n`` (the
+    numpy sums a contiguous float64 vector pairwise: 0 + s(0, n), where s(lo, n) halves ``n`` (the
     first half rounded down to a multiple of 8) until a block of at most 128 elements is summed with
     eight accumulators (numpy/_core/src/umath/loops_utils.h.src, ``pairwise_sum``). Splitting at the
-    same points and letting numpy sum each leaf (``initial=-0.0`` adds exactly nothing, so a leaf is
-    s(lo, n) itself) gives the same float64 as summing the whole vector at once; checked against
-    ``np.sum`` in tests/unit/test_metrics.py.
+    same points (:func:`_pairwise`) and letting numpy sum each leaf (``initial=-0.0`` adds exactly
+    nothing, so a leaf is s(lo, n) itself) gives the same float64 as summing the whole vector at
+    once; checked against ``np.sum`` in tests/unit/test_metrics_blocks.py.
     """
     return np.float64(0.0) + _pairwise(block, 0, n)
 

@@ -6,9 +6,6 @@ alike, and the peak RSS one segment's weights, not the graph's.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,7 +15,7 @@ import onnx_ir as ir
 from vlmc import graphs, ortsession
 from vlmc.passes import _quant_eval, _quant_plan, _quant_stream_eval, _quant_weight_only
 
-REPO = Path(__file__).resolve().parents[2]
+from ._child import peak_growth
 
 
 def _init(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:
@@ -188,15 +185,7 @@ _CHILD = textwrap.dedent(
 
 
 def _peak(path: Path, mode: str, segment: int) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), mode, str(segment)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return r["peak"] - r["base"]
+    return peak_growth(_CHILD, str(path), mode, str(segment))
 
 
 def test_streamed_peak_is_one_segment_not_the_graph(tmp_path):

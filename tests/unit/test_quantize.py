@@ -8,9 +8,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from onnxruntime.transformers import float16
 from vlmc import graphs, interop
 from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
 
-REPO = Path(__file__).resolve().parents[2]
+from ._child import peak_growth
 
 
 # ---- builders ---------------------------------------------------------------------------------
@@ -277,15 +274,7 @@ def _peak_growth(tmp_path: Path, mode: str, layers: int, width: int) -> int:
     d = tmp_path / f"{mode}-{layers}"
     d.mkdir()
     graphs.save(_layers_model(layers, width), d / "g.onnx")
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(d / "g.onnx"), mode, str(d)],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    return r["peak"] - r["base"]
+    return peak_growth(_CHILD, str(d / "g.onnx"), mode, str(d))
 
 
 @pytest.mark.slow
