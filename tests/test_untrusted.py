@@ -412,6 +412,12 @@ def run_tokens_huge(work, pkg):
     return ["run", str(pkg), "--prompt", "hi", "--max-new-tokens", str(10**9)]
 
 
+def kv_head_dim_not_the_graphs(work, pkg):
+    # Valid by the schema, but not the decoder's: the KV feeds built from it do not fit the graph.
+    edit(pkg, lambda m: m["kv"].update(head_dim=m["kv"]["head_dim"] + 1))
+    return run(pkg)
+
+
 def verify_threshold_nan(work, pkg):
     return ["verify", str(pkg), "--max-logit-diff", "nan"]
 
@@ -600,6 +606,7 @@ CASES = [
         ("image_token_id",),
     ),
     Case("num-layers-negative", "internal-error", set_key("kv.layers", -1), ("kv.layers",)),
+    Case("kv-head-dim-not-the-graphs", "internal-error", kv_head_dim_not_the_graphs, ("decoder", "manifest")),
     Case("vocab-size-zero", "internal-error", set_key("text.vocab_size", 0), ("text.vocab_size",)),
     Case("pass-keep-above-tokens", "internal-error", pass_keep_above_tokens, ("prune_visual_tokens", "1000")),
     Case("pass-unknown-graph", "internal-error", pass_unknown_graph, ("simplify", "no_such_graph")),

@@ -15,6 +15,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from vlmc import ortsession
+from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,22 @@ class OrtExecutor:
         ]
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
+
         sess = self.session(graph)
-        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+        try:
+            outputs = sess.run(None, feeds)
+        except InvalidArgument as exc:
+            # onnxruntime checks feeds against the graph's declared inputs before running anything. The
+            # loop builds its feeds from vlmc.json (KV heads and head size, hidden size, dtypes), so a
+            # rejected feed means the manifest disagrees with the graph it describes (edited or from
+            # another export), which is bad input to report in one line, not a vlmc bug.
+            said = " ".join(str(exc).split()).split("INVALID_ARGUMENT : ")[-1]  # one line
+            raise VlmcError(
+                f"graph {graph!r} rejects the inputs vlmc.json describes ({said}); the package's manifest "
+                "does not match its graphs: re-export it"
+            ) from exc
+        return dict(zip([o.name for o in sess.get_outputs()], outputs))
 
     def close(self) -> None:
         """Drop the sessions (each holds a copy of its graph's weights)."""
