@@ -13,6 +13,7 @@ import logging
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
 
 from vlmc import ortsession
 from vlmc.errors import VlmcError
@@ -73,8 +74,6 @@ class OrtExecutor:
         ]
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument
-
         sess = self.session(graph)
         try:
             outputs = sess.run(None, feeds)
