@@ -8,7 +8,7 @@ after the MLP down projection (NVIDIA/apex ``apex/transformer/tensor_parallel/la
 ColumnParallelLinear / RowParallelLinear, the Megatron code apex carries).
 
 No ONNX parser plugin registers an HCCL collective, so an offline 910B ``.om`` cannot contain one
-(shared/ascend/atc-reference.md, "Several cards"; hicann/ge ``--cluster_config.md``). Each rank's
+(docs/atc-facts.md, "Several cards"; hicann/ge ``--cluster_config.md``). Each rank's
 decoder is therefore cut at the all-reduce points into ``2 * layers + 1`` segment graphs, and the host
 calls the collective between them (``HcclAllReduce(sendBuf, recvBuf, count, dataType, op, comm,
 stream)``, hicann/hccl ``include/hccl.h``; ``torch.distributed.all_reduce`` on gloo here). The host plan

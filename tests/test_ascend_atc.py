@@ -1,4 +1,4 @@
-"""ATC command rules from shared/ascend/atc-reference.md, the SoC table and resolution, error codes."""
+"""ATC command rules from docs/atc-facts.md, the SoC table and resolution, error codes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`compile` for Ascend: every emitted command obeys atc-reference.md, every lowered graph parses, and the
+"""`compile` for Ascend: every emitted command obeys docs/atc-facts.md, every lowered graph parses, and the
 precheck stops bad graphs (naming the node) before anything is written."""
 
 from __future__ import annotations
@@ -216,7 +216,7 @@ def _compile(pkg: Package, out: Path, **target) -> dict:
 
 
 def _assert_obeys_rules(out: Path, summary: dict) -> None:
-    """The rules of atc-reference.md, checked on what was written, independently of how it was built."""
+    """The rules of docs/atc-facts.md, checked on what was written, independently of how it was built."""
     assert summary["soc_version"] in soc.VARIANTS_910B
     for b in summary["builds"]:
         argv = (out / b["workdir"] / "atc.cmd").read_text().split("\n")[0]

@@ -24,7 +24,7 @@ from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
-# ATC parses ai.onnx opsets 9..18 (shared/ascend/atc-reference.md); exporters write 17.
+# ATC parses ai.onnx opsets 9..18 (docs/atc-facts.md); exporters write 17.
 EXPORT_OPSET = 17
 # Tensors at least this large go to external data so that the .onnx protobuf stays small.
 EXTERNAL_DATA_THRESHOLD = 1024

@@ -2,8 +2,8 @@
 
 The types at the top are a tiny schema language (validate a value, or emit JSON Schema); the data at
 the bottom is the manifest. Adding a field is one line in the section's ``Obj({...})``; adding a
-preprocessing kind is one entry in :data:`PREPROCESS_KINDS` (see /work/wt/notes/manifest-schema.md and
-docs/security.md). ``vlmc schema manifest`` prints the JSON Schema (docs/manifest.schema.json).
+preprocessing kind is one entry in :data:`PREPROCESS_KINDS` (see docs/security.md).
+``vlmc schema manifest`` prints the JSON Schema (docs/manifest.schema.json).
 
 Policy for keys the schema does not name (another vlmc's facts, or a newer family's): known keys are
 checked strictly; unknown keys in a section are accepted only as bounded :class:`Facts` (scalars,

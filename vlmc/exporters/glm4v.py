@@ -5,7 +5,7 @@ its in-graph grid arithmetic and block-diagonal attention. What is GLM's own:
 
 - RMS norms around the tower (after the patch embedding, after the last block);
 - the learned square position table is resampled to each grid with ``F.grid_sample(bicubic, border,
-  align_corners=False)`` in transformers. ATC parses no GridSample (shared/ascend/onnx_ops.tsv), so the graph
+  align_corners=False)`` in transformers. ATC parses no GridSample (vlmc/backends/ascend/data/onnx_ops.tsv, docs/atc-facts.md), so the graph
   takes the same 4x4 Keys-kernel (a = -0.75) taps and weights per patch with transformers' own per-axis helper
   (``padding="border"`` clamps the taps as grid_sample's border mode does) and sums 16 gathered rows;
 - the 2x2 merge is a Conv2d (kernel = stride = merge) over each merge block, exported as one MatMul over the

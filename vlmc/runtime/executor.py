@@ -3,8 +3,7 @@
 The loop in :mod:`vlmc.runtime.pipeline` is the only generation loop vlmc has. It asks an executor
 which inputs a graph declares, feeds them by name, and reads the outputs by name. What differs between
 onnxruntime on a package, the lowered Ascend graphs on CPU and ``.om`` files on a 910B is the executor
-(docs/architecture.md, "Executors"; the seam is described for other executors in
-``/work/wt/notes/executor-seam.md`` during development and in docs/architecture.md after).
+(docs/architecture.md, "Executors").
 """
 
 from __future__ import annotations

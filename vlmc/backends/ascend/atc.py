@@ -1,6 +1,6 @@
 """ATC command lines: the complete flag table, every rule ATC enforces, and reading ATC's errors.
 
-The rules follow shared/ascend/atc-reference.md (gathered from hicann/ge ``atc_flags.cc``,
+The rules follow docs/atc-facts.md (gathered from hicann/ge ``atc_flags.cc``,
 ``main_impl.cc`` and ``option_utils.cc``). :func:`problems` checks a parsed command against all of
 them, independently of how vlmc built it, so tests can hold every emitted command to the rules.
 """

@@ -4,7 +4,7 @@ The lowered graph is what ATC reads, so onnxruntime cannot load it (Ascend ops, 
 executor is ``onnx.reference.ReferenceEvaluator`` with these ops added and MatMul/Conv taught to
 accumulate int8 in int32, which is what the AMCT deploy form means by an int8 MatMul.
 
-Numerics follow atc-reference.md: AscendQuant computes in fp16 on 910B and rounds ties to even;
+Numerics follow docs/atc-facts.md ("Quantized models"): AscendQuant computes in fp16 on 910B and rounds ties to even;
 AscendDequant and the antiquant ops produce fp16 on 910B. With ``fp16=True`` (the default) these
 roundings are emulated; results are returned as float32 so downstream fp32 ops keep their dtypes.
 

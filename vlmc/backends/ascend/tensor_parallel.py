@@ -5,7 +5,7 @@ from __future__ import annotations
 from vlmc.backends.ascend import gears
 
 # The collective the host calls between a rank's segment builds (no ONNX parser plugin registers an
-# HCCL op, so no .om can hold it: shared/ascend/atc-reference.md, "Several cards").
+# HCCL op, so no .om can hold it: docs/atc-facts.md, "Several cards").
 _HCCL_SOURCES = [
     "hicann/hccl include/hccl.h: HcclAllReduce(sendBuf, recvBuf, count, dataType, op, comm, stream)",
     "hicann/hccl docs/api/context/HcclAllReduce.md",
@@ -16,7 +16,7 @@ RANK_TABLE = "rank_table.json"
 
 def rank_table(size: int) -> dict:
     """A rank table for one server with ``size`` devices, device i as rank i (the layout in
-    shared/ascend/atc-reference.md). ATC does not read it; HCCL reads it at run time."""
+    docs/atc-facts.md). ATC does not read it; HCCL reads it at run time."""
     return {
         "status": "completed",
         "version": "1.0",
