@@ -1,4 +1,4 @@
-"""The quantize pass's per-graph plan: validation of the nested options and their JSON Schema."""
+"""The quantize pass's per-graph scheme: validation of the nested options and their JSON Schema."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ class KeepFp32:
 
 
 @dataclass
-class GraphPlan:
+class GraphScheme:
     """What to do with one graph (or all graphs of a role)."""
 
     key: str
@@ -204,7 +204,7 @@ class GraphPlan:
 
     @property
     def mode(self) -> str:
-        """The manifest precision this plan produces."""
+        """The manifest precision this scheme produces."""
         if self.weights == "int8":
             return "int8" if self.activations == "int8" else "int8_weight_only"
         if self.weights == "int4":
@@ -264,17 +264,17 @@ def parse_keep(value: Any, where: str) -> KeepFp32:
 
 def parse_graph(
     key: str, value: Any, where: str, calib: Calibration, keep: KeepFp32, target: str = "ascend"
-) -> GraphPlan:
-    """Validate one graph's mapping (e.g. ``{weights: int8, activations: int8}``) into a GraphPlan.
+) -> GraphScheme:
+    """Validate one graph's mapping (e.g. ``{weights: int8, activations: int8}``) into a GraphScheme.
 
-    ``target`` is the quantize pass's ``target`` option: ``ascend`` holds the plan to the forms the
+    ``target`` is the quantize pass's ``target`` option: ``ascend`` holds the scheme to the forms the
     NPU builds (symmetric activations by default, group sizes NPUWeightQuantBatchMatmulV2 accepts).
     """
     where = f"{where}: {key}"
     d = _check_keys(value, GRAPH_KEYS, where)
     if "weights" not in d:
         raise VlmcError(f"{where}: 'weights' is required (one of {', '.join(WEIGHTS)})")
-    plan = GraphPlan(
+    scheme = GraphScheme(
         key=key,
         weights=d["weights"],
         activations=d.get("activations", "fp32"),
@@ -288,25 +288,25 @@ def parse_graph(
         calibration=parse_calibration(d.get("calibration"), f"{where}.calibration", calib),
         keep_fp32=keep.merged(parse_keep(d.get("keep_fp32"), f"{where}.keep_fp32")),
     )
-    if plan.activations == "int8" and plan.weights != "int8":
-        raise VlmcError(f"{where}: activations: int8 needs weights: int8 (got weights: {plan.weights})")
-    if plan.group_size < 32 or plan.group_size % 16:
-        raise VlmcError(f"{where}.group_size={plan.group_size} must be a multiple of 16 and at least 32")
-    if target == "ascend" and plan.group_size % ASCEND_GROUP_MULTIPLE:
+    if scheme.activations == "int8" and scheme.weights != "int8":
+        raise VlmcError(f"{where}: activations: int8 needs weights: int8 (got weights: {scheme.weights})")
+    if scheme.group_size < 32 or scheme.group_size % 16:
+        raise VlmcError(f"{where}.group_size={scheme.group_size} must be a multiple of 16 and at least 32")
+    if target == "ascend" and scheme.group_size % ASCEND_GROUP_MULTIPLE:
         raise VlmcError(
-            f"{where}.group_size={plan.group_size} is refused by the NPU: NPUWeightQuantBatchMatmulV2 takes "
-            f"a multiple of {ASCEND_GROUP_MULTIPLE} (e.g. {plan.group_size // 32 * 32 or 32} or "
-            f"{(plan.group_size // 32 + 1) * 32}); use quantize target: portable for other backends"
+            f"{where}.group_size={scheme.group_size} is refused by the NPU: NPUWeightQuantBatchMatmulV2 takes "
+            f"a multiple of {ASCEND_GROUP_MULTIPLE} (e.g. {scheme.group_size // 32 * 32 or 32} or "
+            f"{(scheme.group_size // 32 + 1) * 32}); use quantize target: portable for other backends"
         )
-    if "activation_symmetric" in d and plan.activations != "int8":
+    if "activation_symmetric" in d and scheme.activations != "int8":
         raise VlmcError(f"{where}: activation_symmetric applies to activations: int8 only")
-    if "method" in d and plan.weights not in ("int8", "int4"):
+    if "method" in d and scheme.weights not in ("int8", "int4"):
         raise VlmcError(
-            f"{where}: method applies to int8/int4 weight-only graphs, not weights: {plan.weights}"
+            f"{where}: method applies to int8/int4 weight-only graphs, not weights: {scheme.weights}"
         )
-    if plan.method == "awq" and plan.activations == "int8":
+    if scheme.method == "awq" and scheme.activations == "int8":
         raise VlmcError(f"{where}: method: awq is for weight-only quantization; drop activations: int8")
-    return plan
+    return scheme
 
 
 def graph_schema() -> dict:
@@ -315,5 +315,5 @@ def graph_schema() -> dict:
         "additionalProperties": False,
         "required": ["weights"],
         "properties": {k: dict(s) for k, (_, s) in GRAPH_KEYS.items()},
-        "description": "per-graph plan (key: a graph name or a role such as vision/decoder)",
+        "description": "per-graph scheme (key: a graph name or a role such as vision/decoder)",
     }

@@ -14,7 +14,7 @@ from vlmc import graphs, limits, manifest
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
-from . import _quant_plan
+from . import scheme
 
 logger = logging.getLogger(__name__)
 
@@ -79,21 +79,19 @@ class Quantize(Pass):
             "backend the quantized graphs are built for: ascend keeps to the forms the NPU builds "
             "(symmetric int8 activations by default, per-tensor MatMul/Gemm weights, group sizes that "
             "NPUWeightQuantBatchMatmulV2 accepts); portable allows any form onnxruntime runs",
-            choices=_quant_plan.TARGETS,
+            choices=scheme.TARGETS,
         ),
     )
 
     # ---- options --------------------------------------------------------------------------
     @classmethod
-    def _plans(cls, opts: dict, where: str) -> dict[str, _quant_plan.GraphPlan]:
-        calib = _quant_plan.parse_calibration(opts.get("calibration"), f"{where}: calibration")
-        keep = _quant_plan.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
+    def _plans(cls, opts: dict, where: str) -> dict[str, scheme.GraphScheme]:
+        calib = scheme.parse_calibration(opts.get("calibration"), f"{where}: calibration")
+        keep = scheme.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
         known = {o.name for o in cls.options}
         target = opts.get("target") or "ascend"
         return {
-            k: _quant_plan.parse_graph(k, v, where, calib, keep, target)
-            for k, v in opts.items()
-            if k not in known
+            k: scheme.parse_graph(k, v, where, calib, keep, target) for k, v in opts.items() if k not in known
         }
 
     @classmethod
@@ -108,17 +106,17 @@ class Quantize(Pass):
     @classmethod
     def json_schema(cls) -> dict:
         schema = super().json_schema()
-        schema["additionalProperties"] = _quant_plan.graph_schema()
-        for key, sub in (("keep_fp32", _quant_plan.KEEP_KEYS), ("calibration", _quant_plan.CALIB_KEYS)):
+        schema["additionalProperties"] = scheme.graph_schema()
+        for key, sub in (("keep_fp32", scheme.KEEP_KEYS), ("calibration", scheme.CALIB_KEYS)):
             schema["properties"][key].update(
                 {"additionalProperties": False, "properties": {k: s for k, (_, s) in sub.items()}}
             )
         return schema
 
-    def resolve(self, package) -> dict[str, _quant_plan.GraphPlan]:
+    def resolve(self, package) -> dict[str, scheme.GraphScheme]:
         """Graph name -> plan. A key names a graph, or a role (all its graphs); graph names win."""
         plans = self._plans(self.opts, self.name)
-        out: dict[str, _quant_plan.GraphPlan] = {}
+        out: dict[str, scheme.GraphScheme] = {}
         for key, plan in plans.items():
             if key in package.manifest["graphs"]:
                 continue
@@ -134,11 +132,11 @@ class Quantize(Pass):
         return out
 
     def check_package(self, package) -> None:
-        from . import _quant_calib
+        from . import calib
 
         for name, plan in self.resolve(package).items():
             if plan.calibration.images is not None:
-                _quant_calib.image_files(plan.calibration.images)
+                calib.image_files(plan.calibration.images)
             if package.manifest.get("tensor_parallel") and (plan.needs_calibration or plan.mode == "int8"):
                 # Calibration runs the package in this process; a sharded one runs as rank processes.
                 raise VlmcError(
@@ -148,7 +146,7 @@ class Quantize(Pass):
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, package, plan=None):
-        from . import _quant_calib, _quant_eval, _quant_stream_eval
+        from . import calib, fidelity, stream_fidelity
 
         plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
         eval_samples, eval_tokens, seed = (
@@ -171,7 +169,7 @@ class Quantize(Pass):
         for n, p in plans.items():
             c = p.calibration
             groups.setdefault((c.images, c.prompts), []).append(n)
-        recorded: dict[str, _quant_calib.Recorded] = {}
+        recorded: dict[str, calib.Recorded] = {}
         e2e_source = None
         for (images, prompts), names in groups.items():
             calibrated = [n for n in names if plans[n].needs_calibration or plans[n].mode == "int8"]
@@ -182,8 +180,8 @@ class Quantize(Pass):
                 count = max(count, eval_samples)
             if not count:
                 continue
-            refs = _quant_calib.image_refs(images, count, seed)
-            rec = _quant_calib.record(
+            refs = calib.image_refs(images, count, seed)
+            rec = calib.record(
                 package,
                 set(calibrated) | set(evaluated),
                 refs,
@@ -196,7 +194,7 @@ class Quantize(Pass):
             )
             for n in sorted(streamed & set(evaluated)):
                 # Before any graph changes: the FP32 outputs, one segment's weights at a time.
-                rec.outputs[n] = _quant_stream_eval.reference(package.model(n), rec.feeds[n][:eval_samples])
+                rec.outputs[n] = stream_fidelity.reference(package.model(n), rec.feeds[n][:eval_samples])
             if e2e_source is None and rec.generations:
                 e2e_source = rec
             for n in names:
@@ -204,7 +202,7 @@ class Quantize(Pass):
 
         report: dict = {"graphs": {}}
         modified = False
-        sessions = _quant_eval.Sessions(package)  # quantized sessions, reused by end-to-end fidelity
+        sessions = fidelity.Sessions(package)  # quantized sessions, reused by end-to-end fidelity
         for name, plan in plans.items():
             rec = recorded.get(name)
             feeds = rec.feeds.get(name, []) if rec else []
@@ -248,11 +246,11 @@ class Quantize(Pass):
             if name in skipped:
                 entry["fidelity"] = skipped[name]
             elif rec is not None and name in streamed:
-                entry["fidelity"], entry["fidelity_streamed"] = _quant_stream_eval.graph_fidelity(
+                entry["fidelity"], entry["fidelity_streamed"] = stream_fidelity.graph_fidelity(
                     model, plan.mode, feeds[:eval_samples], rec.outputs.get(name, [])
                 )
             elif rec is not None and name in graph_eval:
-                entry["fidelity"] = _quant_eval.graph_fidelity(
+                entry["fidelity"] = fidelity.graph_fidelity(
                     package, name, feeds[:eval_samples], rec.outputs.get(name, []), sessions
                 )
             report["graphs"][name] = entry
@@ -261,7 +259,7 @@ class Quantize(Pass):
                 rec.outputs.pop(name, None)
             del feeds
         if modified and e2e_source is not None and e2e_tokens:
-            report["end_to_end"] = _quant_eval.end_to_end(
+            report["end_to_end"] = fidelity.end_to_end(
                 package, e2e_source.inputs, e2e_source.generations, e2e_tokens, sessions
             )
             if e2e_note:
@@ -277,18 +275,18 @@ class Quantize(Pass):
         return PassResult(package, modified, report)
 
     @staticmethod
-    def _apply(model, plan: _quant_plan.GraphPlan, feeds: list, seed: int, scratch):
-        from . import _quant_calib, _quant_static, _quant_weight_only
+    def _apply(model, plan: scheme.GraphScheme, feeds: list, seed: int, scratch):
+        from . import calib, static, weight_only
 
         if plan.mode == "int8":
             if not feeds:
                 raise VlmcError(f"quantize: no calibration data for {plan.key}; give calibration.count ≥ 1")
-            return _quant_static.quantize_int8(model, _quant_calib.FeedReader(feeds), plan, seed, scratch)
+            return static.quantize_int8(model, calib.FeedReader(feeds), plan, seed, scratch)
         store = graphs.TensorStore(scratch / "quantized.onnx.data")
         try:
             if plan.mode == "fp16":
-                return _quant_static.convert_fp16(model, plan, store)
-            return _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
+                return static.convert_fp16(model, plan, store)
+            return weight_only.quantize_weight_only(model, plan, feeds, store)
         finally:
             store.close()
 
@@ -307,7 +305,7 @@ def _graph_eval(
     The whole-graph path records the FP32 outputs through an onnxruntime session on the FP32 graph and
     runs the quantized graph on another: above limits.MAX_FIDELITY_BYTES of FP32 weights that is more
     memory and time than the build itself. There ``stream`` (option ``streamed_fidelity``) runs
-    both graphs segment by segment instead (``_quant_stream_eval``); without it the comparison is
+    both graphs segment by segment instead (``stream_fidelity``); without it the comparison is
     skipped and the report and the log say so and how to turn it on.
     """
     if not eval_samples:
