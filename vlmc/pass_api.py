@@ -3,9 +3,17 @@
 A pass is a class with a ``name``, an ``options`` schema (a tuple of :class:`Option`) and
 ``run(package, plan) -> PassResult``. Passes change the package they are given in place (editing
 the onnx-ir model from ``Package.model`` or handing a new graph to ``Package.set_graph``) and
-return it. The pass manager works out ``modified`` from content fingerprints; a pass may state it,
-and is then rejected if it is wrong. ``check_package`` returns the plan that ``run`` receives, and
-a lossy pass's fidelity is measured by ``evaluate(before, after)``, which the manager calls.
+return it. The pass manager (vlmc/manager.py) holds every pass to this contract:
+
+- ``check_package`` refuses a package early and returns the plan; the manager hands exactly that to
+  ``run`` (a pass keeps no state between the two).
+- ``modified`` is worked out from content fingerprints; a pass may state it, and is then held to it.
+- a ``lossy`` pass implements ``evaluate(before, after, result)``, which the manager calls, and
+  declares ``changes_input = False``: it builds new graph objects (a clone, or a new model) and
+  hands them to ``set_graph``, so the manager's snapshot is still the package as it was.
+- a pass that declares ``changes_input = False`` (as onnx-ir's ``FunctionalPass`` does) is checked:
+  every graph object the package held when it started must be unchanged when it returns.
+- a ``VlmcError`` from ``check_package`` or ``run`` is a refusal (``PassRefused``, exit code 2).
 """
 
 from __future__ import annotations
@@ -159,7 +167,11 @@ class Pass:
 
     Class attributes:
         preserves_numerics: outputs are unchanged up to float rounding; ``--check`` verifies it.
-        lossy: the pass moves outputs on purpose; ``evaluate`` must say by how much.
+        lossy: the pass moves outputs on purpose; it must implement ``evaluate`` (how far) and
+            declare ``changes_input = False``. The manager refuses a lossy class without them.
+        changes_input: False declares that ``run`` leaves every graph object it was given as it was
+            (it builds new ones and hands them to ``set_graph``), as onnx-ir's ``FunctionalPass``
+            declares ``changes_input``; the manager checks it against its snapshot.
         requires: preconditions on the package (keys of :data:`REQUIREMENTS`), checked by the manager.
         options: the typed schema; ``self.opts`` holds validated values after construction.
     """
@@ -169,6 +181,8 @@ class Pass:
     preserves_numerics: ClassVar[bool] = False
     # Changes outputs on purpose (pruning, quantization): verify reports fidelity instead of exactness.
     lossy: ClassVar[bool] = False
+    # onnx-ir's PassBase.changes_input: False for a pass that never edits the graph objects it is given.
+    changes_input: ClassVar[bool] = True
     requires: ClassVar[tuple[str, ...]] = ()
     options: ClassVar[tuple[Option, ...]] = ()
     # Passes whose options are keyed by graph name (e.g. quantize) accept extra keys and check them.
@@ -201,13 +215,34 @@ class Pass:
         """For lossy passes: how far the change moved the outputs (merged into the report as ``fidelity``).
 
         ``before`` is the package as it was before ``run`` (its graphs are the unchanged files and
-        objects), ``after`` the package ``run`` returned. Return None when there is nothing to measure.
+        objects: a lossy pass does not change its input), ``after`` the package ``run`` returned.
+        Return None when there is nothing to measure. Every lossy pass overrides it.
         """
         return None
 
     @classmethod
     def json_schema(cls) -> dict:
         return schema_json(cls.options, cls.summary, bool(cls.allow_extra_keys))
+
+
+def contract_violations(cls: type[Pass]) -> list[str]:
+    """What a pass class declares that the contract does not allow, one sentence each (for its author)."""
+    found = []
+    if cls.lossy and cls.evaluate is Pass.evaluate:
+        found.append(
+            "it is lossy but does not implement evaluate(before, after, result); a lossy pass must say "
+            "how far it moved the outputs (override Pass.evaluate and return the fidelity it measured)"
+        )
+    if cls.lossy and cls.changes_input:
+        found.append(
+            "it is lossy but does not declare changes_input = False; a lossy pass builds its graphs on "
+            "new objects (Model.clone() or a new model handed to set_graph), so that evaluate's "
+            "'before' package is the package as it was"
+        )
+    unknown = [r for r in cls.requires if r not in REQUIREMENTS]
+    if unknown:
+        found.append(f"it requires {unknown[0]!r}, which is not one of {', '.join(REQUIREMENTS)}")
+    return found
 
 
 def check_requirements(p: Pass, pkg: Package) -> None:

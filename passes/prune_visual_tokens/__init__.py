@@ -376,6 +376,8 @@ class PruneVisualTokens(Pass):
         "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
     )
     lossy = True
+    # The pruned vision graph is a new model (rewrite builds it); the snapshot keeps the original.
+    changes_input = False
     requires = ("unmerged",)
     options = (
         Option(
