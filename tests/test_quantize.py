@@ -85,7 +85,18 @@ def _cos(a, b) -> float:
             {"vision_encoder": {"weights": "fp16", "activations": "int8"}},
             "activations: int8 needs weights: int8",
         ),
-        ({"decoder": {"weights": "int4", "group_size": 40}}, "must be a multiple of 16 and at least 32"),
+        (
+            {"decoder": {"weights": "int4", "group_size": 40}},
+            "decoder: group_size=40 must be a multiple of 16",
+        ),
+        (
+            {"decoder": {"weights": "int4", "group_size": 16}},
+            "decoder: group_size=16 is below the minimum 32",
+        ),
+        (
+            {"decoder": {"weights": "int4", "calibration": {"count": 0}}},
+            "decoder: calibration: count=0 is below the minimum 1",
+        ),
         (
             {"decoder": {"weights": "int4", "calibration": {"count": 4, "how": "x"}}},
             "unknown key 'how'; valid keys: images",
@@ -103,16 +114,24 @@ def test_bad_options_are_one_line_errors(opts, message):
     assert message in str(err.value)
 
 
-def test_json_schema_documents_the_per_graph_plan():
+def test_json_schema_documents_the_per_graph_scheme():
+    from vlmc import limits
+
     schema = get("quantize").json_schema()
     graph = schema["additionalProperties"]
-    assert graph["properties"]["weights"]["enum"] == ["fp32", "fp16", "int8", "int4"]
-    assert graph["properties"]["calibration"]["properties"]["method"]["enum"] == [
-        "minmax",
-        "percentile",
-        "entropy",
-    ]
+    # null is "not set", as for every option (the default applies)
+    assert graph["properties"]["weights"]["enum"] == ["fp32", "fp16", "int8", "int4", None]
+    assert graph["required"] == ["weights"]
+    calibration = graph["properties"]["calibration"]
+    assert calibration["properties"]["method"]["enum"] == ["minmax", "percentile", "entropy", None]
+    # the bounds validation enforces are the ones documented (one Option states each once)
+    assert calibration["properties"]["count"]["maximum"] == limits.MAX_CALIBRATION_SAMPLES
+    assert {k: graph["properties"]["group_size"][k] for k in ("minimum", "multipleOf")} == {
+        "minimum": 32,
+        "multipleOf": 16,
+    }
     assert schema["properties"]["keep_fp32"]["additionalProperties"] is False
+    assert schema["properties"]["calibration"]["properties"] == calibration["properties"]
     assert "eval_tokens" in schema["properties"]
 
 

@@ -50,7 +50,9 @@ class Option:
             sizes work (counts, samples, gears, batch) has a ``max`` (vlmc/limits.py, docs/security.md).
         multiple_of: numeric values must be a multiple of this.
         items: element type for list options.
-        max_items: most items a list option may have.
+        max_items / min_items: most / fewest items a list option may have.
+        fields: for a dict option, the schema of its keys (Options again, so nested recipe values are
+            validated and documented by the same code as top-level ones); unknown keys are refused.
     """
 
     name: str
@@ -64,6 +66,8 @@ class Option:
     items: type | None = None
     required: bool = False
     max_items: int | None = None
+    min_items: int | None = None
+    fields: tuple[Option, ...] | None = None
 
     def coerce(self, value: Any, where: str) -> Any:
         """Validate one value; raise VlmcError naming the key on a wrong type or range."""
@@ -88,6 +92,10 @@ class Option:
                 raise VlmcError(
                     f"{where}: {self.name} has {len(value)} items, above the maximum {self.max_items}"
                 )
+            if self.min_items is not None and len(value) < self.min_items:
+                raise VlmcError(
+                    f"{where}: {self.name} needs at least {self.min_items} item(s), got {len(value)}"
+                )
             if self.items is not None:
                 for v in value:
                     if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
@@ -96,6 +104,8 @@ class Option:
                         )
                     if isinstance(v, (int, float)) and not isinstance(v, bool):
                         self._bounds(v, f"{self.name} item", where)
+        if t is dict and self.fields is not None:
+            validate(self.fields, value, f"{where}: {self.name}", noun="key")  # checked, kept as written
         return value
 
     def _bounds(self, value: float, name: str, where: str) -> None:
@@ -128,8 +138,14 @@ class Option:
                 s["items"] = {"type": _JSON_TYPES[self.items], **bounds}
             if self.max_items is not None:
                 s["maxItems"] = self.max_items
+            if self.min_items is not None:
+                s["minItems"] = self.min_items
         else:
             s.update(bounds)
+        if self.fields is not None:
+            s.update(schema_json(self.fields))
+            s["type"] = "object" if self.required else ["object", "null"]
+            s["description"] = self.doc
         return s
 
 
@@ -253,21 +269,26 @@ def check_requirements(p: Pass, pkg: Package) -> None:
             raise VlmcError(message.format(vlm=pkg.manifest.get("pipeline", {}).get("vlm"), name=p.name))
 
 
-def validate(schema: tuple[Option, ...], opts: Any, where: str, allow_extra: bool = False) -> dict:
-    """Validate a mapping against an option schema; fill defaults; unknown keys list the valid ones."""
+def validate(
+    schema: tuple[Option, ...], opts: Any, where: str, allow_extra: bool = False, noun: str = "option"
+) -> dict:
+    """Validate a mapping against an option schema; fill defaults; unknown keys list the valid ones.
+
+    ``noun`` names the keys in messages: "option" for a pass's options, "key" for a nested mapping.
+    """
     by_name = {o.name: o for o in schema}
     if not isinstance(opts, dict):
-        raise VlmcError(f"{where}: options must be a mapping of option names to values")
+        raise VlmcError(f"{where}: {noun}s must be a mapping of {noun} names to values")
     unknown = [k for k in opts if k not in by_name]
     if unknown and not allow_extra:
         valid = ", ".join(by_name) or "(none)"
-        raise VlmcError(f"{where}: unknown option {unknown[0]!r}; valid options: {valid}")
+        raise VlmcError(f"{where}: unknown {noun} {unknown[0]!r}; valid {noun}s: {valid}")
     out = {}
     for o in schema:
         if o.name in opts:
             out[o.name] = o.coerce(opts[o.name], where)
         elif o.required:
-            raise VlmcError(f"{where}: option {o.name!r} is required")
+            raise VlmcError(f"{where}: {noun} {o.name!r} is required")
         else:
             out[o.name] = o.default
     for k in unknown:

@@ -48,6 +48,7 @@ class Quantize(Pass):
             dict,
             None,
             "ops/nodes kept in float32 in every graph: {op_types: [...], nodes: [globs]}",
+            fields=scheme.KEEP,
         ),
         Option(
             "calibration",
@@ -55,6 +56,7 @@ class Quantize(Pass):
             None,
             "default calibration for all graphs: "
             "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}",
+            fields=scheme.CALIBRATION,
         ),
         Option(
             "eval_samples",
@@ -111,10 +113,6 @@ class Quantize(Pass):
     def json_schema(cls) -> dict:
         schema = super().json_schema()
         schema["additionalProperties"] = scheme.graph_schema()
-        for key, sub in (("keep_fp32", scheme.KEEP_KEYS), ("calibration", scheme.CALIB_KEYS)):
-            schema["properties"][key].update(
-                {"additionalProperties": False, "properties": {k: s for k, (_, s) in sub.items()}}
-            )
         return schema
 
     def resolve(self, package) -> dict[str, scheme.GraphScheme]:

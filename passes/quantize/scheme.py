@@ -9,6 +9,7 @@ from typing import Any
 
 from vlmc import ascend_limits, limits
 from vlmc.errors import VlmcError
+from vlmc.pass_api import Option, schema_json, validate
 
 logger = logging.getLogger(__name__)
 
@@ -29,132 +30,95 @@ DEFAULT_PROMPTS = (
     "Write a caption for this image.",
 )
 
-# Sub-key -> (python type, JSON Schema fragment). Order is the order error messages list them.
-CALIB_KEYS: dict[str, tuple[type, dict]] = {
-    "images": (
-        str,
-        {"type": "string", "description": "directory of calibration images (default: built-in demo images)"},
-    ),
-    "prompts": (
-        list,
-        {
-            "type": "array",
-            "items": {"type": "string"},
-            "description": "prompts paired with the images (cycled)",
-        },
-    ),
-    "count": (
+# The nested recipe keys, in the pass contract's one option language (vlmc.pass_api.Option): each
+# type, choice and bound is written once and serves validation and the JSON Schema. ``None`` (the
+# default) means "not set": the dataclasses below, or the pass-wide value, supply the default.
+CALIBRATION = (
+    Option("images", str, None, "directory of calibration images (default: built-in demo images)"),
+    Option("prompts", list, None, "prompts paired with the images (cycled)", items=str, min_items=1),
+    Option(
+        "count",
         int,
-        {
-            "type": "integer",
-            "minimum": 1,
-            "maximum": limits.MAX_CALIBRATION_SAMPLES,
-            "description": "number of calibration samples (default 32; at most VLMC_MAX_CALIBRATION_SAMPLES, "
-            f"default {limits.MAX_CALIBRATION_SAMPLES})",
-        },
+        None,
+        "number of calibration samples (default 32; at most VLMC_MAX_CALIBRATION_SAMPLES, "
+        f"default {limits.MAX_CALIBRATION_SAMPLES}: raise it there)",
+        min=1,
+        max=limits.MAX_CALIBRATION_SAMPLES,
     ),
-    "method": (
+    Option("method", str, None, "activation range estimator (default minmax)", choices=CALIB_METHODS),
+)
+KEEP = (
+    Option("op_types", list, None, "op types kept in float32", items=str),
+    Option("nodes", list, None, "node names (shell-style globs) kept in float32", items=str),
+)
+GRAPH = (
+    Option("weights", str, None, "weight precision: fp32 (leave), fp16, int8 or int4", choices=WEIGHTS),
+    Option(
+        "activations",
         str,
-        {"enum": list(CALIB_METHODS), "description": "activation range estimator (default minmax)"},
+        None,
+        "int8: static per-tensor activation quantization (needs weights: int8); fp32: weight-only",
+        choices=ACTIVATIONS,
     ),
-}
-KEEP_KEYS: dict[str, tuple[type, dict]] = {
-    "op_types": (
-        list,
-        {"type": "array", "items": {"type": "string"}, "description": "op types kept in float32"},
-    ),
-    "nodes": (
-        list,
-        {
-            "type": "array",
-            "items": {"type": "string"},
-            "description": "node names (shell-style globs) kept in float32",
-        },
-    ),
-}
-GRAPH_KEYS: dict[str, tuple[type, dict]] = {
-    "weights": (
+    Option(
+        "method",
         str,
-        {"enum": list(WEIGHTS), "description": "weight precision: fp32 (leave), fp16, int8 or int4"},
+        None,
+        "weight-only method: rtn (round to nearest) or "
+        "awq (activation-aware per-input-channel scaling from calibration data)",
+        choices=METHODS,
     ),
-    "activations": (
-        str,
-        {
-            "enum": list(ACTIVATIONS),
-            "description": "int8: static per-tensor activation "
-            "quantization (needs weights: int8); fp32: weight-only",
-        },
-    ),
-    "method": (
-        str,
-        {
-            "enum": list(METHODS),
-            "description": "weight-only method: rtn (round to nearest) or "
-            "awq (activation-aware per-input-channel scaling from calibration data)",
-        },
-    ),
-    "group_size": (
+    Option(
+        "group_size",
         int,
-        {
-            "type": "integer",
-            "minimum": 32,
-            "multipleOf": 16,
-            "description": "int4: input rows sharing one scale (default 128); a multiple of 32 for "
-            "target ascend (NPUWeightQuantBatchMatmulV2), a multiple of 16 for target portable",
-        },
+        None,
+        "int4: input rows sharing one scale (default 128); a multiple of 32 for "
+        "target ascend (NPUWeightQuantBatchMatmulV2), a multiple of 16 for target portable",
+        min=32,
+        multiple_of=16,
     ),
-    "activation_symmetric": (
+    Option(
+        "activation_symmetric",
         bool,
-        {
-            "type": "boolean",
-            "description": "int8: symmetric activations (zero point 0, AscendQuant offset 0). Default true "
-            "for target ascend, false for portable; false on ascend follows AMCT's deploy form (offset on "
-            "AscendQuant, bias not corrected) and is unverified on hardware",
-        },
+        None,
+        "int8: symmetric activations (zero point 0, AscendQuant offset 0). Default true "
+        "for target ascend, false for portable; false on ascend follows AMCT's deploy form (offset on "
+        "AscendQuant, bias not corrected) and is unverified on hardware",
     ),
-    "int4_storage": (
+    Option(
+        "int4_storage",
         str,
-        {
-            "enum": list(INT4_STORAGE),
-            "description": "int4 weights as packed nibbles in uint8 "
-            "(two per byte; default) or one value per int8",
-        },
+        None,
+        "int4 weights as packed nibbles in uint8 (two per byte; default) or one value per int8",
+        choices=INT4_STORAGE,
     ),
-    "keep_io_fp32": (
+    Option(
+        "keep_io_fp32",
         bool,
-        {
-            "type": "boolean",
-            "description": "fp16: keep graph inputs/outputs float32 (default true; false makes them float16)",
-        },
+        None,
+        "fp16: keep graph inputs/outputs float32 (default true; false makes them float16)",
     ),
-    "op_types": (
+    Option(
+        "op_types",
         list,
-        {
-            "type": "array",
-            "items": {"type": "string"},
-            "description": "int8: op types whose constant-weight nodes are quantized "
-            "(default MatMul, Gemm, Conv)",
-        },
+        None,
+        "int8: op types whose constant-weight nodes are quantized (default MatMul, Gemm, Conv)",
+        items=str,
     ),
-    "calibration": (
+    Option("calibration", dict, None, "calibration data for int8 activations and awq", fields=CALIBRATION),
+    Option(
+        "keep_fp32",
         dict,
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {k: s for k, (_, s) in CALIB_KEYS.items()},
-            "description": "calibration data for int8 activations and awq",
-        },
+        None,
+        "ops/nodes of this graph kept in float32 (added to the pass-wide list)",
+        fields=KEEP,
     ),
-    "keep_fp32": (
-        dict,
-        {
-            "type": "object",
-            "additionalProperties": False,
-            "properties": {k: s for k, (_, s) in KEEP_KEYS.items()},
-            "description": "ops/nodes of this graph kept in float32 (added to the pass-wide list)",
-        },
-    ),
-}
+)
+
+
+def _given(schema: tuple[Option, ...], value: Any, where: str) -> dict:
+    """The keys of ``value`` that are set (not None), validated against ``schema``."""
+    return {k: v for k, v in validate(schema, value, where, noun="key").items() if v is not None}
 
 
 @dataclass
@@ -216,37 +180,11 @@ class GraphScheme:
         return self.mode == "int8" or (self.weights in ("int8", "int4") and self.method == "awq")
 
 
-def _check_keys(value: Any, keys: dict, where: str) -> dict:
-    if not isinstance(value, dict):
-        raise VlmcError(f"{where} must be a mapping with keys {', '.join(keys)}")
-    for k, v in value.items():
-        if k not in keys:
-            raise VlmcError(f"{where}: unknown key {k!r}; valid keys: {', '.join(keys)}")
-        t, schema = keys[k]
-        ok = isinstance(v, t) and not (t is int and isinstance(v, bool))
-        if not ok:
-            raise VlmcError(f"{where}.{k} must be {schema.get('type', 'a string')}, got {v!r}")
-        if "enum" in schema and v not in schema["enum"]:
-            raise VlmcError(f"{where}.{k}={v!r} is not one of {', '.join(schema['enum'])}")
-        if t is list and not all(isinstance(x, str) for x in v):
-            raise VlmcError(f"{where}.{k} must be a list of strings")
-    return value
-
-
 def parse_calibration(value: Any, where: str, base: Calibration | None = None) -> Calibration:
     base = base or Calibration()
     if value is None:
         return base
-    d = _check_keys(value, CALIB_KEYS, where)
-    if "count" in d and d["count"] < 1:
-        raise VlmcError(f"{where}.count must be at least 1, got {d['count']}")
-    if "count" in d and d["count"] > limits.MAX_CALIBRATION_SAMPLES:
-        raise VlmcError(
-            f"{where}.count={d['count']} is above the maximum {limits.MAX_CALIBRATION_SAMPLES} "
-            "(raise it with VLMC_MAX_CALIBRATION_SAMPLES)"
-        )
-    if "prompts" in d and not d["prompts"]:
-        raise VlmcError(f"{where}.prompts must name at least one prompt")
+    d = _given(CALIBRATION, value, where)
     return Calibration(
         images=d.get("images", base.images),
         prompts=tuple(d.get("prompts", base.prompts)),
@@ -258,7 +196,7 @@ def parse_calibration(value: Any, where: str, base: Calibration | None = None) -
 def parse_keep(value: Any, where: str) -> KeepFp32:
     if value is None:
         return KeepFp32()
-    d = _check_keys(value, KEEP_KEYS, where)
+    d = _given(KEEP, value, where)
     return KeepFp32(tuple(d.get("op_types", ())), tuple(d.get("nodes", ())))
 
 
@@ -271,7 +209,7 @@ def parse_graph(
     NPU builds (symmetric activations by default, group sizes NPUWeightQuantBatchMatmulV2 accepts).
     """
     where = f"{where}: {key}"
-    d = _check_keys(value, GRAPH_KEYS, where)
+    d = _given(GRAPH, value, where)
     if "weights" not in d:
         raise VlmcError(f"{where}: 'weights' is required (one of {', '.join(WEIGHTS)})")
     scheme = GraphScheme(
@@ -290,8 +228,6 @@ def parse_graph(
     )
     if scheme.activations == "int8" and scheme.weights != "int8":
         raise VlmcError(f"{where}: activations: int8 needs weights: int8 (got weights: {scheme.weights})")
-    if scheme.group_size < 32 or scheme.group_size % 16:
-        raise VlmcError(f"{where}.group_size={scheme.group_size} must be a multiple of 16 and at least 32")
     if target == "ascend" and scheme.group_size % ASCEND_GROUP_MULTIPLE:
         raise VlmcError(
             f"{where}.group_size={scheme.group_size} is refused by the NPU: NPUWeightQuantBatchMatmulV2 takes "
@@ -310,10 +246,6 @@ def parse_graph(
 
 
 def graph_schema() -> dict:
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["weights"],
-        "properties": {k: dict(s) for k, (_, s) in GRAPH_KEYS.items()},
-        "description": "per-graph scheme (key: a graph name or a role such as vision/decoder)",
-    }
+    """JSON Schema of one graph's mapping (the quantize pass's extra keys)."""
+    schema = schema_json(GRAPH, "per-graph scheme (key: a graph name or a role such as vision/decoder)")
+    return {**schema, "required": ["weights"]}
