@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-import math
 import pkgutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from vlmc import manifest_schema
 from vlmc.errors import VlmcError
 
 if TYPE_CHECKING:
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
-_JSON_TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
 @dataclass(frozen=True)
@@ -69,84 +68,75 @@ class Option:
     min_items: int | None = None
     fields: tuple[Option, ...] | None = None
 
+    def schema_type(self) -> manifest_schema.T:
+        """This option's value as a :mod:`vlmc.manifest_schema` type, which checks and documents it.
+
+        Recipe values and the manifest share one schema language; what is particular to an option
+        (``None`` as "not set", choices of any type, ``multiple_of``, a mapping's own Options) is
+        added by :meth:`coerce` and :meth:`json_schema`.
+        """
+        if self.type is list:
+            item = _value_type(self.items, self) if self.items is not None else manifest_schema.Facts()
+            return manifest_schema.List(item, self.min_items or 0, self.max_items or MAX_RECIPE_ITEMS)
+        return _value_type(self.type, self)
+
     def coerce(self, value: Any, where: str) -> Any:
         """Validate one value; raise VlmcError naming the key on a wrong type or range."""
         if value is None and not self.required:
             return None
-        t = self.type
-        ok = isinstance(value, t) and not (t is int and isinstance(value, bool))
-        if t is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise VlmcError(
-                f"{where}: {self.name} must be {_JSON_TYPES.get(t, t.__name__)}, got {type(value).__name__} {value!r}"
-            )
-        if self.choices is not None and value not in self.choices:
-            raise VlmcError(
-                f"{where}: {self.name}={value!r} is not one of {', '.join(map(str, self.choices))}"
-            )
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            self._bounds(value, self.name, where)
-        if t is list:
+        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        path = f"{where}: {self.name}"
+        if self.type is list and isinstance(value, list):  # the item counts first, named as the limit
             if self.max_items is not None and len(value) > self.max_items:
-                raise VlmcError(
-                    f"{where}: {self.name} has {len(value)} items, above the maximum {self.max_items}"
-                )
+                raise VlmcError(f"{path} has {len(value)} items, above the maximum {self.max_items}")
             if self.min_items is not None and len(value) < self.min_items:
-                raise VlmcError(
-                    f"{where}: {self.name} needs at least {self.min_items} item(s), got {len(value)}"
-                )
-            if self.items is not None:
-                for v in value:
-                    if not isinstance(v, self.items) or (self.items is int and isinstance(v, bool)):
-                        raise VlmcError(
-                            f"{where}: {self.name} items must be {_JSON_TYPES.get(self.items)}, got {v!r}"
-                        )
-                    if isinstance(v, (int, float)) and not isinstance(v, bool):
-                        self._bounds(v, f"{self.name} item", where)
-        if t is dict and self.fields is not None:
-            validate(self.fields, value, f"{where}: {self.name}", noun="key")  # checked, kept as written
+                raise VlmcError(f"{path} needs at least {self.min_items} item(s), got {len(value)}")
+        self.schema_type().check(value, path)
+        if self.choices is not None and value not in self.choices:
+            raise VlmcError(f"{path}={value!r} is not one of {', '.join(map(str, self.choices))}")
+        if self.multiple_of:
+            for i, v in enumerate(value if self.type is list else [value]):
+                if v % self.multiple_of:
+                    at = f"{path}[{i}]" if self.type is list else path
+                    raise VlmcError(f"{at}={v} must be a multiple of {self.multiple_of}")
+        if self.fields is not None:
+            validate(self.fields, value, path, noun="key")  # checked, kept as written
         return value
 
-    def _bounds(self, value: float, name: str, where: str) -> None:
-        if isinstance(value, float) and not math.isfinite(value):
-            raise VlmcError(f"{where}: {name}={value} must be a finite number")
-        if self.min is not None and value < self.min:
-            raise VlmcError(f"{where}: {name}={value} is below the minimum {self.min}")
-        if self.max is not None and value > self.max:
-            raise VlmcError(f"{where}: {name}={value} is above the maximum {self.max}")
-        if self.multiple_of and value % self.multiple_of:
-            raise VlmcError(f"{where}: {name}={value} must be a multiple of {self.multiple_of}")
-
     def json_schema(self) -> dict:
-        s: dict[str, Any] = {"type": _JSON_TYPES[self.type], "description": self.doc}
+        s = schema_json(self.fields) if self.fields is not None else self.schema_type().json()
+        s["type"] = s.get("type", "object")
+        s["description"] = self.doc
         if self.default is not None:
             s["default"] = self.default
         if not self.required:
             s["type"] = [s["type"], "null"]
         if self.choices is not None:
             s["enum"] = list(self.choices) + ([] if self.required else [None])
-        bounds: dict[str, Any] = {}
-        if self.min is not None:
-            bounds["minimum"] = self.min
-        if self.max is not None:
-            bounds["maximum"] = self.max
         if self.multiple_of:
-            bounds["multipleOf"] = self.multiple_of
-        if self.type is list:
-            if self.items is not None:
-                s["items"] = {"type": _JSON_TYPES[self.items], **bounds}
-            if self.max_items is not None:
-                s["maxItems"] = self.max_items
-            if self.min_items is not None:
-                s["minItems"] = self.min_items
-        else:
-            s.update(bounds)
-        if self.fields is not None:
-            s.update(schema_json(self.fields))
-            s["type"] = "object" if self.required else ["object", "null"]
-            s["description"] = self.doc
+            (s["items"] if self.type is list else s)["multipleOf"] = self.multiple_of
         return s
+
+
+# Recipe strings (paths, prompts, globs) and lists are bounded like every value vlmc reads.
+MAX_RECIPE_STR = 4096
+MAX_RECIPE_ITEMS = 4096
+
+
+def _value_type(t: type, o: Option) -> manifest_schema.T:
+    """A scalar (or mapping) of python type ``t`` with the option's bounds, as a manifest_schema type."""
+    if t is bool:
+        return manifest_schema.Bool()
+    if t is int:
+        return manifest_schema.Int(o.min, o.max)
+    if t is float:
+        return manifest_schema.Num(o.min, o.max)
+    if t is str:
+        return manifest_schema.Str(max_len=MAX_RECIPE_STR)
+    if t is dict:  # its keys: Options (``fields``, checked by validate) or bounded facts
+        return manifest_schema.Obj({}, extra=manifest_schema.Facts(depth=4))
+    raise TypeError(f"option {o.name!r}: type {t.__name__} is not one of bool, int, float, str, list, dict")
 
 
 @dataclass
