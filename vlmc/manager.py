@@ -77,7 +77,10 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             with memory.Peak() as mem:  # sampled while the pass runs; its peak goes to report.json
                 t0 = time.perf_counter()
                 plan = _guarded(label, after_txt, _checked, p, pkg)
-                before = _snapshot(
+                before = _guarded(
+                    label,
+                    after_txt,
+                    _snapshot,
                     pkg,
                     Path(tmp) / str(step.index),
                     keep_graphs=check and p.preserves_numerics,
@@ -161,11 +164,14 @@ def _checked(p, pkg: Package):
     return p.check_package(pkg)
 
 
-def _guarded(label: str, after_txt: str, call, *args):
-    """``call(*args)``, with what it raises named by the pass: a VlmcError is a refusal (PassRefused, exit 2),
-    a failed check a PassFailed, anything else a pass bug (one line; the traceback with -v)."""
+def _guarded(label: str, after_txt: str, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, with what it raises named by the pass.
+
+    A VlmcError is a refusal (PassRefused, exit 2), a failed check a PassFailed, anything else a pass
+    bug (one line; the traceback with -v).
+    """
     try:
-        return call(*args)
+        return call(*args, **kwargs)
     except PassFailed:
         raise
     except CheckFailed as exc:
