@@ -50,7 +50,8 @@ class Merge(Pass):
     )
     options = (Option("graph", str, "vlm", "name of the merged graph"),)
 
-    def check_package(self, package: Package) -> None:
+    def check_package(self, package: Package) -> dict:
+        """Refuse what cannot be merged; the plan is the stages and the merged graph's opsets."""
         merged = is_merged(package)
         if merged:
             raise VlmcError(
@@ -79,15 +80,19 @@ class Merge(Pass):
                 f"positions from the vision graph's {pruned.get('indices_output')!r} output, which "
                 "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned"
             )
+        image, embed, decoder = list(p["image"]), p["embed"], list(p["decoder"])
+        _check_interfaces(package, image, embed, decoder)
+        stages = [*image, embed, *decoder]
+        opsets = compose.merged_opsets([package.model(s) for s in stages], "merge")
+        return {"image": image, "embed": embed, "decoder": decoder, "opsets": opsets}
 
-    def run(self, package: Package, plan: None = None) -> PassResult:
+    def run(self, package: Package, plan: dict | None = None) -> PassResult:
+        plan = self.check_package(package) if plan is None else plan
         m = package.manifest
         pipeline = dict(m["pipeline"])
-        image, embed, decoder = list(pipeline["image"]), pipeline["embed"], list(pipeline["decoder"])
+        image, embed, decoder, opsets = plan["image"], plan["embed"], plan["decoder"], plan["opsets"]
         stages = [*image, embed, *decoder]
-        _check_interfaces(package, image, embed, decoder)
         models = {s: package.model(s) for s in stages}
-        opsets = compose.merged_opsets(models.values(), "merge")
         name = self.opts["graph"]
         merged = _compose(package, models, image, embed, decoder, name, opsets)
         NameFixPass()(merged)  # unique names, whatever the stages called their values

@@ -7,7 +7,7 @@ PACKAGE is an FP32 package (e.g. `vlmc build` of `scripts/make_checkpoint.py lla
 package's FP32 pipeline on demo images (without running the decoder), the decoder is quantized INT4
 RTN group 128 into a scratch file, and each phase is timed with its own peak RSS (VmHWM reset before
 it): the FP32 reference and the quantized run, whole-graph (one session on each graph, as quantize
-does below VLMC_MAX_FIDELITY_BYTES) and streamed (passes/_quant_stream_eval.py). Prints one JSON line.
+does below VLMC_MAX_FIDELITY_BYTES) and streamed (passes/quantize/stream_fidelity.py). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -46,14 +46,14 @@ def main() -> None:
 
     from vlmc import graphs, ortsession
     from vlmc.package import Package
-    from vlmc.passes import _quant_calib, _quant_eval, _quant_plan, _quant_stream_eval, _quant_weight_only
+    from vlmc.passes.quantize import calib, fidelity, scheme, stream_fidelity, weight_only
 
     pkg = Package.load(args.package)
     name = pkg.manifest["pipeline"]["decoder"][0]
     row: dict = {"graph": name, "fp32_gib": round(graphs.initializer_bytes(pkg.model(name)) / 2**30, 2)}
-    refs_images = _quant_calib.image_refs(None, args.samples, 0)
+    refs_images = calib.image_refs(None, args.samples, 0)
     rec, row["record"] = _phase(
-        lambda: _quant_calib.record(
+        lambda: calib.record(
             pkg, {name}, refs_images, ["Describe the image."], args.samples, 0, set(), feeds_only={name}
         )
     )
@@ -62,7 +62,7 @@ def main() -> None:
     results = {}
     if args.mode in ("both", "streamed"):
         results["streamed_refs"], row["streamed_fp32"] = _phase(
-            lambda: _quant_stream_eval.reference(pkg.model(name), feeds)
+            lambda: stream_fidelity.reference(pkg.model(name), feeds)
         )
     if args.mode in ("both", "whole"):
 
@@ -73,16 +73,16 @@ def main() -> None:
 
         results["whole_refs"], row["whole_fp32"] = _phase(whole_fp32)
     with tempfile.TemporaryDirectory(prefix="bench-fid-", dir=str(Path(args.package).parent)) as tmp:
-        plan = _quant_plan.GraphPlan(key=name, weights="int4", group_size=128)
+        plan = scheme.GraphScheme(key=name, weights="int4", group_size=128)
         store = graphs.TensorStore(Path(tmp) / "q.onnx.data")
         (quant, _), row["quantize_rtn"] = _phase(
-            lambda: _quant_weight_only.quantize_weight_only(pkg.model(name), plan, None, store)
+            lambda: weight_only.quantize_weight_only(pkg.model(name), plan, None, store)
         )
         store.close()
         fids = {}
         if "streamed_refs" in results:
             (fids["streamed"], facts), row["streamed_quantized"] = _phase(
-                lambda: _quant_stream_eval.graph_fidelity(
+                lambda: stream_fidelity.graph_fidelity(
                     quant, "int4_weight_only", feeds, results["streamed_refs"]
                 )
             )
@@ -94,7 +94,7 @@ def main() -> None:
                 names = [o.name for o in sess.get_outputs()]
                 out: dict = {}
                 for f, r in zip(feeds, results["whole_refs"]):
-                    _quant_eval.accumulate(out, r, dict(zip(names, sess.run(None, f))))
+                    fidelity.accumulate(out, r, dict(zip(names, sess.run(None, f))))
                 return out
 
             fids["whole"], row["whole_quantized"] = _phase(whole_q)

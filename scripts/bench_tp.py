@@ -6,9 +6,9 @@ exporter; the ``tensor_parallel`` pass splits it over 2 ranks. One sequence with
 tokens takes one decode step:
 
 - unsharded: the decoder graph on onnxruntime, all threads;
-- TP=2: two processes (vlmc.runtime.tensor_parallel's forkserver ranks, one onnxruntime thread each
+- TP=2: two processes (vlmc.runtime.ranks's forkserver ranks, one onnxruntime thread each
   by default), each running its 2*layers+1 segments with the gloo all-reduce between them through
-  :class:`vlmc.runtime.tensor_parallel.RankDecoder`, the runtime's own plan executor.
+  :class:`vlmc.runtime.ranks.RankDecoder`, the runtime's own plan executor.
 
 Rounds alternate between the two, and medians are reported, with rank 0's split of its step into
 segment time and all-reduce time (an all-reduce includes the wait for the slower rank). This machine
@@ -125,7 +125,7 @@ def _rank(path: str, rank: int, size: int, port: int, threads: int, context: int
     import torch.distributed as dist
 
     from vlmc.package import Package
-    from vlmc.runtime.tensor_parallel import RankDecoder, gloo_all_reduce
+    from vlmc.runtime.ranks import RankDecoder, gloo_all_reduce
 
     dist.init_process_group(
         "gloo",
@@ -165,7 +165,7 @@ def measure(cfg: dict, tmp: Path, threads: int) -> dict:
 
     from vlmc import ortsession
     from vlmc.package import Package
-    from vlmc.runtime.tensor_parallel import _free_port
+    from vlmc.runtime.ranks import _free_port
 
     base = _export(cfg, tmp)
     tp = _shard(base, 2, tmp)

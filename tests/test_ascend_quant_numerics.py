@@ -17,22 +17,22 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from passes import _quant_calib, _quant_plan, _quant_static, _quant_weight_only
 from vlmc.backends.ascend import lower, ops, precheck, reference
 from vlmc.errors import VlmcError
+from vlmc.passes.quantize import calib, scheme, static, weight_only
 
 K, HID, N = 256, 256, 64
 
 
 def _weight_only(model: onnx.ModelProto, plan, feeds):
     """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = _quant_weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    m, facts = weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
     return ir.to_proto(m), facts
 
 
 def _int8(model: onnx.ModelProto, reader, plan):
     """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = _quant_static.quantize_int8(ir.from_proto(model), reader, plan)
+    m, facts = static.quantize_int8(ir.from_proto(model), reader, plan)
     return ir.to_proto(m), facts
 
 
@@ -75,10 +75,8 @@ def _ort(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
     return sess.run(None, feeds)[0]
 
 
-def _plan(opts: dict, target: str = "ascend") -> _quant_plan.GraphPlan:
-    return _quant_plan.parse_graph(
-        "mlp", opts, "quantize", _quant_plan.Calibration(), _quant_plan.KeepFp32(), target
-    )
+def _plan(opts: dict, target: str = "ascend") -> scheme.GraphScheme:
+    return scheme.parse_graph("mlp", opts, "quantize", scheme.Calibration(), scheme.KeepFp32(), target)
 
 
 def _lower(model: onnx.ModelProto, facts: dict, int4_weights: str = "int8"):
@@ -94,7 +92,7 @@ def _inits(model: onnx.ModelProto) -> dict[str, np.ndarray]:
 def test_symmetric_int8_lowered_matches_onnxruntime_within_one_step():
     plan = _plan({"weights": "int8", "activations": "int8"})
     assert plan.activation_symmetric  # the default for target ascend
-    q, facts = _int8(_mlp(), _quant_calib.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), calib.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is True and facts["target"] == "ascend"
     assert all(e["granularity"] == "per_tensor" for e in facts["weights"]["nodes"].values())
     assert all(t["zero_point"] == 0 for t in facts["activations"]["tensors"].values())
@@ -156,12 +154,12 @@ def test_int4_lowered_from_facts_matches_onnxruntime(group, storage, int4_weight
         assert scale.dtype == np.float16 and scale.shape == (k // group, wq.shape[1])
         assert len(n.input) == 3  # symmetric: no antiquant_offset
     # INT4 numerics: the lowered (weight, scale) are the quantize pass's RTN values for fc1
-    q1, s1 = _quant_weight_only.quant_int4_group(w1, group)
+    q1, s1 = weight_only.quant_int4_group(w1, group)
     np.testing.assert_array_equal(inits[mm[0].input[1]].astype(np.int8), q1)
     np.testing.assert_array_equal(inits[mm[0].input[2]], s1.astype(np.float16))
     np.testing.assert_allclose(
         reference.dequant_weight(inits[mm[0].input[1]], inits[mm[0].input[2]], None, group),
-        _quant_weight_only.dequant_int4(q1, s1, group),
+        weight_only.dequant_int4(q1, s1, group),
         rtol=2**-10,
     )
     for feed in _feeds(2, seed=5):
@@ -220,7 +218,7 @@ def test_cli_refuses_an_illegal_group_size_in_one_line(tiny_llava, tmp_path):
 
 def test_asymmetric_activations_are_an_explicit_option_in_amct_form():
     plan = _plan({"weights": "int8", "activations": "int8", "activation_symmetric": False})
-    q, facts = _int8(_mlp(), _quant_calib.FeedReader(_feeds(8)), plan)
+    q, facts = _int8(_mlp(), calib.FeedReader(_feeds(8)), plan)
     assert facts["activations"]["symmetric"] is False
     low, report = _lower(q, facts)
     offsets = [
@@ -253,10 +251,10 @@ def test_npu_domain_lists_every_op_the_parsers_register():
 
 
 def test_plan_says_int4_runs_with_int8_storage_on_ascend():
-    from vlmc import plan
+    from vlmc import budget
 
-    graphs = [plan.GraphWeights("decoder", "decoder", "int4_weight_only", 1000, 500)]
-    spec = plan.Spec(
+    graphs = [budget.GraphWeights("decoder", "decoder", "int4_weight_only", 1000, 500)]
+    spec = budget.Spec(
         name="toy",
         graphs=graphs,
         layers=2,
@@ -271,10 +269,10 @@ def test_plan_says_int4_runs_with_int8_storage_on_ascend():
         intermediate=64,
         vocab=50,
     )
-    notes = plan.plan(spec, 1_000_000, text_tokens=13).notes
+    notes = budget.fit(spec, 1_000_000, text_tokens=13).notes
     assert [n for n in notes if "INT4 runs with INT8 storage on Ascend (decoder)" in n and "500 B more" in n]
     graphs[0].precision = "fp16"
-    assert not [n for n in plan.plan(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
+    assert not [n for n in budget.fit(spec, 1_000_000, text_tokens=13).notes if "INT4" in n]
 
 
 def test_conv_stays_per_channel_and_matches_onnxruntime():
@@ -290,7 +288,7 @@ def test_conv_stays_per_channel_and_matches_onnxruntime():
     )
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     feeds = [{"x": rng.standard_normal((1, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
-    q, facts = _int8(model, _quant_calib.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
+    q, facts = _int8(model, calib.FeedReader(feeds), _plan({"weights": "int8", "activations": "int8"}))
     assert facts["weights"]["nodes"]["conv"]["granularity"] == "per_channel"
     assert facts["weights"]["nodes"]["conv"]["axis"] == 0
     low, report = _lower(q, facts)

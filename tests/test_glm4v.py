@@ -163,10 +163,10 @@ def _picture(h: int, w: int) -> np.ndarray:
 
 
 def test_plan_counts_tokens_by_glm_smart_resize(glm):
-    from vlmc import plan
+    from vlmc import budget
 
-    assert plan.spec_from_package(glm.pkg).tokens_per_image == 64  # the saved bound over both frames
+    assert budget.spec_from_package(glm.pkg).tokens_per_image == 64  # the saved bound over both frames
     for hw in [(60, 90), (20, 60), (300, 200), (28, 500)]:
         want = glm.proc.image_processor.get_number_of_image_patches(*hw, {}) // 4
-        assert plan.spec_from_package(glm.pkg, image_size=hw).tokens_per_image == want
-    assert plan.load_spec(glm.src / "config.json").tokens_per_image == 28 * 28 * 15000 // 2 // (28 * 28)
+        assert budget.spec_from_package(glm.pkg, image_size=hw).tokens_per_image == want
+    assert budget.load_spec(glm.src / "config.json").tokens_per_image == 28 * 28 * 15000 // 2 // (28 * 28)

@@ -182,6 +182,7 @@ class Lossy(Pass):
     name = "lossy"
     summary = "scale and report"
     lossy = True
+    changes_input = False  # ScaleEmbeddings edits a clone
     requires = ("unmerged",)
 
     def run(self, package, plan=None):

@@ -311,8 +311,13 @@ def test_merge_refuses_a_pruned_package_whose_positions_need_the_kept_indices(so
     ):
         manager.run(pruned, recipe.from_dict({"passes": [{"merge": {}}]}).steps)
     assert _generate(pruned).prefill_logits.shape[0] == len(PROMPTS)  # unmerged, it runs
-    # Why: merged anyway (run without the check), no run of the package can compute its positions.
-    forced = get("merge")().run(pruned).package
+    # Why: merged anyway (run with the plan check_package makes when the pruning fact is hidden from
+    # it), no run of the package can compute its positions.
+    merge = get("merge")()
+    facts = pruned.manifest["vision"].pop("pruning")
+    plan = merge.check_package(pruned)
+    pruned.manifest["vision"]["pruning"] = facts
+    forced = merge.run(pruned, plan).package
     with pytest.raises(VlmcError, match="needs the vision graph's kept token indices"):
         _generate(forced)
 

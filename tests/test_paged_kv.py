@@ -414,7 +414,7 @@ def test_already_paged_and_no_decoder_are_unchanged(exported):
         (100, "block_size=100 must be a multiple of 16"),
         (528, "block_size=528 is above the maximum 512"),
         (0, "block_size=0 is below the minimum 16"),
-        ("128", "block_size must be integer"),
+        ("128", "block_size must be an integer, got string '128'"),
     ],
 )
 def test_block_size_validation(value, message):

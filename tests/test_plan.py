@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vlmc import graphs, pass_api, plan
+from vlmc import budget, graphs, pass_api
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
@@ -22,12 +22,12 @@ QWEN_SPEC = REPO / "docs" / "plan" / "qwen-vl-chat.json"
 MIB = 2**20
 
 
-def _spec(**over) -> plan.Spec:
+def _spec(**over) -> budget.Spec:
     kw = dict(
         name="toy",
         graphs=[
-            plan.GraphWeights("decoder", "decoder", "fp16", 1000, 2000),
-            plan.GraphWeights("vision_encoder", "vision", "int8", 500, 500),
+            budget.GraphWeights("decoder", "decoder", "fp16", 1000, 2000),
+            budget.GraphWeights("vision_encoder", "vision", "int8", 500, 500),
         ],
         layers=2,
         kv_heads=4,
@@ -42,24 +42,24 @@ def _spec(**over) -> plan.Spec:
         vocab=50,
     )
     kw.update(over)
-    return plan.Spec(**kw)
+    return budget.Spec(**kw)
 
 
 def test_parse_size_units_and_errors():
-    assert plan.parse_size("16GiB") == 16 * 2**30
-    assert plan.parse_size("16GB") == 16 * 10**9
-    assert plan.parse_size("1.5 MiB") == 3 * 2**19
-    assert plan.parse_size("4096") == 4096
+    assert budget.parse_size("16GiB") == 16 * 2**30
+    assert budget.parse_size("16GB") == 16 * 10**9
+    assert budget.parse_size("1.5 MiB") == 3 * 2**19
+    assert budget.parse_size("4096") == 4096
     for bad in ("16G", "lots", "-3GB"):
         with pytest.raises(VlmcError, match="write e.g. 16GiB"):
-            plan.parse_size(bad)
+            budget.parse_size(bad)
 
 
 def test_plan_arithmetic_on_a_hand_sized_model():
     spec = _spec()
     # KV per token: 2 (K,V) x 2 layers x 4 heads x 8 dims x 2 bytes = 256 B; a 16-token block is 4 KiB.
     assert spec.kv_bytes_per_token == 256
-    p = plan.plan(spec, 1_000_000, images=2, text_tokens=13, batch=3, block_size=16)
+    p = budget.fit(spec, 1_000_000, images=2, text_tokens=13, batch=3, block_size=16)
     assert p.weight_bytes == 2500 and p.kv_bytes_per_block == 4096
     assert p.image_tokens == 20 and p.sequence_tokens == 33
     # Activations (fp16): decoder 33*(4*32+3*64) + 2*4*33*33 + 33*50 = 10560 + 8712 + 1650 = 20922 elements.
@@ -77,16 +77,16 @@ def test_plan_arithmetic_on_a_hand_sized_model():
     assert p.paged_step_bytes == 3 * 3 * 48 * 2 * 4 * 8 * 2 == 55296
     assert any("paged decode step of 3 sequence(s) needs 54.0 KiB" in n for n in p.notes)
     assert ["paged decode step, transient (one layer's gathered past)", "54.0 KiB"] in p.rows()
-    one = plan.plan(spec, 1_000_000, images=2, text_tokens=13, block_size=16)
+    one = budget.fit(spec, 1_000_000, images=2, text_tokens=13, block_size=16)
     assert one.paged_step_bytes == 18432 and not any("paged decode step" in n for n in one.notes)
-    two = plan.plan(
+    two = budget.fit(
         spec, 1_000_000, images=2, text_tokens=13, batch=3, block_size=16, cards=2, reserve="1KiB"
     )
     assert two.free_for_kv == 2 * (1_000_000 - 41844 - 1024) - 2500
 
 
 def test_plan_reports_when_nothing_fits():
-    p = plan.plan(_spec(), 30_000, images=1, text_tokens=200, block_size=16)
+    p = budget.fit(_spec(), 30_000, images=1, text_tokens=200, block_size=16)
     assert p.free_for_kv < 0 and not p.fits_paged and p.max_sequences_paged == 0
     assert p.max_context_one_sequence == 0
     assert any("exceed the model's 100 positions" in n for n in p.notes)
@@ -94,9 +94,9 @@ def test_plan_reports_when_nothing_fits():
 
 def test_meta_count_of_llava_config_equals_the_sizing_formula():
     # Two independent counts: transformers on the meta device, and the neutral spec's formula.
-    hf = plan.load_spec(LLAVA_CONFIG)
+    hf = budget.load_spec(LLAVA_CONFIG)
     projector = 1024 * 4096 + 4096 + 4096 * 4096 + 4096
-    neutral = plan.spec_from_dict(
+    neutral = budget.spec_from_dict(
         {
             "vlmc_spec": 1,
             "llm": {
@@ -126,28 +126,28 @@ def test_meta_count_of_llava_config_equals_the_sizing_formula():
 
 def test_sizing_spec_errors():
     with pytest.raises(VlmcError, match="lacks 'llm'"):
-        plan.spec_from_dict({"vlmc_spec": 1, "vision": {}})
+        budget.spec_from_dict({"vlmc_spec": 1, "vision": {}})
     with pytest.raises(VlmcError, match="precision.decoder='int3'"):
         d = json.loads(QWEN_SPEC.read_text())
         d["precision"]["decoder"] = "int3"
-        plan.spec_from_dict(d)
+        budget.spec_from_dict(d)
 
 
 def test_plan_from_packages_paged_and_pruned(exported):
     path = exported("tiny-llava")
     pkg = Package.load(path)
-    spec = plan.spec_from_package(pkg)
+    spec = budget.spec_from_package(pkg)
     assert spec.weight_bytes == sum(graphs.initializer_bytes(pkg.model(n)) for n in pkg.graph_names)
     kv = pkg.manifest["kv"]
     assert spec.kv_bytes_per_token == 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 4
     assert spec.intermediate == 128 and spec.block_size is None
     pass_api.get("paged_kv")(block_size=32).run(pkg)
-    assert plan.spec_from_package(pkg).block_size == 32
-    assert plan.plan(plan.spec_from_package(pkg), "1GiB").block_size == 32
+    assert budget.spec_from_package(pkg).block_size == 32
+    assert budget.fit(budget.spec_from_package(pkg), "1GiB").block_size == 32
     # A pruned package plans with its kept tokens and shows the original count.
     pkg.manifest["vision"]["pruning"] = {"tokens_before": spec.tokens_per_image}
     pkg.manifest["vision"]["tokens_per_image"] = 16
-    p = plan.plan(plan.spec_from_package(pkg), "1GiB", images=2)
+    p = budget.fit(budget.spec_from_package(pkg), "1GiB", images=2)
     assert p.image_tokens == 32 and p.tokens_per_image_unpruned == spec.tokens_per_image
     assert any(f"pruned from {spec.tokens_per_image}" in v for _, v in p.rows())
 
@@ -209,7 +209,7 @@ def test_claim_qwen_vl_chat_fp16_llm_does_not_fit_16gb(monkeypatch):
     base = ["--config", str(QWEN_SPEC), "--images", "4", "--text-tokens", "2048"]
     for mem in ("16GB", "16GiB"):
         d = _plan_json(*base, "--device-memory", mem)
-        assert d["weight_bytes"] > plan.parse_size(mem) and not d["fits_paged"]
+        assert d["weight_bytes"] > budget.parse_size(mem) and not d["fits_paged"]
         assert d["sequence_tokens"] == 4 * 256 + 2048
     d = _plan_json(*base, "--device-memory", "16GB", "--precision", "decoder=int8")
     assert d["fits_paged"] and not d["fits_contiguous"]

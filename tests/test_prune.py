@@ -13,12 +13,13 @@ import torch
 from click.testing import CliRunner
 
 import vlmc
-from vlmc import interop, manager, ortsession, pruning
+from vlmc import interop, manager, ortsession
 from vlmc.cli import main
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import load_source
 from vlmc.package import Package
 from vlmc.pass_api import get
+from vlmc.passes.prune_visual_tokens import measure
 from vlmc.recipe import Step
 from vlmc.runtime import Pipeline, mrope, preprocess
 
@@ -81,7 +82,7 @@ def test_cls_attention_matches_torch_attention_topk(tiny_llava, llava_pixels):
     assert layer == len(att) - 2  # hidden_states[-2] is the output of encoder layer L-2
     scores = att[layer][:, :, 0, 1:].mean(1).numpy()
     expected = _topk_sorted(scores, k)
-    got = out[pruning.INDICES_OUTPUT]
+    got = out[measure.INDICES_OUTPUT]
     np.testing.assert_array_equal(got, expected)
     assert np.all(np.diff(got, axis=1) > 0)  # original order kept
     full = Pipeline(Package.load(tiny_llava)).run_graph("vision_encoder", {"pixel_values": llava_pixels})
@@ -99,7 +100,7 @@ def test_recomputed_attention_side_branch_gives_the_same_indices(tiny_llava, lla
     ops = {n.op_type for n in side.model("vision_encoder").graph}
     assert {"MatMul", "Softmax", "TopK", "GatherElements"} <= ops
     got = Pipeline(side).run_graph("vision_encoder", {"pixel_values": llava_pixels})
-    np.testing.assert_array_equal(got[pruning.INDICES_OUTPUT], exposed[pruning.INDICES_OUTPUT])
+    np.testing.assert_array_equal(got[measure.INDICES_OUTPUT], exposed[measure.INDICES_OUTPUT])
 
 
 def test_llava_attention_received_matches_numpy(tiny_llava, llava_pixels):
@@ -111,7 +112,7 @@ def test_llava_attention_received_matches_numpy(tiny_llava, llava_pixels):
     out = Pipeline(_prune(tiny_llava, keep=10, method="attention_received")).run_graph(
         "vision_encoder", {"pixel_values": llava_pixels}
     )
-    np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT], expected)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], expected)
 
 
 @pytest.mark.parametrize("method", ["uniform", "random"])
@@ -124,7 +125,7 @@ def test_llava_baselines_match_numpy(tiny_llava, llava_pixels, method):
     out = Pipeline(_prune(tiny_llava, keep=k, method=method, seed=seed)).run_graph(
         "vision_encoder", {"pixel_values": llava_pixels}
     )
-    np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT], np.broadcast_to(expected, (3, k)))
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], np.broadcast_to(expected, (3, k)))
     assert out["image_features"].shape == (3, k, 64)
 
 
@@ -141,7 +142,7 @@ def test_qwen_attention_received_per_image_topk_on_packed_tokens(tiny_qwen, qwen
     )
     for i, n in enumerate([36, 48]):
         expected = _topk_sorted(token_scores[start : start + n][None], k)[0]
-        np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT][i], expected)
+        np.testing.assert_array_equal(out[measure.INDICES_OUTPUT][i], expected)
         np.testing.assert_array_equal(out["image_features"][i * k : (i + 1) * k], feats[start + expected])
         start += n
 
@@ -157,7 +158,7 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
             expected = np.floor((np.arange(k) + 0.5) * n / k).astype(np.int64)
         else:
             expected = np.sort(np.argsort(-np.random.default_rng(seed).random(n).astype(np.float32))[:k])
-        np.testing.assert_array_equal(out[pruning.INDICES_OUTPUT][i], expected)
+        np.testing.assert_array_equal(out[measure.INDICES_OUTPUT][i], expected)
 
 
 # ---- graph properties ----------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def test_rewrite_uses_only_static_atc_ops_and_stays_valid(exported, name, opts):
     assert not ops & {"NonZero", "Compress", "Unique"}
     assert max(v for d, v in model.opset_imports.items() if d in ("", "ai.onnx")) == 17
     outs = {o["name"]: o["shape"] for o in pruned.info("vision_encoder")["outputs"]}
-    assert outs[pruning.INDICES_OUTPUT][1] == pruned.manifest["vision"]["tokens_per_image"]
+    assert outs[measure.INDICES_OUTPUT][1] == pruned.manifest["vision"]["tokens_per_image"]
     assert pruned.manifest["history"][-1]["modified"] is True
 
 
@@ -246,7 +247,7 @@ def test_mrope_kept_tokens_keep_original_positions(tiny_qwen):
         pruned.prepare(["Describe <image> it."], [["demo"]]),
     )
     pruned.prefill_embeds(inp)
-    kept = inp.image_outputs[pruning.INDICES_OUTPUT][0]
+    kept = inp.image_outputs[measure.INDICES_OUTPUT][0]
     ctx = {"manifest": pruned.m, "vision": inp.vision, "image_outputs": inp.image_outputs}
     pos = mrope.positions_mrope(inp.input_ids, inp.attention_mask, ctx)[:, 0]
     ref = mrope.positions_mrope(
@@ -331,7 +332,7 @@ def test_inspect_pruning_on_unpruned_package_is_a_user_error(tiny_llava, tmp_pat
 
 def test_fastv_flops_formula():
     # layers * (4nd^2 + 2n^2d + 2ndm) with n=10, d=4, m=8, 2 layers
-    assert pruning.prefill_flops(2, 4, 8, 10) == 2 * (4 * 10 * 16 + 2 * 100 * 4 + 2 * 10 * 4 * 8)
+    assert measure.prefill_flops(2, 4, 8, 10) == 2 * (4 * 10 * 16 + 2 * 100 * 4 + 2 * 10 * 4 * 8)
 
 
 def test_recipes_validate():

@@ -10,7 +10,7 @@ import pytest
 from vlmc import limits, ortsession
 from vlmc.package import Package
 from vlmc.pass_api import get
-from vlmc.passes import _quant_plan, _quant_weight_only
+from vlmc.passes.quantize import scheme, weight_only
 
 
 def _opened(monkeypatch) -> list[str]:
@@ -90,10 +90,10 @@ def test_dequantized_session_matches_the_per_call_graph(bits):
         h.name = f"h{i}"
     graph.outputs.append(h)
     model = ir.Model(graph, ir_version=9)
-    plan = _quant_plan.parse_graph(
-        "d", {"weights": bits, "group_size": 32}, "q", _quant_plan.Calibration(), _quant_plan.KeepFp32()
+    plan = scheme.parse_graph(
+        "d", {"weights": bits, "group_size": 32}, "q", scheme.Calibration(), scheme.KeepFp32()
     )
-    model, facts = _quant_weight_only.quantize_weight_only(model, plan, None)
+    model, facts = weight_only.quantize_weight_only(model, plan, None)
     assert len(facts["nodes_quantized"]) == 3
     nodes_before = len(model.graph)
     per_call = ortsession.from_model(model, precision=f"{bits}_weight_only")
@@ -110,7 +110,7 @@ def test_dequantized_session_matches_the_per_call_graph(bits):
 def test_samples_past_the_fidelity_ones_run_only_what_calibration_needs(tiny_llava, monkeypatch):
     # The vision encoder is calibrated on 4 samples; the decoder is only evaluated (2 fidelity
     # samples). Samples 3 and 4 then record the vision feeds alone and never run the FP32 decoder.
-    from vlmc.passes import _quant_calib
+    from vlmc.passes.quantize import calib
     from vlmc.runtime import Pipeline
 
     pkg = Package.load(tiny_llava)
@@ -123,14 +123,14 @@ def test_samples_past_the_fidelity_ones_run_only_what_calibration_needs(tiny_lla
         return real(self, name, env)
 
     monkeypatch.setattr(Pipeline, "run_graph", counting)
-    refs = _quant_calib.image_refs(None, 4, 0)
+    refs = calib.image_refs(None, 4, 0)
     targets = {"vision_encoder", decoder}
     args = (pkg, targets, refs, ["describe the image"], 2, 1)
-    rec = _quant_calib.record(*args, every_sample={"vision_encoder"})
+    rec = calib.record(*args, every_sample={"vision_encoder"})
     assert [len(rec.feeds["vision_encoder"]), len(rec.feeds[decoder])] == [4, 2]
     assert ran.count(decoder) == 2 and len(rec.generations) == 2, ran
     ran.clear()
-    every = _quant_calib.record(*args)  # every target on every sample: what was recorded before
+    every = calib.record(*args)  # every target on every sample: what was recorded before
     assert ran.count(decoder) == 4 and len(every.feeds[decoder]) == 4
     for got, want in zip(rec.feeds["vision_encoder"], every.feeds["vision_encoder"]):
         assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in got)

@@ -13,7 +13,7 @@ from test_quant_fidelity_bounds import _opened
 from vlmc import limits
 from vlmc.package import Package
 from vlmc.pass_api import get
-from vlmc.passes import _quant_stream_eval
+from vlmc.passes.quantize import stream_fidelity
 
 _PLAN = {
     "vision_encoder": {"weights": "int8", "activations": "int8", "calibration": {"count": 2}},
@@ -31,7 +31,7 @@ def whole(tiny_llava):
 
 def test_streamed_fidelity_equals_whole_graph_fidelity(tiny_llava, whole, monkeypatch):
     monkeypatch.setattr(limits, "MAX_FIDELITY_BYTES", 1024)  # every graph is above: all streamed
-    monkeypatch.setattr(_quant_stream_eval, "SEGMENT_BYTES", 16 << 10)  # several segments per graph
+    monkeypatch.setattr(stream_fidelity, "SEGMENT_BYTES", 16 << 10)  # several segments per graph
     opened = _opened(monkeypatch)
     pkg = Package.load(tiny_llava)
     decoder = pkg.manifest["pipeline"]["decoder"][0]

@@ -8,8 +8,8 @@ import onnx_ir as ir
 import pytest
 
 from vlmc import graphs, ortsession
-from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
-from vlmc.passes._quant_calib import FeedReader
+from vlmc.passes.quantize import scheme, static, weight_only
+from vlmc.passes.quantize.calib import FeedReader
 
 
 def _matmul_ir(w: np.ndarray, rows: int = 3) -> ir.Model:
@@ -33,22 +33,22 @@ def _on_disk(model: ir.Model, tmp_path) -> ir.Model:
 
 @pytest.mark.parametrize("weights, storage", [("int4", "packed"), ("int4", "int8"), ("int8", "packed")])
 def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tmp_path, monkeypatch):
-    monkeypatch.setattr(_quant_weight_only, "_BLOCK_BYTES", 1)  # one group (or row) per block
+    monkeypatch.setattr(weight_only, "_BLOCK_BYTES", 1)  # one group (or row) per block
     rng = np.random.default_rng(0)
     w = rng.standard_normal((128, 24)).astype(np.float32)
     model = _on_disk(_matmul_ir(w), tmp_path)
-    plan = _quant_plan.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
+    plan = scheme.GraphScheme(key="g", weights=weights, group_size=32, int4_storage=storage)
     store = graphs.TensorStore(tmp_path / "q.data")
-    out, facts = _quant_weight_only.quantize_weight_only(model, plan, None, store)
+    out, facts = weight_only.quantize_weight_only(model, plan, None, store)
     store.close()
     inits = {n: v.const_value.numpy() for n, v in out.graph.initializers.items()}
     if weights == "int4":
-        q, s = _quant_weight_only.quant_int4_group(w, 32)
-        expect = _quant_weight_only.pack_int4(q) if storage == "packed" else q
+        q, s = weight_only.quant_int4_group(w, 32)
+        expect = weight_only.pack_int4(q) if storage == "packed" else q
         name = "w_int4_packed" if storage == "packed" else "w_int4"
         np.testing.assert_array_equal(inits["w_scale"].reshape(s.shape), s)
     else:
-        expect, s = _quant_weight_only.quant_int8_channel(w)
+        expect, s = weight_only.quant_int8_channel(w)
         name = "w_int8"
         np.testing.assert_array_equal(inits["w_scale"], s)
     np.testing.assert_array_equal(inits[name], expect)
@@ -67,8 +67,8 @@ def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tm
 def test_exact_ops_after_int4_packed_and_nothing_eligible_is_left_alone():
     w = np.random.default_rng(1).standard_normal((64, 8)).astype(np.float32)
     model = _matmul_ir(w)
-    plan = _quant_plan.GraphPlan(key="g", weights="int4", group_size=32)
-    out, _ = _quant_weight_only.quantize_weight_only(model, plan, None)
+    plan = scheme.GraphScheme(key="g", weights="int4", group_size=32)
+    out, _ = weight_only.quantize_weight_only(model, plan, None)
     assert [n.op_type for n in out.graph] == [
         "Cast", "Div", "Mul", "Sub", "Unsqueeze", "Unsqueeze", "Concat", "Reshape", "Cast", "Sub",
         "Mul", "Reshape", "MatMul",
@@ -76,8 +76,8 @@ def test_exact_ops_after_int4_packed_and_nothing_eligible_is_left_alone():
     # negative: an input size that is not a multiple of the group is skipped, the graph unchanged
     odd = _matmul_ir(np.ones((48, 8), np.float32))
     before = graphs.fingerprint(odd)
-    plan = _quant_plan.GraphPlan(key="g", weights="int4", group_size=32)
-    same, facts = _quant_weight_only.quantize_weight_only(odd, plan, None)
+    plan = scheme.GraphScheme(key="g", weights="int4", group_size=32)
+    same, facts = weight_only.quantize_weight_only(odd, plan, None)
     assert facts["nodes_quantized"] == [] and "mm" in facts["nodes_skipped"]
     assert graphs.fingerprint(same) == before
 
@@ -86,14 +86,14 @@ def test_calibration_one_sample_at_a_time_keeps_the_global_min_max():
     rng = np.random.default_rng(2)
     w = rng.standard_normal((16, 8)).astype(np.float32)
     feeds = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(4)]
-    plan = _quant_plan.GraphPlan(
-        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=4)
+    plan = scheme.GraphScheme(
+        key="g", weights="int8", activations="int8", calibration=scheme.Calibration(count=4)
     )
-    _, facts = _quant_static.quantize_int8(_matmul_ir(w), FeedReader(feeds), plan)
+    _, facts = static.quantize_int8(_matmul_ir(w), FeedReader(feeds), plan)
     amax = max(float(np.abs(f["x"]).max()) for f in feeds)
     # symmetric int8: scale = max|x| / 127 over every sample, though each was seen alone
     assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(amax / 127, rel=1e-6)
-    reader = _quant_static._OneAtATime(FeedReader(feeds))
+    reader = static._OneAtATime(FeedReader(feeds))
     assert len(reader) == 4
     reader.set_range(1, 2)
     assert reader.get_next() is feeds[1] and reader.get_next() is None
@@ -112,10 +112,10 @@ def test_int32_bias_on_the_ir_replaces_the_float_bias():
     model.graph.outputs[0] = add.outputs[0]
     add.outputs[0].dtype, add.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([3, 8])
     feeds = [{"x": rng.standard_normal((3, 16)).astype(np.float32)} for _ in range(2)]
-    plan = _quant_plan.GraphPlan(
-        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=2)
+    plan = scheme.GraphScheme(
+        key="g", weights="int8", activations="int8", calibration=scheme.Calibration(count=2)
     )
-    out, facts = _quant_static.quantize_int8(model, FeedReader(feeds), plan)
+    out, facts = static.quantize_int8(model, FeedReader(feeds), plan)
     assert facts["matmul_bias_int32"] == 1 and "b" not in out.graph.initializers
     add = next(n for n in out.graph if n.op_type == "Add")
     dq = add.inputs[1].producer()
@@ -138,19 +138,19 @@ def test_threaded_blocks_match_the_whole_array_reference_on_edge_values(threads,
     w[5, 4] = np.float32(1e-45)
     w[32:64, 5] = np.float32(1e-44) * rng.standard_normal(32).astype(np.float32)
     w[70, 6], w[71, 7], w[72, 8], w[100, 9] = np.inf, -np.inf, np.nan, 3e38
-    monkeypatch.setattr(_quant_weight_only, "_THREADS", threads)
+    monkeypatch.setattr(weight_only, "_THREADS", threads)
     on_disk = _on_disk(_matmul_ir(w), tmp_path).graph.initializers["w"].const_value
     with np.errstate(all="ignore"):
-        q4, s4 = _quant_weight_only.quant_int4_group(w, 32)
-        q8, s8 = _quant_weight_only.quant_int8_channel(w)
+        q4, s4 = weight_only.quant_int4_group(w, 32)
+        q8, s8 = weight_only.quant_int8_channel(w)
         for block in (1, 1 << 20):
-            monkeypatch.setattr(_quant_weight_only, "_BLOCK_BYTES", block)
+            monkeypatch.setattr(weight_only, "_BLOCK_BYTES", block)
             for t in (on_disk, ir.tensor(w.copy())):
-                packed, s = _quant_weight_only._int4_streamed(t, 32, True)
-                np.testing.assert_array_equal(packed, _quant_weight_only.pack_int4(q4))
+                packed, s = weight_only._int4_streamed(t, 32, True)
+                np.testing.assert_array_equal(packed, weight_only.pack_int4(q4))
                 np.testing.assert_array_equal(s.view(np.uint32), s4.view(np.uint32))
-                np.testing.assert_array_equal(_quant_weight_only._int4_streamed(t, 32, False)[0], q4)
-                q, s = _quant_weight_only._int8_streamed(t)
+                np.testing.assert_array_equal(weight_only._int4_streamed(t, 32, False)[0], q4)
+                q, s = weight_only._int8_streamed(t)
                 np.testing.assert_array_equal(q, q8)
                 np.testing.assert_array_equal(s.view(np.uint32), s8.view(np.uint32))
                 np.testing.assert_array_equal(t.numpy(), w)  # the source is not changed in place
@@ -178,19 +178,19 @@ def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypa
     the quantized graph is the one onnxruntime's own calibrator gives (forced by failing the cache)."""
     rng = np.random.default_rng(4)
     feeds = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(3)]
-    plan = _quant_plan.GraphPlan(
-        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=3)
+    plan = scheme.GraphScheme(
+        key="g", weights="int8", activations="int8", calibration=scheme.Calibration(count=3)
     )
     cached = []
-    real = _quant_static._minmax_cache
-    monkeypatch.setattr(_quant_static, "_minmax_cache", lambda *a: cached.append(real(*a)) or cached[-1])
-    out, facts = _quant_static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds), plan)
+    real = static._minmax_cache
+    monkeypatch.setattr(static, "_minmax_cache", lambda *a: cached.append(real(*a)) or cached[-1])
+    out, facts = static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds), plan)
     assert cached and cached[0] is not None  # the cache was written and used
     assert set(facts["activations"]["tensors"]) == {"x", "r"}
-    monkeypatch.setattr(_quant_static, "_minmax_cache", lambda *a: None)  # the calibrator's way
+    monkeypatch.setattr(static, "_minmax_cache", lambda *a: None)  # the calibrator's way
     rng = np.random.default_rng(4)
     feeds2 = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(3)]
-    ref, ref_facts = _quant_static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds2), plan)
+    ref, ref_facts = static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds2), plan)
     assert graphs.fingerprint(out) == graphs.fingerprint(ref)
     assert facts == ref_facts
     # negative: an activation that is not finite leaves the ranges to the calibrator (no cache)

@@ -18,8 +18,8 @@ from vlmc.errors import VlmcError
 from vlmc.exporters import families, zoo
 from vlmc.package import Package
 from vlmc.pass_api import get
-from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
-from vlmc.passes._quant_calib import FeedReader
+from vlmc.passes.quantize import scheme, static, weight_only
+from vlmc.passes.quantize.calib import FeedReader
 from vlmc.runtime import Pipeline
 from vlmc.runtime.preprocess import preprocess
 
@@ -36,13 +36,13 @@ def _proto(pkg: Package, name: str) -> onnx.ModelProto:
 
 def _weight_only(model: onnx.ModelProto, plan, feeds):
     """The pass's weight-only step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = _quant_weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
+    m, facts = weight_only.quantize_weight_only(ir.from_proto(model), plan, feeds)
     return ir.to_proto(m), facts
 
 
 def _int8(model: onnx.ModelProto, reader, plan):
     """The pass's static INT8 step on the IR of ``model``; the result back as a proto for inspection."""
-    m, facts = _quant_static.quantize_int8(ir.from_proto(model), reader, plan)
+    m, facts = static.quantize_int8(ir.from_proto(model), reader, plan)
     return ir.to_proto(m), facts
 
 
@@ -85,7 +85,18 @@ def _cos(a, b) -> float:
             {"vision_encoder": {"weights": "fp16", "activations": "int8"}},
             "activations: int8 needs weights: int8",
         ),
-        ({"decoder": {"weights": "int4", "group_size": 40}}, "must be a multiple of 16 and at least 32"),
+        (
+            {"decoder": {"weights": "int4", "group_size": 40}},
+            "decoder: group_size=40 must be a multiple of 16",
+        ),
+        (
+            {"decoder": {"weights": "int4", "group_size": 16}},
+            "decoder: group_size=16 is below the minimum 32",
+        ),
+        (
+            {"decoder": {"weights": "int4", "calibration": {"count": 0}}},
+            "decoder: calibration: count=0 is below the minimum 1",
+        ),
         (
             {"decoder": {"weights": "int4", "calibration": {"count": 4, "how": "x"}}},
             "unknown key 'how'; valid keys: images",
@@ -103,16 +114,24 @@ def test_bad_options_are_one_line_errors(opts, message):
     assert message in str(err.value)
 
 
-def test_json_schema_documents_the_per_graph_plan():
+def test_json_schema_documents_the_per_graph_scheme():
+    from vlmc import limits
+
     schema = get("quantize").json_schema()
     graph = schema["additionalProperties"]
-    assert graph["properties"]["weights"]["enum"] == ["fp32", "fp16", "int8", "int4"]
-    assert graph["properties"]["calibration"]["properties"]["method"]["enum"] == [
-        "minmax",
-        "percentile",
-        "entropy",
-    ]
+    # null is "not set", as for every option (the default applies)
+    assert graph["properties"]["weights"]["enum"] == ["fp32", "fp16", "int8", "int4", None]
+    assert graph["required"] == ["weights"]
+    calibration = graph["properties"]["calibration"]
+    assert calibration["properties"]["method"]["enum"] == ["minmax", "percentile", "entropy", None]
+    # the bounds validation enforces are the ones documented (one Option states each once)
+    assert calibration["properties"]["count"]["maximum"] == limits.MAX_CALIBRATION_SAMPLES
+    assert {k: graph["properties"]["group_size"][k] for k in ("minimum", "multipleOf")} == {
+        "minimum": 32,
+        "multipleOf": 16,
+    }
     assert schema["properties"]["keep_fp32"]["additionalProperties"] is False
+    assert schema["properties"]["calibration"]["properties"] == calibration["properties"]
     assert "eval_tokens" in schema["properties"]
 
 
@@ -221,7 +240,7 @@ def test_builtin_image_features_fp16_and_int8(exported, builtin):
         # target ascend (the default): symmetric activations, AscendQuant offset 0
         assert q["target"] == "ascend" and q["activations"]["symmetric"] is True
         for act in q["activations"]["tensors"].values():
-            assert 1 / act["scale"] <= _quant_static.FP16_MAX and act["zero_point"] == 0
+            assert 1 / act["scale"] <= static.FP16_MAX and act["zero_point"] == 0
         inits = {t.name: t for t in m.graph.initializer}
         ops = {n.name: n.op_type for n in m.graph.node}
         for node, w in q["weights"]["nodes"].items():
@@ -339,18 +358,18 @@ def test_weight_only_graph_matches_numpy_dequant(weights, storage):
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 48)).astype(np.float32)
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    plan = _quant_plan.GraphPlan(key="g", weights=weights, group_size=32, int4_storage=storage)
+    plan = scheme.GraphScheme(key="g", weights=weights, group_size=32, int4_storage=storage)
     model, facts = _weight_only(_matmul_model(w, x.shape), plan, None)
     onnx.checker.check_model(model, full_check=True)
     y = ortsession.from_model(model).run(None, {"x": x})[0]
     if weights == "int4":
-        q, s = _quant_weight_only.quant_int4_group(w, 32)
+        q, s = weight_only.quant_int4_group(w, 32)
         assert q.min() >= -8 and q.max() <= 7
-        np.testing.assert_array_equal(_quant_weight_only.unpack_int4(_quant_weight_only.pack_int4(q)), q)
-        deq = _quant_weight_only.dequant_int4(q, s, 32)
+        np.testing.assert_array_equal(weight_only.unpack_int4(weight_only.pack_int4(q)), q)
+        deq = weight_only.dequant_int4(q, s, 32)
         expect_ops = {"Cast", "Mul", "Reshape", "MatMul"}
     else:
-        q, s = _quant_weight_only.quant_int8_channel(w)
+        q, s = weight_only.quant_int8_channel(w)
         deq = q.astype(np.float32) * s
         expect_ops = {"Cast", "Mul", "MatMul"}
     np.testing.assert_allclose(y, x @ deq, rtol=1e-5, atol=1e-5)
@@ -367,10 +386,10 @@ def test_awq_beats_rtn_on_outlier_channels():
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((256, k)).astype(np.float32)
     x[:, :4] *= 30  # a few salient input channels, as in LLM activations
-    s, alpha = _quant_weight_only.awq_scales(x, np.abs(x).mean(0), w, g, 4)
-    rtn = x @ _quant_weight_only.dequant_int4(*_quant_weight_only.quant_int4_group(w, g), g)
-    q, sc = _quant_weight_only.quant_int4_group(w * s[:, None], g)
-    awq = (x / s) @ _quant_weight_only.dequant_int4(q, sc, g)
+    s, alpha = weight_only.awq_scales(x, np.abs(x).mean(0), w, g, 4)
+    rtn = x @ weight_only.dequant_int4(*weight_only.quant_int4_group(w, g), g)
+    q, sc = weight_only.quant_int4_group(w * s[:, None], g)
+    awq = (x / s) @ weight_only.dequant_int4(q, sc, g)
     ref = x @ w
     assert alpha > 0
     assert np.mean((awq - ref) ** 2) < 0.9 * np.mean((rtn - ref) ** 2)
@@ -434,9 +453,9 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     model = _unnamed_mlp()
     before = model.SerializeToString()
     x = np.random.default_rng(4).standard_normal((4, 16)).astype(np.float32)
-    out, facts = _quant_static.convert_fp16(
+    out, facts = static.convert_fp16(
         ir.from_proto(model),
-        _quant_plan.GraphPlan(key="g", weights="fp16", keep_fp32=_quant_plan.KeepFp32(nodes=("Add_1",))),
+        scheme.GraphScheme(key="g", weights="fp16", keep_fp32=scheme.KeepFp32(nodes=("Add_1",))),
     )
     out = ir.to_proto(out)
     assert model.SerializeToString() == before  # the input graph, unnamed nodes included, is untouched
@@ -451,11 +470,9 @@ def test_fp16_names_nodes_on_its_copy_and_leaves_an_unconvertible_graph_alone():
     assert types["b"] == onnx.TensorProto.FLOAT and onnx.TensorProto.FLOAT16 in types.values()
     np.testing.assert_allclose(_run(out, x), _run(model, x), rtol=1e-2, atol=1e-2)
     # every node kept: nothing converts, and the graph that comes back is the input, unchanged
-    keep_all = _quant_plan.KeepFp32(op_types=("MatMul", "Add", "Relu"))
+    keep_all = scheme.KeepFp32(op_types=("MatMul", "Add", "Relu"))
     m = ir.from_proto(model)
-    same, facts = _quant_static.convert_fp16(
-        m, _quant_plan.GraphPlan(key="g", weights="fp16", keep_fp32=keep_all)
-    )
+    same, facts = static.convert_fp16(m, scheme.GraphScheme(key="g", weights="fp16", keep_fp32=keep_all))
     assert same is m and facts["nodes_converted"] == 0
     assert ir.to_proto(same).SerializeToString() == ir.to_proto(ir.from_proto(model)).SerializeToString()
 
@@ -489,8 +506,8 @@ def test_int8_names_nodes_in_the_copy_it_quantizes():
     before = model.SerializeToString()
     rng = np.random.default_rng(5)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(2)]
-    plan = _quant_plan.GraphPlan(
-        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=2)
+    plan = scheme.GraphScheme(
+        key="g", weights="int8", activations="int8", calibration=scheme.Calibration(count=2)
     )
     out, facts = _int8(model, FeedReader(feeds), plan)
     assert model.SerializeToString() == before
@@ -512,7 +529,7 @@ def test_awq_activation_capture_does_not_touch_the_graph(through_file, monkeypat
     before = model.SerializeToString()
     rng = np.random.default_rng(6)
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
-    got = _quant_weight_only.collect_inputs(ir.from_proto(model), ["z", "x"], feeds, rows=6)
+    got = weight_only.collect_inputs(ir.from_proto(model), ["z", "x"], feeds, rows=6)
     assert model.SerializeToString() == before
     w, b = (numpy_helper.to_array(t) for t in model.graph.initializer)
     z = np.concatenate([f["x"] @ w + b for f in feeds])
@@ -528,16 +545,16 @@ def test_activation_scales_are_clamped_for_fp16_reciprocal():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((16, 8)).astype(np.float32)
     feeds = [{"x": (rng.standard_normal((4, 16)) * 1e-7).astype(np.float32)} for _ in range(3)]
-    plan = _quant_plan.GraphPlan(
-        key="g", weights="int8", activations="int8", calibration=_quant_plan.Calibration(count=3)
+    plan = scheme.GraphScheme(
+        key="g", weights="int8", activations="int8", calibration=scheme.Calibration(count=3)
     )
     model, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
     assert len(facts["clamped_scales"]) == 1 and facts["clamped_scales"][0]["tensor"] == "x"
-    assert facts["clamped_scales"][0]["scale"] < _quant_static.MIN_ACT_SCALE
+    assert facts["clamped_scales"][0]["scale"] < static.MIN_ACT_SCALE
     qnode = next(n for n in model.graph.node if n.op_type == "QuantizeLinear")
     scale = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.name == qnode.input[1])
-    assert 1 / np.float32(scale) <= _quant_static.FP16_MAX
-    assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(_quant_static.MIN_ACT_SCALE)
+    assert 1 / np.float32(scale) <= static.FP16_MAX
+    assert facts["activations"]["tensors"]["x"]["scale"] == pytest.approx(static.MIN_ACT_SCALE)
     # ordinary ranges are not touched
     feeds = [{"x": rng.standard_normal((4, 16)).astype(np.float32)} for _ in range(3)]
     _, facts = _int8(_matmul_model(w, (4, 16)), FeedReader(feeds), plan)
@@ -608,7 +625,7 @@ def test_int32_bias_through_identity_from_older_exports():
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     m = ir.from_proto(model)
-    assert _quant_static.int32_matmul_bias(m) == 1
+    assert static.int32_matmul_bias(m) == 1
     model = ir.to_proto(m)
     assert "Identity" not in [n.op_type for n in model.graph.node]
     bias_in = next(n for n in model.graph.node if n.name == "add").input[1]

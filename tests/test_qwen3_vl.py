@@ -309,12 +309,12 @@ def test_ascend_compile_sizes_the_deepstack_rows_per_variant(exported, tmp_path)
 
 
 def test_plan_bounds_tokens_per_image_by_the_processor_pixels(qwen3):
-    from vlmc import plan
+    from vlmc import budget
 
-    spec = plan.spec_from_package(qwen3.pkg)
+    spec = budget.spec_from_package(qwen3.pkg)
     assert spec.tokens_per_image == 64  # max_pixels 64 * 32 * 32 of the saved processor
     for hw in [(120, 90), (64, 160), (250, 180), (10, 300)]:  # --image-size: the processor's own count
         want = qwen3.proc.image_processor.get_number_of_image_patches(*hw, {}) // 4
-        assert plan.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
-    cfg = plan.load_spec(qwen3.src / "config.json")
+        assert budget.spec_from_package(qwen3.pkg, image_size=hw).tokens_per_image == want
+    cfg = budget.load_spec(qwen3.src / "config.json")
     assert cfg.tokens_per_image == 16384 and {g.role for g in cfg.graphs} == {"vision", "embed", "decoder"}

@@ -23,7 +23,7 @@ from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
-from vlmc.runtime.tensor_parallel import RankDecoder, RankGroup
+from vlmc.runtime.ranks import RankDecoder, RankGroup
 
 PROMPTS = ["Describe the image.", "Hi"]  # different lengths: the second row is left-padded
 IMAGES = [["demo:1"], []]

@@ -27,7 +27,7 @@ from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline, collective
-from vlmc.runtime.tensor_parallel import RankDecoder, RankGroup
+from vlmc.runtime.ranks import RankDecoder, RankGroup
 
 PROMPTS = ["Describe the image."]
 IMAGES = [["demo"]]
@@ -300,7 +300,7 @@ def test_a_rank_that_fails_mid_step_stops_the_group_in_one_line(built, tmp_path)
 
 
 def test_a_plan_naming_other_builds_than_the_build_list_is_refused(built, tmp_path):
-    from vlmc.runtime.tensor_parallel import _Target
+    from vlmc.runtime.ranks import _Target
 
     build = tmp_path / "build"
     shutil.copytree(built["plain"]["tp"][1], build)

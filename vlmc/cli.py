@@ -300,7 +300,7 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         # One process per rank, joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
         # (vlmc/runtime/collective.py; docs/tensor_parallel.md).
         from vlmc.runtime import collective
-        from vlmc.runtime.tensor_parallel import RankGroup
+        from vlmc.runtime.ranks import RankGroup
 
         RankGroup.preflight(package, group_executor)  # a missing torch / torch_npu / pyACL: one line, first
         size = pkg.manifest["tensor_parallel"]["size"]
@@ -503,7 +503,8 @@ def inspect(package, as_json, pruning_image, output):
 
     pkg = Package.load(package)
     if pruning_image:
-        from vlmc import outdir, pruning
+        from vlmc import outdir
+        from vlmc.passes.prune_visual_tokens import measure
 
         out = output or Path("pruning.png")
         if (
@@ -514,9 +515,9 @@ def inspect(package, as_json, pruning_image, output):
         if not out.parent.is_dir():
             raise VlmcError(f"output {out}: directory {out.parent} does not exist")
         outdir.write_file(
-            out.parent, out.name, pruning.picture(pkg, pruning_image)
+            out.parent, out.name, measure.picture(pkg, pruning_image)
         )  # atomic, never via a link
-        p = pruning.facts(pkg)
+        p = measure.facts(pkg)
         ui.info(f"wrote {out}: {p['keep']} of {p['tokens_before']} visual tokens kept ({p['method']})")
         return
     if as_json:
@@ -615,7 +616,7 @@ def plan(
 
     With --tp N, also one card's memory when the tensor_parallel pass splits the decoder over N cards.
     """
-    from vlmc import plan
+    from vlmc import budget
     from vlmc.package import Package
 
     if (package is None) == (config_path is None):
@@ -623,26 +624,26 @@ def plan(
     prec = {}
     for item in precisions:
         role, _, value = item.partition("=")
-        if not value or value not in plan.WEIGHT_BYTES:
+        if not value or value not in budget.WEIGHT_BYTES:
             raise VlmcError(
-                f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(plan.WEIGHT_BYTES)}"
+                f"--precision {item!r}: write ROLE=PRECISION with PRECISION one of {', '.join(budget.WEIGHT_BYTES)}"
             )
         prec[role] = value
-    size = plan.parse_image_size(image_size)
+    size = budget.parse_image_size(image_size)
     if config_path is not None:
-        spec = plan.load_spec(config_path, prec or None, size)
+        spec = budget.load_spec(config_path, prec or None, size)
     else:
         if prec:
             raise click.UsageError(
                 "--precision only applies with --config (a package states its own precisions)"
             )
-        spec = plan.spec_from_package(Package.load(package), size)
+        spec = budget.spec_from_package(Package.load(package), size)
     if tp and cards not in (1, int(tp)):
         raise click.UsageError(
             f"--tp {tp} splits the model over {tp} cards; leave out --cards or give --cards {tp}"
         )
     cards = int(tp) if tp else cards
-    result = plan.plan(
+    result = budget.fit(
         spec,
         device_memory,
         images=images,

@@ -55,7 +55,7 @@ MAX_TEMPLATE_STEPS = _env_int("VLMC_MAX_TEMPLATE_STEPS", 1_000_000)
 # VLMC_MAX_FIDELITY_BYTES, end-to-end fidelity when the pipeline's graphs together are (default 4 GiB:
 # the 512 M-parameter real-width row passes, a 7B decoder, 26 GB, does not); the report says so.
 # Above it, quantize's option streamed_fidelity measures per-graph fidelity segment by segment instead
-# (one segment's weights resident; passes/_quant_stream_eval.py): the limit bounds the whole-graph path.
+# (one segment's weights resident; passes/quantize/stream_fidelity.py): the limit bounds the whole-graph path.
 MAX_FIDELITY_BYTES = _env_int("VLMC_MAX_FIDELITY_BYTES", 4 << 30)
 # Greedy tokens end-to-end fidelity generates in all (eval_samples x eval_tokens; each is a decoder
 # call on the quantized package): eval_tokens is cut to fit, and the report says so.

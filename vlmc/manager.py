@@ -14,7 +14,7 @@ import numpy as np
 from vlmc import graphs, manifest, memory, ortsession, samples, ui
 from vlmc.errors import CheckFailed, PassFailed, PassRefused, VlmcError
 from vlmc.package import Package
-from vlmc.pass_api import check_requirements
+from vlmc.pass_api import check_requirements, contract_violations
 from vlmc.recipe import Step
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,9 @@ class _Before:
     manifest: str
     graphs: dict[str, object]  # name -> a file holding the graph as it was, kept only for --check
     package: Package | None  # the package as it was, for a lossy pass's evaluate()
+    # For a pass that declares changes_input = False: the graph objects the package held, by name, with
+    # their fingerprints then; the pass must leave each as it was.
+    held: dict[str, tuple[object, str]]
 
 
 def _manifest_text(pkg: Package) -> str:
@@ -38,18 +41,32 @@ def _manifest_text(pkg: Package) -> str:
 def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
     """Run passes in order. Every pass is constructed (options validated) before any pass runs.
 
-    For each pass the manager checks its declared preconditions, calls ``check_package`` (whose plan
-    goes to ``run``), runs it, works out which graphs changed from content fingerprints (and holds a
-    pass that states ``modified`` to it), validates the manifest, checks every changed graph, calls
+    Before any pass runs, every pass class is held to what the contract asks of its declarations
+    (:func:`vlmc.pass_api.contract_violations`: a lossy pass implements ``evaluate`` and does not
+    change its input). For each pass the manager then checks its declared preconditions, calls
+    ``check_package`` and hands the plan it returns to ``run``, runs it, works out which graphs changed
+    from content fingerprints (and holds a pass that states ``modified`` to it), holds a pass that
+    declares ``changes_input = False`` to it, validates the manifest, checks every changed graph, calls
     ``evaluate`` for lossy passes, and records history, timing and peak memory.
 
     Raises:
-        PassFailed: a pass raised, misreported ``modified``, broke the manifest or produced an invalid
+        PassRefused: a precondition, ``check_package`` or ``run`` refused the package or a recipe value
+            (a VlmcError): bad input, exit code 2.
+        PassFailed: a pass class breaks the contract, or a pass raised, misreported ``modified``,
+            edited a graph it declared it would not change, broke the manifest or produced an invalid
             graph; the message names the pass, its 1-based position in the recipe, and the passes that
             ran before it.
         CheckFailed: ``check`` is on and a numerics-preserving pass changed a graph's outputs.
     """
     instances = [s.instantiate() for s in steps]
+    for step, p in zip(steps, instances):
+        broken = contract_violations(type(p))
+        if broken:
+            cls = type(p)
+            raise PassFailed(
+                f"pass #{step.index} {step.name!r} ({cls.__module__}.{cls.__qualname__}) breaks the pass "
+                f"contract (vlmc/pass_api.py): {'; '.join(broken)}"
+            )
     pkg.report.setdefault("passes", [])
     ran: list[str] = []
     with ui.progress("running passes", total=len(steps)) as bar, tempfile.TemporaryDirectory() as tmp:
@@ -59,36 +76,27 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             after_txt = f" (ran before it: {', '.join(ran)})" if ran else " (it was the first pass)"
             with memory.Peak() as mem:  # sampled while the pass runs; its peak goes to report.json
                 t0 = time.perf_counter()
-                try:
-                    check_requirements(p, pkg)
-                    plan = p.check_package(pkg)
-                except VlmcError as exc:
-                    # A refusal (the package does not suit the pass) is a user error, with its exit code (2).
-                    refused = PassFailed(f"{label} failed: {exc}{after_txt}")
-                    refused.exit_code = exc.exit_code
-                    raise refused from exc
-                except Exception as exc:  # a pass bug: still one line, traceback with -v
-                    logger.debug("pass failure", exc_info=True)
-                    raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
-                try:
-                    before = _snapshot(
-                        pkg,
-                        Path(tmp) / str(step.index),
-                        keep_graphs=check and p.preserves_numerics,
-                        keep_package=p.lossy,
-                    )
-                    result = p.run(pkg, plan)
-                except PassFailed:
-                    raise
-                except CheckFailed as exc:
-                    raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
-                except VlmcError as exc:  # the pass refused the package or a recipe value: bad input
-                    raise PassRefused(f"{label} failed: {exc}{after_txt}") from exc
-                except Exception as exc:  # a pass bug: still one line, traceback with -v
-                    logger.debug("pass failure", exc_info=True)
-                    raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
+                plan = _guarded(label, after_txt, _checked, p, pkg)
+                before = _guarded(
+                    label,
+                    after_txt,
+                    _snapshot,
+                    pkg,
+                    Path(tmp) / str(step.index),
+                    keep_graphs=check and p.preserves_numerics,
+                    keep_package=p.lossy,
+                    keep_held=not p.changes_input,
+                )
+                result = _guarded(label, after_txt, p.run, pkg, plan)
                 if result is None or not hasattr(result, "modified"):
                     raise PassFailed(f"{label} did not return a PassResult{after_txt}")
+                for name, (model, fingerprint) in before.held.items():
+                    if graphs.fingerprint(model) != fingerprint:
+                        raise PassFailed(
+                            f"{label} declares changes_input = False but edited graph {name!r} in place; "
+                            "build on a clone (Model.clone()) and hand it to set_graph, or declare "
+                            f"changes_input = True{after_txt}"
+                        )
                 out = result.package
                 try:
                     manifest.validate(out.manifest, where=f"the manifest after {step.name}")
@@ -150,7 +158,32 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
     return pkg
 
 
-def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool) -> _Before:
+def _checked(p, pkg: Package):
+    """The pass's declared preconditions, then its check_package: the plan its run receives."""
+    check_requirements(p, pkg)
+    return p.check_package(pkg)
+
+
+def _guarded(label: str, after_txt: str, call, *args, **kwargs):
+    """``call(*args, **kwargs)``, with what it raises named by the pass.
+
+    A VlmcError is a refusal (PassRefused, exit 2), a failed check a PassFailed, anything else a pass
+    bug (one line; the traceback with -v).
+    """
+    try:
+        return call(*args, **kwargs)
+    except PassFailed:
+        raise
+    except CheckFailed as exc:
+        raise PassFailed(f"{label} failed: {exc}{after_txt}") from exc
+    except VlmcError as exc:  # the pass refused the package or a recipe value: bad input
+        raise PassRefused(f"{label} failed: {exc}{after_txt}") from exc
+    except Exception as exc:
+        logger.debug("pass failure", exc_info=True)
+        raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
+
+
+def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, keep_held: bool) -> _Before:
     kept: dict[str, object] = {}
     if keep_graphs:
         # Files are never changed once written, so an unchanged graph's file is its before-state; a
@@ -167,6 +200,12 @@ def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool) ->
         manifest=_manifest_text(pkg),
         graphs=kept,
         package=pkg.snapshot() if keep_package else None,
+        # A graph not loaded yet is read fresh from its file by whoever asks, so only held objects count.
+        held={
+            name: (pkg.model(name), graphs.fingerprint(pkg.model(name)))
+            for name in pkg.graph_names
+            if keep_held and pkg.is_loaded(name)
+        },
     )
 
 

@@ -15,9 +15,10 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 
-from vlmc import metrics, pass_api, pruning, ui
+from vlmc import metrics, pass_api, ui
 from vlmc.errors import VlmcError
 from vlmc.package import Package
+from vlmc.passes.prune_visual_tokens import measure
 from vlmc.runtime import Pipeline
 from vlmc.runtime.pipeline import Inputs
 
@@ -254,13 +255,13 @@ def reference_inputs(pkg: Package, prompts: list[str], images: list[list]) -> In
     The source model expects every visual token, so its prompts are expanded with the unpruned
     count that ``vision.pruning`` records.
     """
-    p = pruning.facts(pkg)
+    p = measure.facts(pkg)
     if not p:
         return None
     vision = dict(
         pkg.manifest["vision"], tokens_per_image=p.get("unpruned_tokens_per_image", p["tokens_before"])
     )
-    return Pipeline(pruning.variant(pkg, vision=vision)).prepare(prompts, images)
+    return Pipeline(measure.variant(pkg, vision=vision)).prepare(prompts, images)
 
 
 def verify(
@@ -304,7 +305,7 @@ def verify(
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
         if pkg.manifest.get("tensor_parallel") and pkg.root is not None:
             # A sharded package runs as its rank processes, joined by gloo (docs/tensor_parallel.md).
-            from vlmc.runtime.tensor_parallel import RankGroup
+            from vlmc.runtime.ranks import RankGroup
 
             with RankGroup(pkg.root) as group:
                 got = group.generate_from(inp, max_new_tokens)

@@ -1,4 +1,4 @@
-"""vlmc.attention on small hand-built onnx-ir graphs: the walk from a Softmax back to Q·Kᵀ."""
+"""vlmc.exporters.attention on small hand-built onnx-ir graphs: the walk from a Softmax back to Q·Kᵀ."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from vlmc import attention
 from vlmc.errors import VlmcError
+from vlmc.exporters import attention
 
 FLOAT = ir.DataType.FLOAT
 

@@ -9,9 +9,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from vlmc import graphs, interop, pruning
+from vlmc import graphs, interop
 from vlmc.errors import VlmcError
 from vlmc.passes import prune_visual_tokens
+from vlmc.passes.prune_visual_tokens import measure
 
 IMAGES, HEADS, TOKENS, HIDDEN, OUT = 2, 2, 6, 3, 4
 KEYS = TOKENS + 1  # a CLS key in front of the patch tokens
@@ -162,7 +163,7 @@ def test_attention_topk_matches_numpy(batched_feeds, method, recompute, opset):
     expected = _topk_sorted(attention.mean(1)[:, 1:], keep)
     feats = batched_feeds["hidden"][:, 1:] @ model.graph.initializers["proj.weight"].const_value.numpy()
     got = _run(new, batched_feeds)
-    np.testing.assert_array_equal(got[pruning.INDICES_OUTPUT], expected)
+    np.testing.assert_array_equal(got[measure.INDICES_OUTPUT], expected)
     np.testing.assert_allclose(
         got["image_features"], np.take_along_axis(feats, expected[..., None], 1), rtol=1e-5, atol=1e-5
     )
@@ -175,7 +176,7 @@ def test_batched_rewrite_structure():
     new, info = prune_visual_tokens.rewrite(model, "cls_attention", 3, TOKENS, ATTENTION)
     _check(new)
     g = new.graph
-    assert [o.name for o in g.outputs] == ["image_features", pruning.INDICES_OUTPUT]
+    assert [o.name for o in g.outputs] == ["image_features", measure.INDICES_OUTPUT]
     kept, indices = g.outputs
     assert kept.producer().op_type == "GatherElements"
     assert kept.producer().inputs[0].name == "image_features_unpruned"
@@ -234,7 +235,7 @@ def test_batched_baselines(batched_feeds, method):
         else np.sort(np.argsort(-np.random.default_rng(seed).random(TOKENS).astype(np.float32))[:keep])
     )
     got = _run(new, batched_feeds)
-    np.testing.assert_array_equal(got[pruning.INDICES_OUTPUT], np.broadcast_to(expected, (IMAGES, keep)))
+    np.testing.assert_array_equal(got[measure.INDICES_OUTPUT], np.broadcast_to(expected, (IMAGES, keep)))
     full = _run(model, batched_feeds)["image_features"]
     np.testing.assert_array_equal(got["image_features"], full[:, expected])
     # the attention branch feeds no output any more and is removed
@@ -265,7 +266,7 @@ def test_packed_per_image_topk_and_aligned_output(method):
     )
     _check(new)
     assert _structure(model) == before
-    assert [o.name for o in new.graph.outputs] == ["image_features", "deepstack_0", pruning.INDICES_OUTPUT]
+    assert [o.name for o in new.graph.outputs] == ["image_features", "deepstack_0", measure.INDICES_OUTPUT]
     assert new.graph.outputs[1].producer().op_type == "Gather"
     # both outputs are gathered with the one flat index
     assert new.graph.outputs[1].producer().inputs[1] is new.graph.outputs[0].producer().inputs[1]
@@ -280,7 +281,7 @@ def test_packed_per_image_topk_and_aligned_output(method):
             expected = prune_visual_tokens.random_indices(n, keep, seed)
         else:
             expected = _topk_sorted(token_scores[start : start + n][None], keep)[0]
-        np.testing.assert_array_equal(got[pruning.INDICES_OUTPUT][i], expected)
+        np.testing.assert_array_equal(got[measure.INDICES_OUTPUT][i], expected)
         rows = slice(i * keep, (i + 1) * keep)
         np.testing.assert_array_equal(
             got["image_features"][rows], np.maximum(feeds["x"][start + expected], 0)

@@ -1,4 +1,4 @@
-"""Streamed per-graph fidelity (passes/_quant_stream_eval.py) on small hand-built IR graphs.
+"""Streamed per-graph fidelity (passes/quantize/stream_fidelity.py) on small hand-built IR graphs.
 
 The graph is run segment by segment; its outputs must be the whole graph's, FP32 and weight-only
 alike, and the peak RSS one segment's weights, not the graph's.
@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from vlmc import graphs, ortsession
-from vlmc.passes import _quant_eval, _quant_plan, _quant_stream_eval, _quant_weight_only
+from vlmc.passes.quantize import fidelity, scheme, stream_fidelity, weight_only
 
 from ._child import peak_growth
 
@@ -83,7 +83,7 @@ def test_streamed_outputs_equal_the_whole_graph(tmp_path):
     model = graphs.load_ir(_saved(_decoder_like(layers, width), tmp_path / "g.onnx"))
     feeds = _feeds(width)
     layer_bytes = 2 * width * width * 4
-    got, facts = _quant_stream_eval.run(model, feeds, ortsession.from_model, segment_bytes=layer_bytes)
+    got, facts = stream_fidelity.run(model, feeds, ortsession.from_model, segment_bytes=layer_bytes)
     assert facts["segments"] >= layers  # one layer's weights per segment at most
     assert facts["largest_segment_weight_bytes"] <= layer_bytes
     want = _whole(ortsession.from_model(model), feeds)
@@ -96,8 +96,8 @@ def test_streamed_outputs_equal_the_whole_graph(tmp_path):
 def test_cuts_fall_where_fewest_values_cross():
     width, layers = 16, 3
     model = _decoder_like(layers, width)
-    nodes = _quant_stream_eval.order(model.graph)
-    positions = _quant_stream_eval.cuts(nodes, segment_bytes=2 * width * width * 4 + 64)  # a layer
+    nodes = stream_fidelity.order(model.graph)
+    positions = stream_fidelity.cuts(nodes, segment_bytes=2 * width * width * 4 + 64)  # a layer
     # Each cut but the last comes right after a layer's residual Add (x and bias_scaled cross there);
     # inside a layer the residual stream crosses beside the layer's own values.
     assert positions[-1] == len(nodes)
@@ -118,7 +118,7 @@ def test_order_puts_each_constant_chain_before_its_reader():
     graph.insert_before(graph.node(0), [cast, mul])
     reader = next(n for n in graph if n.name == "l1/w")
     reader.replace_input_with(1, mul.outputs[0])
-    names = [n.name for n in _quant_stream_eval.order(graph)]
+    names = [n.name for n in stream_fidelity.order(graph)]
     assert names.index("dq/mul") == names.index("l1/w") - 1
     assert names.index("dq/cast") == names.index("l1/w") - 2
     assert sorted(names) == sorted(n.name for n in graph)
@@ -129,13 +129,13 @@ def test_weight_only_fidelity_equals_the_whole_graph_fidelity(tmp_path):
     fp32 = graphs.load_ir(_saved(_decoder_like(layers, width), tmp_path / "g.onnx"))
     feeds = _feeds(width)
     refs = _whole(ortsession.from_model(fp32), feeds)
-    streamed_refs, _ = _quant_stream_eval.run(fp32, feeds, ortsession.from_model, segment_bytes=1)
-    plan = _quant_plan.GraphPlan(key="g", weights="int4", group_size=32)
-    quant, _ = _quant_weight_only.quantize_weight_only(fp32, plan, None)
+    streamed_refs, _ = stream_fidelity.run(fp32, feeds, ortsession.from_model, segment_bytes=1)
+    plan = scheme.GraphScheme(key="g", weights="int4", group_size=32)
+    quant, _ = weight_only.quantize_weight_only(fp32, plan, None)
     whole: dict = {}
     for ref, got in zip(refs, _whole(ortsession.dequantized(quant), feeds)):
-        _quant_eval.accumulate(whole, ref, got)
-    fid, facts = _quant_stream_eval.graph_fidelity(
+        fidelity.accumulate(whole, ref, got)
+    fid, facts = stream_fidelity.graph_fidelity(
         quant, "int4_weight_only", feeds, streamed_refs, segment_bytes=1
     )
     assert facts["segments"] > layers
@@ -156,7 +156,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     import numpy as np
     from vlmc import graphs, ortsession
-    from vlmc.passes import _quant_stream_eval
+    from vlmc.passes.quantize import stream_fidelity
 
     def status(key):
         with open("/proc/self/status") as f:
@@ -175,7 +175,7 @@ _CHILD = textwrap.dedent(
         f.write("5")  # reset VmHWM to the current RSS
     base = status("VmRSS")
     if mode == "streamed":
-        _quant_stream_eval.run(model, feeds, ortsession.from_model, segment_bytes=segment)
+        stream_fidelity.run(model, feeds, ortsession.from_model, segment_bytes=segment)
     else:
         sess = ortsession.from_model(model)
         sess.run(None, feeds[0])

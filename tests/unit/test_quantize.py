@@ -19,7 +19,7 @@ import pytest
 from onnxruntime.transformers import float16
 
 from vlmc import graphs, interop
-from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
+from vlmc.passes.quantize import scheme, static, weight_only
 
 from ._child import peak_growth
 
@@ -124,7 +124,7 @@ def _saved(model: ir.Model, path: Path) -> ir.Model:
 # ---- FP16 -------------------------------------------------------------------------------------
 def test_streamed_fp16_equals_the_converter_on_the_whole_graph(tmp_path, monkeypatch):
     model = _saved(_fp16_model(), tmp_path / "g.onnx")
-    plan = _quant_plan.GraphPlan(key="g", weights="fp16", keep_fp32=_quant_plan.KeepFp32(nodes=KEPT))
+    plan = scheme.GraphScheme(key="g", weights="fp16", keep_fp32=scheme.KeepFp32(nodes=KEPT))
 
     # Reference: onnxruntime's converter on the full proto (every weight's bytes inside).
     with interop.as_proto(model, weight_limit=None) as seam:
@@ -147,9 +147,9 @@ def test_streamed_fp16_equals_the_converter_on_the_whole_graph(tmp_path, monkeyp
 
     monkeypatch.setattr(float16, "convert_float_to_float16", spy)
     store = graphs.TensorStore(tmp_path / "fp16.onnx.data")
-    out, facts = _quant_static.convert_fp16(model, plan, store)
+    out, facts = static.convert_fp16(model, plan, store)
     store.close()
-    assert seen and max(seen) < _quant_static.FP16_STREAM_LIMIT + 64  # no held weight's bytes went in
+    assert seen and max(seen) < static.FP16_STREAM_LIMIT + 64  # no held weight's bytes went in
     assert facts["nodes_converted"] == len(list(model.graph)) - len(KEPT)
 
     got = {n: v.const_value for n, v in out.graph.initializers.items()}
@@ -174,8 +174,8 @@ def test_streamed_fp16_equals_the_converter_on_the_whole_graph(tmp_path, monkeyp
 def test_fp16_does_not_change_the_source_model(tmp_path):
     model = _saved(_fp16_model(), tmp_path / "g.onnx")
     before = ir.to_proto(model).SerializeToString()
-    plan = _quant_plan.GraphPlan(key="g", weights="fp16")
-    out, _ = _quant_static.convert_fp16(model, plan)
+    plan = scheme.GraphScheme(key="g", weights="fp16")
+    out, _ = static.convert_fp16(model, plan)
     assert ir.to_proto(model).SerializeToString() == before
     assert out is not model and out.graph.initializers["w"].const_value.dtype == ir.DataType.FLOAT16
 
@@ -191,8 +191,8 @@ def test_layerwise_statistics_equal_whole_graph_statistics():
     feeds = _feeds(16)
     names = [n.inputs[0].name for n in model.graph if n.op_type == "MatMul"]
     assert len(set(names)) == 5
-    whole = _quant_weight_only.collect_inputs(model, names, feeds, rows=7)
-    layered = list(_quant_weight_only.layerwise_inputs(model, names, feeds, rows=7))
+    whole = weight_only.collect_inputs(model, names, feeds, rows=7)
+    layered = list(weight_only.layerwise_inputs(model, names, feeds, rows=7))
     assert [n for n, _ in layered] == list(dict.fromkeys(names))  # in graph order, one at a time
     for name, (mean_abs, rows) in layered:
         np.testing.assert_allclose(mean_abs, whole[name][0], rtol=1e-6, atol=1e-7)
@@ -210,7 +210,7 @@ def test_layerwise_statistics_are_the_real_activations():
         x = f["x"]
         x = x + np.maximum((x * t["l0.norm"]) @ t["l0.w1"], 0) @ t["l0.w2"]
         acts.append(np.maximum((x * t["l1.norm"]) @ t["l1.w1"], 0).reshape(-1, 16))
-    got = dict(_quant_weight_only.layerwise_inputs(model, ["/layers.1/Relu_output_0"], feeds, rows=1000))
+    got = dict(weight_only.layerwise_inputs(model, ["/layers.1/Relu_output_0"], feeds, rows=1000))
     mean_abs, rows = got["/layers.1/Relu_output_0"]
     np.testing.assert_allclose(mean_abs, np.abs(np.concatenate(acts)).mean(0), rtol=1e-5, atol=1e-6)
     assert rows.shape == (sum(a.shape[0] for a in acts), 16)
@@ -219,15 +219,15 @@ def test_layerwise_statistics_are_the_real_activations():
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_layerwise_awq_equals_whole_graph_awq(weights, monkeypatch):
     feeds = _feeds(32)
-    plan = _quant_plan.GraphPlan(key="g", weights=weights, method="awq", group_size=32)
-    layered, f1 = _quant_weight_only.quantize_weight_only(_layers_model(2, 32, outliers=True), plan, feeds)
+    plan = scheme.GraphScheme(key="g", weights=weights, method="awq", group_size=32)
+    layered, f1 = weight_only.quantize_weight_only(_layers_model(2, 32, outliers=True), plan, feeds)
 
     # The previous AWQ: every input's statistics from one whole-graph session before quantizing.
-    def whole(model, names, feeds, rows=_quant_weight_only.AWQ_ROWS, seed=0):
-        return iter(_quant_weight_only.collect_inputs(model, names, feeds, rows, seed).items())
+    def whole(model, names, feeds, rows=weight_only.AWQ_ROWS, seed=0):
+        return iter(weight_only.collect_inputs(model, names, feeds, rows, seed).items())
 
-    monkeypatch.setattr(_quant_weight_only, "layerwise_inputs", whole)
-    previous, f2 = _quant_weight_only.quantize_weight_only(_layers_model(2, 32, outliers=True), plan, feeds)
+    monkeypatch.setattr(weight_only, "layerwise_inputs", whole)
+    previous, f2 = weight_only.quantize_weight_only(_layers_model(2, 32, outliers=True), plan, feeds)
     assert f1 == f2 and len(f1["nodes_quantized"]) == 5
     assert [n.name for n in layered.graph] == [n.name for n in previous.graph]
     for name, v in previous.graph.initializers.items():
@@ -249,7 +249,7 @@ _CHILD = textwrap.dedent(
     import json, sys
     import numpy as np
     from vlmc import graphs
-    from vlmc.passes import _quant_plan, _quant_static, _quant_weight_only
+    from vlmc.passes.quantize import scheme, static, weight_only
 
     path, mode, scratch = sys.argv[1:4]
     model = graphs.load_ir(path)
@@ -261,10 +261,10 @@ _CHILD = textwrap.dedent(
     base = status("VmRSS")
     store = graphs.TensorStore(scratch + "/q.onnx.data")
     if mode == "fp16":
-        _quant_static.convert_fp16(model, _quant_plan.GraphPlan(key="g", weights="fp16"), store)
+        static.convert_fp16(model, scheme.GraphScheme(key="g", weights="fp16"), store)
     else:
-        plan = _quant_plan.GraphPlan(key="g", weights="int4", method="awq", group_size=128)
-        _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
+        plan = scheme.GraphScheme(key="g", weights="int4", method="awq", group_size=128)
+        weight_only.quantize_weight_only(model, plan, feeds, store)
     print(json.dumps({"base": base, "peak": status("VmHWM")}))
     """
 )

@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from vlmc import attention, interop, samples
-from vlmc.exporters import base, streaming, zoo
+from vlmc import interop, samples
+from vlmc.exporters import attention, base, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
 

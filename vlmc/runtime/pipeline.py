@@ -73,7 +73,7 @@ class Pipeline:
             executor: what runs each graph (default: onnxruntime on the package's graphs). The loop
                 is the same whatever runs the graphs (vlmc/runtime/executor.py).
             decoder: runs the decoder step instead of the ``pipeline.decoder`` chain: one rank of a
-                tensor-parallel package (:class:`vlmc.runtime.tensor_parallel.RankDecoder`), which also
+                tensor-parallel package (:class:`vlmc.runtime.ranks.RankDecoder`), which also
                 says which share of the KV heads the rank's cache holds.
         """
         self.pkg = pkg
@@ -355,7 +355,7 @@ class Pipeline:
         if tp and self.decoder is None:
             raise VlmcError(
                 f"the package is split over {tp['size']} ranks (tensor_parallel); run it with `vlmc run`, "
-                "which starts the ranks, or vlmc.runtime.tensor_parallel.RankGroup"
+                "which starts the ranks, or vlmc.runtime.ranks.RankGroup"
             )
         dtype = self.m["kv"].get("dtype", "float32")
         kv_facts = self.decoder.kv_facts(self.m["kv"]) if self.decoder is not None else self.m["kv"]

@@ -13,8 +13,7 @@ import onnx_ir as ir
 
 from vlmc import graphs, outdir, paths, tensor_names
 from vlmc.backends import BUILD_MARKER
-from vlmc.backends.ascend import atc, gears, pools, soc
-from vlmc.backends.ascend import tensor_parallel as tp_builds
+from vlmc.backends.ascend import atc, gears, pools, rank_builds, soc
 from vlmc.backends.ascend.options import NAME
 from vlmc.package import Package
 
@@ -63,7 +62,7 @@ def summary(package: Package, opts: dict, resolution: soc.Resolution, plan: dict
         "builds": builds,
         "runner": dict(RUNNER),
         "paged_kv": paged_kv_host_write(package.manifest.get("kv", {}), plan["builds"]),
-        "tensor_parallel": tp_builds.tensor_parallel_host_plan(package.manifest, plan["builds"]),
+        "tensor_parallel": rank_builds.host_schedule(package.manifest, plan["builds"]),
         "warnings": plan["warnings"] + ([resolution.warning] if resolution.warning else []),
         "run": None,
     }
@@ -196,8 +195,8 @@ def write(out_dir: Path, plan: dict, summary: dict, force: bool, package: Packag
         (tmp / "atc.mk").write_text(_makefile(plan))
         (tmp / "compile.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         if summary.get("tensor_parallel"):
-            table = tp_builds.rank_table(summary["tensor_parallel"]["size"])
-            (tmp / tp_builds.RANK_TABLE).write_text(json.dumps(table, indent=2) + "\n")
+            table = rank_builds.rank_table(summary["tensor_parallel"]["size"])
+            (tmp / rank_builds.RANK_TABLE).write_text(json.dumps(table, indent=2) + "\n")
         (tmp / BUILD_MARKER).write_text(
             json.dumps({"backend": NAME, "compile": "compile.json"}, indent=2) + "\n"
         )

@@ -74,7 +74,7 @@ def _named(model: ir.Model, names: list[str]):
 
 
 def quantize_int8(
-    model: ir.Model, reader, plan, seed: int = 0, directory: str | Path | None = None
+    model: ir.Model, reader, scheme, seed: int = 0, directory: str | Path | None = None
 ) -> tuple[ir.Model, dict]:
     """Static INT8 QDQ quantization of ``model``; returns the new model and the facts for the manifest.
 
@@ -89,7 +89,7 @@ def quantize_int8(
     import vlmc.ortsession  # noqa: F401  (quiets onnxruntime's logger)
 
     names = node_names(model)
-    nodes, kept = weighted_nodes(model, plan.op_types, plan.keep_fp32, names)
+    nodes, kept = weighted_nodes(model, scheme.op_types, scheme.keep_fp32, names)
     if not nodes:
         return model, {"mode": "int8", "nodes_kept_fp32": kept, "nodes_quantized": []}
     facts = {"mode": "int8", "nodes_kept_fp32": kept}
@@ -97,12 +97,12 @@ def quantize_int8(
         "minmax": CalibrationMethod.MinMax,
         "percentile": CalibrationMethod.Percentile,
         "entropy": CalibrationMethod.Entropy,
-    }[plan.calibration.method]
-    if not plan.activation_symmetric and plan.target == "ascend":
+    }[scheme.calibration.method]
+    if not scheme.activation_symmetric and scheme.target == "ascend":
         logger.warning(
             "quantize: %s: asymmetric int8 activations lower to AMCT's deploy form (AscendQuant offset, "
             "bias not corrected; GE applies the offset); this form is unverified on hardware",
-            plan.key,
+            scheme.key,
         )
     # Conv weights per output channel, MatMul/Gemm weights per tensor: the forms AMCT deploys
     # (hicann/amct: CHANNEL_WISE_ONNX_TYPES is Conv/ConvTranspose/LSTM/GRU; convert_qat_model's
@@ -145,8 +145,8 @@ def quantize_int8(
                 use_external_data_format=True,
                 extra_options={
                     "WeightSymmetric": True,
-                    # AscendQuant's offset: 0 unless asked (see GraphPlan.activation_symmetric)
-                    "ActivationSymmetric": bool(plan.activation_symmetric),
+                    # AscendQuant's offset: 0 unless asked (see GraphScheme.activation_symmetric)
+                    "ActivationSymmetric": bool(scheme.activation_symmetric),
                     "MatMulConstBOnly": True,
                     # AscendDequant gives float out of the int32 accumulator: no requantized output
                     "OpTypesToExcludeOutputQuantization": list(_WEIGHT_INPUT),
@@ -159,10 +159,10 @@ def quantize_int8(
     clamped = clamp_activation_scales(out)
     biases = int32_matmul_bias(out)
     facts.update(collect_int8_facts(out))
-    facts["activations"]["symmetric"] = bool(plan.activation_symmetric)
+    facts["activations"]["symmetric"] = bool(scheme.activation_symmetric)
     facts.update(
         {
-            "target": plan.target,
+            "target": scheme.target,
             "nodes_quantized": nodes,
             "clamped_scales": clamped,
             "matmul_bias_int32": biases,
@@ -489,7 +489,7 @@ def collect_int8_facts(model: ir.Model) -> dict:
 FP16_STREAM_LIMIT = 1024
 
 
-def convert_fp16(model: ir.Model, plan, store=None) -> tuple[ir.Model, dict]:
+def convert_fp16(model: ir.Model, scheme, store=None) -> tuple[ir.Model, dict]:
     """FP16 conversion with onnxruntime's float16 tool; keep_fp32 ops/nodes stay float32.
 
     ``model`` is returned as it is when no node would be converted; otherwise a new model replaces it.
@@ -507,11 +507,11 @@ def convert_fp16(model: ir.Model, plan, store=None) -> tuple[ir.Model, dict]:
 
     names = node_names(model)
     nodes = list(model.graph)
-    kept = [name for node, name in zip(nodes, names) if plan.keep_fp32.matches(node, name)]
+    kept = [name for node, name in zip(nodes, names) if scheme.keep_fp32.matches(node, name)]
     op_block = list(DEFAULT_OP_BLOCK_LIST) + [
-        t for t in plan.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST
+        t for t in scheme.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST
     ]
-    facts = {"mode": "fp16", "keep_io_fp32": plan.keep_io_fp32, "nodes_kept_fp32": kept}
+    facts = {"mode": "fp16", "keep_io_fp32": scheme.keep_io_fp32, "nodes_kept_fp32": kept}
     blocked = set(kept)
     if all(name in blocked or node.op_type in op_block for node, name in zip(nodes, names)):
         return model, {**facts, "nodes_converted": 0}
@@ -520,7 +520,7 @@ def convert_fp16(model: ir.Model, plan, store=None) -> tuple[ir.Model, dict]:
         _stub_held(work, seam.held)
         result = convert_float_to_float16(
             work,
-            keep_io_types=plan.keep_io_fp32,
+            keep_io_types=scheme.keep_io_fp32,
             op_block_list=op_block,
             node_block_list=kept,
             disable_shape_infer=True,

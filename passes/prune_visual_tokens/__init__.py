@@ -27,9 +27,11 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmc import limits, pruning
+from vlmc import limits
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
+
+from . import measure
 
 logger = logging.getLogger(__name__)
 
@@ -329,7 +331,7 @@ def rewrite(
     else:
         kept, indices, source = _batched(b, feats, method, keep, tokens, attention, seed, recompute, tensors)
         kept_shape, idx_shape = [shape[0], keep, shape[-1]], [shape[0], keep]
-    kept.name, indices.name = FEATURES, pruning.INDICES_OUTPUT
+    kept.name, indices.name = FEATURES, measure.INDICES_OUTPUT
     kept.dtype, indices.dtype = feats.dtype or ir.DataType.FLOAT, ir.DataType.INT64
     kept.shape, indices.shape = ir.Shape(kept_shape), ir.Shape(idx_shape)
     _replace_output(graph, feats, kept)
@@ -374,6 +376,8 @@ class PruneVisualTokens(Pass):
         "drop visual tokens in the vision graph (TopK on attention scores, static k); lossy, reports fidelity"
     )
     lossy = True
+    # The pruned vision graph is a new model (rewrite builds it); the snapshot keeps the original.
+    changes_input = False
     requires = ("unmerged",)
     options = (
         Option(
@@ -414,7 +418,7 @@ class PruneVisualTokens(Pass):
         Option(
             "calibration_images", int, 2, "demo images for the fidelity report (0 skips it)", min=0, max=64
         ),
-        Option("calibration_prompt", str, pruning.DEFAULT_PROMPT, "prompt used for the fidelity report"),
+        Option("calibration_prompt", str, measure.DEFAULT_PROMPT, "prompt used for the fidelity report"),
         Option(
             "fidelity_tokens", int, 8, "greedy tokens compared for the common-prefix length", min=1, max=256
         ),
@@ -546,7 +550,7 @@ class PruneVisualTokens(Pass):
             "tokens_before": tokens,
             "unpruned_tokens_per_image": original_vision.get("tokens_per_image"),
             "graph": target,
-            "indices_output": pruning.INDICES_OUTPUT,
+            "indices_output": measure.INDICES_OUTPUT,
             "score_source": info["score_source"],
             "seed": self.opts["seed"] if self.opts["method"] == "random" else None,
             "positions": "original" if package.manifest["text"].get("position") == "mrope" else "contiguous",
@@ -561,7 +565,7 @@ class PruneVisualTokens(Pass):
             "score_source": info["score_source"],
             "ops_added": info["ops_added"],
         }
-        unpruned = pruning.variant(package, {target: original}, original_vision)
+        unpruned = measure.variant(package, {target: original}, original_vision)
         report["savings"] = self._savings(package, unpruned, k)
         if tokens is None:  # dynamic resolution: report the count of the first calibration image
             report["tokens_before"] = (
@@ -569,7 +573,7 @@ class PruneVisualTokens(Pass):
             )
         if self.opts["picture"]:
             image = "demo:0"
-            package.files["pruning.png"] = pruning.picture(package, image)
+            package.files["pruning.png"] = measure.picture(package, image)
             report["picture"] = "pruning.png"
         return PassResult(package, report=report)
 
@@ -594,8 +598,8 @@ class PruneVisualTokens(Pass):
                     packed=plan["packed"],
                     aligned=plan.get("aligned"),
                 )
-                variants[base] = pruning.variant(pruned, {plan["target"]: model})
-        result = pruning.fidelity(
+                variants[base] = measure.variant(pruned, {plan["target"]: model})
+        result = measure.fidelity(
             unpruned, variants, images, self.opts["calibration_prompt"], self.opts["fidelity_tokens"]
         )
         result["calibration_images"] = len(images)
@@ -607,4 +611,4 @@ class PruneVisualTokens(Pass):
 
         inp = Pipeline(unpruned).prepare([self.opts["calibration_prompt"]], [["demo:0"]])
         visual = int((inp.input_ids == int(unpruned.manifest["vision"]["image_token_id"])).sum())
-        return pruning.savings(pruned.manifest, visual, keep, int(inp.attention_mask.sum()) - visual)
+        return measure.savings(pruned.manifest, visual, keep, int(inp.attention_mask.sum()) - visual)

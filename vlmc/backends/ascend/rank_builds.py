@@ -30,7 +30,7 @@ def rank_table(size: int) -> dict:
     }
 
 
-def tensor_parallel_host_plan(manifest: dict, builds: list[gears.Build]) -> dict | None:
+def host_schedule(manifest: dict, builds: list[gears.Build]) -> dict | None:
     """The host plan of a tensor-parallel package in terms of builds, for compile.json; None otherwise.
 
     Each rank loads its own builds on its own device; a segment step runs the rank's build for the

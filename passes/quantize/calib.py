@@ -162,7 +162,7 @@ class _FeedsOnly(OrtExecutor):
 
     A large graph's call records its feeds and ends the sample (a decoder's prefill is the last call
     a sample needs once generation is off) when every other target was seen; its outputs are then
-    computed segment by segment over all samples at once (``_quant_stream_eval.reference``). When a
+    computed segment by segment over all samples at once (``stream_fidelity.reference``). When a
     target is still to come after it, this one call runs segment by segment instead.
     """
 
@@ -181,9 +181,9 @@ class _FeedsOnly(OrtExecutor):
         if self.recorder.targets - self.recorder.seen <= {graph}:
             self.recorder(graph, feeds, {})
             raise _Recorded
-        from . import _quant_stream_eval
+        from . import stream_fidelity
 
-        return _quant_stream_eval.reference(self.pkg.model(graph), [feeds])[0]
+        return stream_fidelity.reference(self.pkg.model(graph), [feeds])[0]
 
 
 def _image_chain(pipe: Pipeline, recorder: _Recorder, chain: list[str], vision: dict, keep: bool) -> None:

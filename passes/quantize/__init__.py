@@ -14,14 +14,14 @@ from vlmc import graphs, limits, manifest
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
-from . import _quant_plan
+from . import scheme
 
 logger = logging.getLogger(__name__)
 
 
 @register
 class Quantize(Pass):
-    """Quantize graphs by a per-graph plan; keys other than the options below are graph names or roles.
+    """Quantize graphs by a per-graph scheme; keys other than the options below are graph names or roles.
 
     Example recipe step::
 
@@ -38,6 +38,8 @@ class Quantize(Pass):
         "portable opset-17 form with quantization facts in the manifest"
     )
     lossy = True
+    # Every graph is built on a new model (weight-only edits a clone), so the snapshot stays FP32.
+    changes_input = False
     requires = ("unmerged",)
     allow_extra_keys = True
     options = (
@@ -46,6 +48,7 @@ class Quantize(Pass):
             dict,
             None,
             "ops/nodes kept in float32 in every graph: {op_types: [...], nodes: [globs]}",
+            fields=scheme.KEEP,
         ),
         Option(
             "calibration",
@@ -53,6 +56,7 @@ class Quantize(Pass):
             None,
             "default calibration for all graphs: "
             "{images: dir, prompts: [...], count: 32, method: minmax|percentile|entropy}",
+            fields=scheme.CALIBRATION,
         ),
         Option(
             "eval_samples",
@@ -79,26 +83,26 @@ class Quantize(Pass):
             "backend the quantized graphs are built for: ascend keeps to the forms the NPU builds "
             "(symmetric int8 activations by default, per-tensor MatMul/Gemm weights, group sizes that "
             "NPUWeightQuantBatchMatmulV2 accepts); portable allows any form onnxruntime runs",
-            choices=_quant_plan.TARGETS,
+            choices=scheme.TARGETS,
         ),
     )
 
     # ---- options --------------------------------------------------------------------------
     @classmethod
-    def _plans(cls, opts: dict, where: str) -> dict[str, _quant_plan.GraphPlan]:
-        calib = _quant_plan.parse_calibration(opts.get("calibration"), f"{where}: calibration")
-        keep = _quant_plan.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
+    def _schemes(cls, opts: dict, where: str) -> dict[str, scheme.GraphScheme]:
+        calibration = scheme.parse_calibration(opts.get("calibration"), f"{where}: calibration")
+        keep = scheme.parse_keep(opts.get("keep_fp32"), f"{where}: keep_fp32")
         known = {o.name for o in cls.options}
         target = opts.get("target") or "ascend"
         return {
-            k: _quant_plan.parse_graph(k, v, where, calib, keep, target)
+            k: scheme.parse_graph(k, v, where, calibration, keep, target)
             for k, v in opts.items()
             if k not in known
         }
 
     @classmethod
     def check_options(cls, opts: dict, where: str) -> None:
-        if not cls._plans(opts, where):
+        if not cls._schemes(opts, where):
             raise VlmcError(
                 f"{where}: name at least one graph to quantize, e.g. "
                 "vision_encoder: {weights: int8, activations: int8} or decoder: {weights: int4}; "
@@ -108,18 +112,14 @@ class Quantize(Pass):
     @classmethod
     def json_schema(cls) -> dict:
         schema = super().json_schema()
-        schema["additionalProperties"] = _quant_plan.graph_schema()
-        for key, sub in (("keep_fp32", _quant_plan.KEEP_KEYS), ("calibration", _quant_plan.CALIB_KEYS)):
-            schema["properties"][key].update(
-                {"additionalProperties": False, "properties": {k: s for k, (_, s) in sub.items()}}
-            )
+        schema["additionalProperties"] = scheme.graph_schema()
         return schema
 
-    def resolve(self, package) -> dict[str, _quant_plan.GraphPlan]:
-        """Graph name -> plan. A key names a graph, or a role (all its graphs); graph names win."""
-        plans = self._plans(self.opts, self.name)
-        out: dict[str, _quant_plan.GraphPlan] = {}
-        for key, plan in plans.items():
+    def resolve(self, package) -> dict[str, scheme.GraphScheme]:
+        """Graph name -> scheme. A key names a graph, or a role (all its graphs); graph names win."""
+        schemes = self._schemes(self.opts, self.name)
+        out: dict[str, scheme.GraphScheme] = {}
+        for key, graph_scheme in schemes.items():
             if key in package.manifest["graphs"]:
                 continue
             names = package.graphs_with_role(key)
@@ -129,28 +129,39 @@ class Quantize(Pass):
                     f"{', '.join(package.graph_names)}; roles: "
                     f"{', '.join(r for r in manifest.ROLES if package.graphs_with_role(r))}"
                 )
-            out.update({n: plan for n in names})
-        out.update({k: p for k, p in plans.items() if k in package.manifest["graphs"]})
+            out.update({n: graph_scheme for n in names})
+        out.update({k: s for k, s in schemes.items() if k in package.manifest["graphs"]})
         return out
 
-    def check_package(self, package) -> None:
-        from . import _quant_calib
+    def check_package(self, package) -> dict[str, scheme.GraphScheme]:
+        """The scheme of every graph to quantize (graph name -> scheme): the plan ``run`` receives."""
+        from . import calib
 
-        for name, plan in self.resolve(package).items():
-            if plan.calibration.images is not None:
-                _quant_calib.image_files(plan.calibration.images)
-            if package.manifest.get("tensor_parallel") and (plan.needs_calibration or plan.mode == "int8"):
+        schemes = self.resolve(package)
+        for name, graph_scheme in schemes.items():
+            if graph_scheme.calibration.images is not None:
+                calib.image_files(graph_scheme.calibration.images)
+            if package.manifest.get("tensor_parallel") and (
+                graph_scheme.needs_calibration or graph_scheme.mode == "int8"
+            ):
                 # Calibration runs the package in this process; a sharded one runs as rank processes.
                 raise VlmcError(
-                    f"quantize: {name} ({plan.mode}) needs calibration, which cannot run on a tensor-parallel "
-                    "package; use rtn weight-only (int8/int4) after tensor_parallel, or fp16"
+                    f"quantize: {name} ({graph_scheme.mode}) needs calibration, which cannot run on a "
+                    "tensor-parallel package; use rtn weight-only (int8/int4) after tensor_parallel, or fp16"
                 )
+        return {n: s for n, s in schemes.items() if s.mode != "fp32"}
 
     # ---- run ---------------------------------------------------------------------------------
     def run(self, package, plan=None):
-        from . import _quant_calib, _quant_eval, _quant_stream_eval
+        """Quantize every graph of ``plan`` (check_package's schemes; worked out here when run directly).
 
-        plans = {n: p for n, p in self.resolve(package).items() if p.mode != "fp32"}
+        Fidelity is measured here and reported by :meth:`evaluate`: the FP32 outputs are recorded
+        before any graph changes, with the calibration runs, and each graph's feeds are freed as soon
+        as it is measured, so the pass never holds more than one graph's samples.
+        """
+        from . import calib, fidelity, stream_fidelity
+
+        schemes = self.check_package(package) if plan is None else plan
         eval_samples, eval_tokens, seed = (
             self.opts["eval_samples"],
             self.opts["eval_tokens"],
@@ -161,29 +172,29 @@ class Quantize(Pass):
             eval_samples = eval_tokens = 0
         # What fidelity is measured (bounded by size and tokens: vlmc/limits.py), so only the feeds
         # and FP32 outputs it needs are recorded.
-        fp32_bytes = {n: graphs.initializer_bytes(package.model(n)) for n in plans}
+        fp32_bytes = {n: graphs.initializer_bytes(package.model(n)) for n in schemes}
         graph_eval, streamed, skipped = _graph_eval(
-            plans, fp32_bytes, eval_samples, self.opts["streamed_fidelity"]
+            schemes, fp32_bytes, eval_samples, self.opts["streamed_fidelity"]
         )
         e2e_tokens, e2e_note = _e2e_budget(package, eval_samples, eval_tokens, sharded)
         # One FP32 pipeline run per distinct calibration set, before any graph changes.
         groups: dict[tuple, list[str]] = {}
-        for n, p in plans.items():
+        for n, p in schemes.items():
             c = p.calibration
             groups.setdefault((c.images, c.prompts), []).append(n)
-        recorded: dict[str, _quant_calib.Recorded] = {}
+        recorded: dict[str, calib.Recorded] = {}
         e2e_source = None
         for (images, prompts), names in groups.items():
-            calibrated = [n for n in names if plans[n].needs_calibration or plans[n].mode == "int8"]
+            calibrated = [n for n in names if schemes[n].needs_calibration or schemes[n].mode == "int8"]
             evaluated = [n for n in names if n in graph_eval]
-            count = max([plans[n].calibration.count for n in calibrated] or [0])
+            count = max([schemes[n].calibration.count for n in calibrated] or [0])
             wants_e2e = e2e_source is None and e2e_tokens > 0
             if evaluated or wants_e2e:
                 count = max(count, eval_samples)
             if not count:
                 continue
-            refs = _quant_calib.image_refs(images, count, seed)
-            rec = _quant_calib.record(
+            refs = calib.image_refs(images, count, seed)
+            rec = calib.record(
                 package,
                 set(calibrated) | set(evaluated),
                 refs,
@@ -196,7 +207,7 @@ class Quantize(Pass):
             )
             for n in sorted(streamed & set(evaluated)):
                 # Before any graph changes: the FP32 outputs, one segment's weights at a time.
-                rec.outputs[n] = _quant_stream_eval.reference(package.model(n), rec.feeds[n][:eval_samples])
+                rec.outputs[n] = stream_fidelity.reference(package.model(n), rec.feeds[n][:eval_samples])
             if e2e_source is None and rec.generations:
                 e2e_source = rec
             for n in names:
@@ -204,38 +215,40 @@ class Quantize(Pass):
 
         report: dict = {"graphs": {}}
         modified = False
-        sessions = _quant_eval.Sessions(package)  # quantized sessions, reused by end-to-end fidelity
-        for name, plan in plans.items():
+        sessions = fidelity.Sessions(package)  # quantized sessions, reused by end-to-end fidelity
+        for name, graph_scheme in schemes.items():
             rec = recorded.get(name)
             feeds = rec.feeds.get(name, []) if rec else []
             model = package.model(name)
             bytes_before = graphs.initializer_bytes(model)
             # New weights go to a scratch file as they are made, so the pass holds one at a time.
             scratch = package.scratch_path(name).parent
-            model, facts = self._apply(model, plan, feeds, seed, scratch)
+            model, facts = self._apply(model, graph_scheme, feeds, seed, scratch)
             weight_bytes = facts.pop("_weight_bytes", None)
             quantized = facts.get("nodes_quantized") or facts.get("nodes_converted")
             if not quantized:
-                logger.warning("quantize: nothing to quantize in %s (%s); left unchanged", name, plan.mode)
+                logger.warning(
+                    "quantize: nothing to quantize in %s (%s); left unchanged", name, graph_scheme.mode
+                )
                 report["graphs"][name] = {
-                    "mode": plan.mode,
+                    "mode": graph_scheme.mode,
                     "modified": False,
                     "reason": "no eligible nodes",
                     **_counts(facts),
                 }
                 continue
-            if plan.needs_calibration or plan.mode == "int8":
-                c = plan.calibration
+            if graph_scheme.needs_calibration or graph_scheme.mode == "int8":
+                c = graph_scheme.calibration
                 facts["calibration"] = {
-                    "method": c.method if plan.mode == "int8" else "awq",
+                    "method": c.method if graph_scheme.mode == "int8" else "awq",
                     "samples": len(feeds),
                     "images": c.images or "demo",
                 }
-            package.set_graph(name, model, precision=plan.mode, quantization=facts)
+            package.set_graph(name, model, precision=graph_scheme.mode, quantization=facts)
             modified = True
             bytes_after = graphs.initializer_bytes(model)
             entry = {
-                "mode": plan.mode,
+                "mode": graph_scheme.mode,
                 "modified": True,
                 "bytes_before": bytes_before,
                 "bytes_after": bytes_after,
@@ -248,11 +261,11 @@ class Quantize(Pass):
             if name in skipped:
                 entry["fidelity"] = skipped[name]
             elif rec is not None and name in streamed:
-                entry["fidelity"], entry["fidelity_streamed"] = _quant_stream_eval.graph_fidelity(
-                    model, plan.mode, feeds[:eval_samples], rec.outputs.get(name, [])
+                entry["fidelity"], entry["fidelity_streamed"] = stream_fidelity.graph_fidelity(
+                    model, graph_scheme.mode, feeds[:eval_samples], rec.outputs.get(name, [])
                 )
             elif rec is not None and name in graph_eval:
-                entry["fidelity"] = _quant_eval.graph_fidelity(
+                entry["fidelity"] = fidelity.graph_fidelity(
                     package, name, feeds[:eval_samples], rec.outputs.get(name, []), sessions
                 )
             report["graphs"][name] = entry
@@ -261,7 +274,7 @@ class Quantize(Pass):
                 rec.outputs.pop(name, None)
             del feeds
         if modified and e2e_source is not None and e2e_tokens:
-            report["end_to_end"] = _quant_eval.end_to_end(
+            report["end_to_end"] = fidelity.end_to_end(
                 package, e2e_source.inputs, e2e_source.generations, e2e_tokens, sessions
             )
             if e2e_note:
@@ -276,19 +289,35 @@ class Quantize(Pass):
             )
         return PassResult(package, modified, report)
 
-    @staticmethod
-    def _apply(model, plan: _quant_plan.GraphPlan, feeds: list, seed: int, scratch):
-        from . import _quant_calib, _quant_static, _quant_weight_only
+    def evaluate(self, before, after, result) -> dict | None:
+        """The fidelity run measured against FP32: per graph, and end to end (None if nothing was)."""
+        measured = {
+            name: entry["fidelity"]
+            for name, entry in result.report.get("graphs", {}).items()
+            if isinstance(entry.get("fidelity"), dict)
+        }
+        out: dict = {"graphs": measured} if measured else {}
+        if isinstance(result.report.get("end_to_end"), dict):
+            out["end_to_end"] = result.report["end_to_end"]
+        return out or None
 
-        if plan.mode == "int8":
+    @staticmethod
+    def _apply(model, graph_scheme: scheme.GraphScheme, feeds: list, seed: int, scratch):
+        from . import calib, static, weight_only
+
+        if graph_scheme.mode == "int8":
             if not feeds:
-                raise VlmcError(f"quantize: no calibration data for {plan.key}; give calibration.count ≥ 1")
-            return _quant_static.quantize_int8(model, _quant_calib.FeedReader(feeds), plan, seed, scratch)
+                raise VlmcError(
+                    f"quantize: no calibration data for {graph_scheme.key}; give calibration.count ≥ 1"
+                )
+            return static.quantize_int8(model, calib.FeedReader(feeds), graph_scheme, seed, scratch)
         store = graphs.TensorStore(scratch / "quantized.onnx.data")
         try:
-            if plan.mode == "fp16":
-                return _quant_static.convert_fp16(model, plan, store)
-            return _quant_weight_only.quantize_weight_only(model, plan, feeds, store)
+            if graph_scheme.mode == "fp16":
+                return static.convert_fp16(model, graph_scheme, store)
+            # Weight-only rewrites the graph it is given: it gets a clone (the tensors are shared, not
+            # copied), so the package's graph stays the FP32 one until set_graph replaces it.
+            return weight_only.quantize_weight_only(model.clone(), graph_scheme, feeds, store)
         finally:
             store.close()
 
@@ -299,7 +328,7 @@ _STREAM = "set quantize's option streamed_fidelity: true to measure it segment b
 
 
 def _graph_eval(
-    plans: dict, fp32_bytes: dict[str, int], eval_samples: int, stream: bool = False
+    schemes: dict, fp32_bytes: dict[str, int], eval_samples: int, stream: bool = False
 ) -> tuple[set[str], set[str], dict[str, str]]:
     """Graphs whose per-graph fidelity is measured, those of them measured segment by segment, and
     why the others are not (one line each).
@@ -307,15 +336,15 @@ def _graph_eval(
     The whole-graph path records the FP32 outputs through an onnxruntime session on the FP32 graph and
     runs the quantized graph on another: above limits.MAX_FIDELITY_BYTES of FP32 weights that is more
     memory and time than the build itself. There ``stream`` (option ``streamed_fidelity``) runs
-    both graphs segment by segment instead (``_quant_stream_eval``); without it the comparison is
+    both graphs segment by segment instead (``stream_fidelity``); without it the comparison is
     skipped and the report and the log say so and how to turn it on.
     """
     if not eval_samples:
         return set(), set(), {}
     limit = limits.MAX_FIDELITY_BYTES
-    large = {n for n in plans if fp32_bytes[n] > limit}
+    large = {n for n in schemes if fp32_bytes[n] > limit}
     if stream:
-        return set(plans), large, {}
+        return set(schemes), large, {}
     skipped = {}
     for n in sorted(large):
         skipped[n] = (
@@ -324,7 +353,7 @@ def _graph_eval(
             f"in memory), or {_FORCE} whole"
         )
         logger.warning("quantize: per-graph fidelity of %s %s", n, skipped[n])
-    return set(plans) - large, set(), skipped
+    return set(schemes) - large, set(), skipped
 
 
 def _e2e_budget(package, eval_samples: int, eval_tokens: int, sharded: bool) -> tuple[int, str]:

@@ -1,7 +1,7 @@
 """A graph cut into segments run one at a time: each segment's weights and one cut's activations resident.
 
-Shared by AWQ's layer-wise calibration (``_quant_weight_only.layerwise_inputs``) and quantize's
-streamed per-graph fidelity (``_quant_stream_eval``). A cut is a position in a topological order of
+Shared by AWQ's layer-wise calibration (``weight_only.layerwise_inputs``) and quantize's
+streamed per-graph fidelity (``stream_fidelity``). A cut is a position in a topological order of
 the nodes; the values that cross it (made before it, read at or after it) are what a caller holds
 per sample between segments. Each segment is a model of its own whose weights are the graph's own
 tensors (memory-mapped from their files; nothing is read until its session is made).

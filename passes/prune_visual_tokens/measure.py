@@ -1,6 +1,6 @@
 """Visual-token pruning support shared by the pass, verify and inspect: fidelity, cost model and the picture.
 
-The graph rewrite itself lives in ``passes/prune_visual_tokens.py``; this module holds what other
+The graph rewrite itself lives in the package (``passes/prune_visual_tokens/__init__.py``); this module holds what other
 commands also need: which tokens a pruned package keeps for an image, how close a pruned package's
 outputs stay to the unpruned ones, what the pruning saves, and a PNG of the kept patches.
 """

@@ -1,4 +1,4 @@
-"""Device-memory planning: weights, KV per token/block, image token cost and activation headroom -> what fits.
+"""Device-memory budget: weights, KV per token/block, image token cost and activation headroom -> what fits.
 
 Pure arithmetic over a :class:`Spec`, which comes from a package (weight bytes read from its graphs,
 facts from vlmc.json) or from a model description without weights: a Hugging Face config.json of a
@@ -113,7 +113,7 @@ class Spec:
 
 
 @dataclass
-class Plan:
+class Budget:
     """The answer for one device and one request mix (all sizes in bytes)."""
 
     spec: str
@@ -226,7 +226,7 @@ class Plan:
         ]
 
 
-def plan(
+def fit(
     spec: Spec,
     device_memory: int | str,
     images: int = 1,
@@ -237,7 +237,7 @@ def plan(
     max_context: int | None = None,
     reserve: int | str = 0,
     tp: int | None = None,
-) -> Plan:
+) -> Budget:
     """How a request mix fits in device memory, paged and contiguous.
 
     Args:
@@ -290,7 +290,7 @@ def plan(
     tp_card = (
         tensor_parallel_card(spec, tp, mem, act, res, seq, batch, bs, ctx_max) if tp and tp > 1 else None
     )
-    return Plan(
+    return Budget(
         tensor_parallel=tp_card,
         spec=spec.name,
         device_memory=mem,

@@ -1,15 +1,15 @@
 """Per-graph fidelity of a graph too large for one session: run it segment by segment, FP32 and quantized.
 
-The whole-graph path (``_quant_eval.graph_fidelity``) opens one onnxruntime session on the FP32 graph
+The whole-graph path (``fidelity.graph_fidelity``) opens one onnxruntime session on the FP32 graph
 (while recording) and one on the quantized graph: each holds the graph's weights, 24.6 GiB for a 7B
-decoder in FP32. Here the graph is cut into segments (``_segments``) of at most ``SEGMENT_BYTES``
+decoder in FP32. Here the graph is cut into segments (``segments``) of at most ``SEGMENT_BYTES``
 of weights, at positions where the fewest values cross (a decoder's layer boundaries, where only
 the residual stream, masks and rotary tables do). Each segment runs on every eval sample from the
 values that crossed the previous cut, its session closed and its memory maps dropped before the
 next opens. Resident: one segment's weights, one cut's crossing values per sample, and the graph
 outputs themselves (which the whole-graph path holds too). The FP32 graph and the quantized graph
 are cut independently, each by its own structure: only graph outputs are compared, with the same
-metric code as the whole-graph path (``_quant_eval.accumulate``).
+metric code as the whole-graph path (``fidelity.accumulate``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 import numpy as np
 import onnx_ir as ir
 
-from . import _segments
+from . import segments
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def cuts(nodes: list[ir.Node], segment_bytes: int | None = None, expand: dict | 
     ``SEGMENT_BYTES``) of weights (or one node's, if more), each ended where the fewest values cross,
     the latest such place."""
     segment_bytes = SEGMENT_BYTES if segment_bytes is None else segment_bytes
-    first_use, last_use = _segments.uses(nodes)
+    first_use, last_use = segments.uses(nodes)
     n_nodes = len(nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     # crossing[i]: values made before position i and read at or after it (cut "before node i").
@@ -168,11 +168,11 @@ def run(
     """
     graph = model.graph
     nodes = order(graph)
-    _, last_use = _segments.uses(nodes)
+    _, last_use = segments.uses(nodes)
     positions = cuts(nodes, segment_bytes, expand)
     brings = _brings(nodes, expand)
     held_bytes = [sum(brings[a:b]) for a, b in zip([0, *positions], positions)]
-    plan = _segments.split(model, nodes, positions, last_use, graph_outputs=True)
+    pieces = segments.split(model, nodes, positions, last_use, graph_outputs=True)
     last_by_name = {v.name: i for v, i in last_use.items()}
     output_names = {v.name for v in graph.outputs}
     # Graph inputs, in the dtype the graph takes (an fp16 graph without fp32 IO takes float16).
@@ -188,8 +188,8 @@ def run(
     results = [{} for _ in feeds]
     largest = 0
     t0 = time.monotonic()
-    segments = [s for _, s, _ in plan if s is not None]
-    for k, (cut, seg, out_names) in enumerate(plan):
+    parts = [s for _, s, _ in pieces if s is not None]
+    for k, (cut, seg, out_names) in enumerate(pieces):
         if seg is None:
             continue
         largest = max(largest, held_bytes[k])
@@ -215,12 +215,12 @@ def run(
         logger.info(
             "quantize: streamed fidelity segment %d/%d (%.2f GiB of weights), %.1f s",
             k + 1,
-            len(segments),
+            len(parts),
             held_bytes[k] / 2**30,
             time.monotonic() - t0,
         )
     # Graph outputs that are graph inputs or weights themselves pass through.
-    made = {name for _, _, names in plan for name in names}
+    made = {name for _, _, names in pieces for name in names}
     for v in graph.outputs:
         if v.name in made:
             continue
@@ -236,7 +236,7 @@ def run(
                 results[s][v.name] = a
             elif a is not None:
                 on_output(s, v.name, a)
-    return results, {"segments": len(segments), "largest_segment_weight_bytes": int(largest)}
+    return results, {"segments": len(parts), "largest_segment_weight_bytes": int(largest)}
 
 
 def _fp32_session(model: ir.Model):
@@ -269,8 +269,8 @@ def graph_fidelity(
     refs: list[dict],
     segment_bytes: int | None = None,
 ) -> tuple[dict, dict]:
-    """``_quant_eval.graph_fidelity``'s numbers for the quantized ``model``, run segment by segment."""
-    from . import _quant_eval
+    """``fidelity.graph_fidelity``'s numbers for the quantized ``model``, run segment by segment."""
+    from . import fidelity
 
     if not refs:
         return {}, {}
@@ -281,7 +281,7 @@ def graph_fidelity(
     def compare(sample: int, name: str, got: np.ndarray) -> None:
         # Each output is compared as its segment makes it: only the FP32 references stay resident.
         if name in refs[sample]:
-            _quant_eval.accumulate(out, {name: refs[sample][name]}, {name: got})
+            fidelity.accumulate(out, {name: refs[sample][name]}, {name: got})
 
     _, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes, expand, compare)
     return dict(sorted(out.items(), key=lambda kv: order_of.get(kv[0], len(order_of)))), facts

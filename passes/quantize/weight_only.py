@@ -27,7 +27,7 @@ import os
 import numpy as np
 import onnx_ir as ir
 
-from . import _segments
+from . import segments
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def layerwise_inputs(
     ):
         yield from collect_inputs(model, names, feeds, rows, seed).items()
         return
-    first_use, last_use = _segments.uses(order)
+    first_use, last_use = segments.uses(order)
     graph_inputs = {v.name for v in graph.inputs}
     # Cuts in topological order; a graph input is known from the start (cut 0).
     cuts = sorted({0 if n in graph_inputs else first_use[n] for n in wanted})
@@ -220,9 +220,9 @@ def layerwise_inputs(
         return held[name] if name in held else [f[name] for f in feeds]
 
     # Every segment is cloned before anything is yielded: the caller edits the graph between yields.
-    plan = _segments.split(model, order, cuts, last_use)
+    pieces = segments.split(model, order, cuts, last_use)
     last_by_name = {v.name: i for v, i in last_use.items()}
-    for cut, seg, out_names in plan:
+    for cut, seg, out_names in pieces:
         if seg is not None:
             samples = [{v.name: value_of(v.name)[s] for v in seg.inputs} for s in range(len(feeds))]
             results = seg.run(samples)
@@ -372,11 +372,11 @@ def _int4_streamed(t: ir.TensorProtocol, g: int, packed: bool) -> tuple[np.ndarr
 
 
 # Drop a weight's cached bytes or memory map once its quantized form exists; it is re-read if asked.
-_release = _segments.release
+_release = segments.release
 
 
 def quantize_weight_only(
-    model: ir.Model, plan, feeds: list[dict] | None, store=None
+    model: ir.Model, scheme, feeds: list[dict] | None, store=None
 ) -> tuple[ir.Model, dict]:
     """INT8/INT4 weight-only quantization of the IR model in place; returns it and the manifest facts.
 
@@ -384,10 +384,10 @@ def quantize_weight_only(
     are handed to ``store`` (a :class:`vlmc.graphs.TensorStore` writes them to a scratch file at
     once, so they are not held in memory); without it they stay in memory.
     """
-    bits = 4 if plan.weights == "int4" else 8
-    g = plan.group_size if bits == 4 else None
-    take, kept, skipped = candidates(model, plan.keep_fp32, g)
-    if plan.method == "awq" and take:
+    bits = 4 if scheme.weights == "int4" else 8
+    g = scheme.group_size if bits == 4 else None
+    take, kept, skipped = candidates(model, scheme.keep_fp32, g)
+    if scheme.method == "awq" and take:
         # Layer-wise: each weight is quantized as soon as its input's statistics exist, which are then
         # dropped; calibration holds one segment's activations at a time (see layerwise_inputs).
         by_input: dict[str, list] = {}
@@ -419,7 +419,7 @@ def quantize_weight_only(
 
         add = functools.partial(_add, new_nodes)
 
-        if plan.method == "awq":
+        if scheme.method == "awq":
             w = _weight_kn(src, trans)
             s, alpha = awq_scales(stats[1], stats[0], w, g or 0, bits)
             w = w * s[:, None]
@@ -448,7 +448,7 @@ def quantize_weight_only(
             fact.update({"weight": qi.name, "scale": si.name, "axis": 1, "group_size": None})
             after += q.nbytes + scale.nbytes
         else:
-            packed = plan.int4_storage == "packed"
+            packed = scheme.int4_storage == "packed"
             if trans_q:
                 qk, scale = quant_int4_group(_weight_kn(src_for_q, True), g)
                 q = pack_int4(qk) if packed else qk
@@ -457,7 +457,7 @@ def quantize_weight_only(
                 q, scale = _int4_streamed(src_for_q, g, packed)
             k, n = scale.shape[0] * g, scale.shape[1]
             sc = const(scale.reshape(k // g, 1, n), f"{w_name}_scale")
-            fact.update({"scale": sc.name, "axis": 1, "group_size": g, "storage": plan.int4_storage})
+            fact.update({"scale": sc.name, "axis": 1, "group_size": g, "storage": scheme.int4_storage})
             grouped = f"{prefix}_q_grouped"
             shape_g = const(np.array([k // g, g, n], np.int64), f"{prefix}_group_shape")
             shape_kn = const(np.array([k, n], np.int64), f"{prefix}_weight_shape")
@@ -505,8 +505,8 @@ def quantize_weight_only(
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
     facts = {
         "mode": mode,
-        "target": plan.target,
-        "method": plan.method,
+        "target": scheme.target,
+        "method": scheme.method,
         "nodes_quantized": list(nodes_facts),
         "nodes_kept_fp32": kept,
         "nodes_skipped": skipped,
