@@ -116,13 +116,26 @@ def test_target_gears_are_used_and_padding_is_exact(exported, tmp_path):
     assert vision["bindings"]["patches"] == [64, 256] and vision["profiles"] == 2
 
 
+def test_anyres_images_are_never_padded_by_rows(exported, tmp_path):
+    # A copied image would move image_newline, the feature table's last row: a wrong token, not an error.
+    pkg = Package.load(exported("tiny-llava-onevision"))
+    summary = _compile(pkg, tmp_path / "b", images=[2])
+    assert summary["resolution"]["unpadded"] == ["images"]
+    with pytest.raises(VlmcError, match=r"no gear holds images=1"):
+        _run_build(tmp_path / "b", ["demo"])
+
+
 @pytest.mark.parametrize(
     "name, option, match",
     [
         ("tiny-internvl", {"patch_gears": [64]}, r"patch_gears does not apply .*\(tiles\).*tile_gears"),
         ("tiny-llava", {"tile_gears": [4]}, r"tile_gears does not apply .*none: its images have one size"),
         ("tiny-qwen2-vl", {"patch_gears": [30]}, r"30 patches is not a multiple of merge_size² \(4\)"),
-        ("tiny-qwen2-vl", {"patch_gears": [8]}, r"outside what the preprocessor's min/max pixels allow"),
+        (
+            "tiny-qwen2-vl",
+            {"patch_gears": [8]},
+            r"8 patches is outside what the preprocessor's min/max pixels",
+        ),
         ("tiny-internvl", {"tile_gears": [4]}, r"largest tile gear 4 is below the 13 tiles"),
         ("tiny-llava-next", {"image_token_gears": [64]}, r"below the 88 tokens an image can give"),
         ("tiny-qwen2-vl", {"patch_gears": [0]}, r"patch_gears"),
@@ -133,6 +146,21 @@ def test_gear_options_are_checked_before_anything_is_written(exported, tmp_path,
     with pytest.raises(VlmcError, match=match):
         _compile(pkg, tmp_path / "b", **option)
     assert not (tmp_path / "b").exists()
+
+
+def test_a_pruned_build_runs_every_image_on_gears_that_hold_its_kept_tokens(exported, tmp_path):
+    from vlmc import pass_api
+
+    pkg = Package.load(exported("tiny-qwen2-vl"))
+    pass_api.get("prune_visual_tokens")(keep=24, method="uniform", picture=False).run(pkg)
+    pkg.save(tmp_path / "pruned")
+    pkg = Package.load(tmp_path / "pruned")
+    summary = _compile(pkg, tmp_path / "b")
+    assert min(summary["resolution"]["rules"][0]["gears"]) == 128  # 24 kept tokens need 96 patches: 128
+    small = preprocess.demo_image(32)  # its own grid, 4 x 4 patches, is below what pruning keeps
+    got, run_pkg, _ = _run_build(tmp_path / "b", [small])
+    fitted, _ = preprocess.fit_to_gears([small], run_pkg.manifest["vision"]["preprocess"])
+    assert got.tokens == Pipeline(pkg).generate(PROMPTS, [fitted], NEW_TOKENS).tokens
 
 
 def test_dims_keep_their_exact_sizes_and_fit_nothing(exported, tmp_path):
@@ -160,6 +188,12 @@ def test_default_patch_gears_follow_the_preprocessor_limits():
     # GLM-4.1V's rule bounds both temporal frames: half the patches per image
     glm = {**facts, "resize": "temporal_pixels"}
     assert max(patches.default_gears(glm)) == 32768
+    # a pruned package keeps 64 tokens of each image: every gear has at least 64 merge blocks
+    small = {**facts, "patch_size": 8, "min_pixels": 1024, "max_pixels": 327680}  # the tiny built-in's
+    kept = {"pruning": {"keep": 64}, "tokens_per_image": 64}
+    assert patches.default_gears(small) == [32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert patches.default_gears(small, kept) == [256, 512, 1024, 2048, 4096]
+    assert "outside" in patches.check_gears(small, [128], kept) and patches.check_gears(small, [128]) is None
     for height, width in ((480, 640), (1000, 200), (560, 560)):
         gh, gw = patches.gear_grid(height, width, facts, gears)
         assert gh * gw in gears and np.sign(gh - gw) == np.sign(height - width)

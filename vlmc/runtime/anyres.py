@@ -241,14 +241,14 @@ def most_tokens(facts: dict) -> int:
     return max(tokens_for_size(int(h), int(w), facts) for h, w in facts["grid_pinpoints"])
 
 
-def default_tile_gears(facts: dict) -> list[int]:
+def default_tile_gears(facts: dict, vision: dict | None = None) -> list[int]:
     from vlmc.runtime import tiles as tiles_mod
 
     counts = tile_counts(facts)
     return tiles_mod.power_buckets(counts[0], counts[-1])
 
 
-def default_token_gears(facts: dict) -> list[int]:
+def default_token_gears(facts: dict, vision: dict | None = None) -> list[int]:
     """Image tokens per image: powers of two from the base tile's tokens up to the most, and the most."""
     from vlmc.runtime import tiles as tiles_mod
 
@@ -257,14 +257,14 @@ def default_token_gears(facts: dict) -> list[int]:
     ]
 
 
-def check_tile_gears(facts: dict, values: list[int]) -> str | None:
+def check_tile_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
     most = tile_counts(facts)[-1]
     if max(values) < most:
         return f"the largest tile gear {max(values)} is below the {most} tiles an image can become"
     return None
 
 
-def check_token_gears(facts: dict, values: list[int]) -> str | None:
+def check_token_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
     most = most_tokens(facts)
     if max(values) < most:
         return f"the largest image-token gear {max(values)} is below the {most} tokens an image can give"

@@ -121,15 +121,22 @@ def _frames(facts: dict) -> int:
     return int(facts["temporal_patch_size"]) if facts.get("resize", "pixels") == "temporal_pixels" else 1
 
 
-def patch_bounds(facts: dict) -> tuple[int, int]:
-    """The fewest and most patches per image the preprocessor's min/max pixels allow."""
+def patch_bounds(facts: dict, vision: dict | None = None) -> tuple[int, int]:
+    """The fewest and most patches per image the preprocessor's min/max pixels allow.
+
+    A pruned package (``vision.pruning``) keeps ``tokens_per_image`` tokens of each image, so an image
+    needs at least that many merge blocks.
+    """
     patch, frames = int(facts["patch_size"]), _frames(facts)
     lo = math.ceil(int(facts["min_pixels"]) / frames / patch**2)
     hi = int(facts["max_pixels"]) // frames // patch**2
+    kept = (vision or {}).get("tokens_per_image")
+    if (vision or {}).get("pruning") and isinstance(kept, int):
+        lo = max(lo, kept * int(facts["merge_size"]) ** 2)
     return lo, hi
 
 
-def default_gears(facts: dict) -> list[int]:
+def default_gears(facts: dict, vision: dict | None = None) -> list[int]:
     """Patches per image: ``merge² · 2^j`` for the powers of two inside the preprocessor's bounds.
 
     Powers of two (in merged units) give every power-of-two aspect ratio at adjacent counts; above
@@ -137,7 +144,7 @@ def default_gears(facts: dict) -> list[int]:
     detail is lost), which keeps the profiles of the builds that multiply them well under ATC's 100.
     """
     merge2 = int(facts["merge_size"]) ** 2
-    lo, hi = patch_bounds(facts)
+    lo, hi = patch_bounds(facts, vision)
     out, m = [], 1
     while m * merge2 <= hi:
         if m * merge2 >= lo:
@@ -146,17 +153,20 @@ def default_gears(facts: dict) -> list[int]:
     return out[-MAX_DEFAULT_GEARS:]
 
 
-def check_gears(facts: dict, values: list[int]) -> str | None:
+def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
     """Why a patch gear cannot hold an image (None when every one can)."""
     merge2 = int(facts["merge_size"]) ** 2
-    lo, hi = patch_bounds(facts)
+    lo, hi = patch_bounds(facts, vision)
     for v in values:
         if v % merge2:
             return (
                 f"{v} patches is not a multiple of merge_size² ({merge2}): the grid's sides are merge blocks"
             )
         if not lo <= v <= hi:
-            return f"{v} patches is outside what the preprocessor's min/max pixels allow ({lo}..{hi})"
+            return (
+                f"{v} patches is outside what the preprocessor's min/max pixels (and a pruned package's "
+                f"kept tokens) allow ({lo}..{hi})"
+            )
         if not _grids(facts, v):
             return f"{v} patches has no grid the preprocessor keeps as it is"
     return None

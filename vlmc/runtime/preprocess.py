@@ -158,8 +158,9 @@ class GearRule:
     what: str  # what one value counts, for messages
     combine: str
     fit: str
-    defaults: Callable[[dict], list[int]]  # preprocess facts -> per-image gears
-    check: Callable[[dict, list[int]], str | None]  # why the values cannot serve (None: they can)
+    defaults: Callable[[dict, dict | None], list[int]]  # (preprocess facts, vision facts) -> per-image gears
+    # (preprocess facts, values, vision facts) -> why the values cannot serve (None: they can)
+    check: Callable[[dict, list[int], dict | None], str | None]
     effect: str  # the effect on the image tokens, for compile.json and docs
     # fit "resize": (uint8 images, facts, gears) -> (resized images, one note per image)
     resize: Callable[[list[np.ndarray], dict, list[int]], tuple[list[np.ndarray], list[str]]] | None = None
@@ -224,6 +225,10 @@ GEARS: dict[str, tuple[GearRule, ...]] = {
         ),
     ),
 }
+# kind -> dims a build runner must never pad by rows, though it pads them for other kinds: anyres' feature
+# index names image_newline as the table's last row, after every image's tiles, so a padded image would
+# move it (a request must then fill an images gear exactly).
+UNPADDED: dict[str, tuple[str, ...]] = {"anyres": ("images",)}
 GEAR_OPTIONS = tuple(dict.fromkeys(r.option for rules in GEARS.values() for r in rules))
 # The key of a compile output's gears in its runtime manifest: vision.preprocess.gears {symbol: values}.
 GEARS_KEY = "gears"
@@ -241,7 +246,7 @@ def _gear_values(facts: dict, rule: GearRule) -> list[int] | None:
         or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
     ):
         raise VlmcError(f"vision.preprocess.gears.{rule.symbol} must list positive integers, got {values!r}")
-    why = rule.check(facts, values)
+    why = rule.check(facts, values, None)
     if why:
         raise VlmcError(f"vision.preprocess.gears.{rule.symbol}: {why}")
     return values

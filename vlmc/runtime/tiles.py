@@ -135,12 +135,12 @@ def tile_counts(facts: dict) -> list[int]:
     )
 
 
-def default_gears(facts: dict) -> list[int]:
+def default_gears(facts: dict, vision: dict | None = None) -> list[int]:
     """Tiles per image: the powers of two up to the most tiles an image can become, and that most."""
     return power_buckets(min(tile_counts(facts)), max_tiles_per_image(facts))
 
 
-def check_gears(facts: dict, values: list[int]) -> str | None:
+def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
     """The largest tile gear must hold the most tiles an image can become (tiles are padded up, never cut)."""
     most = max_tiles_per_image(facts)
     if max(values) < most:

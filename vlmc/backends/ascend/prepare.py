@@ -176,8 +176,8 @@ def resolution_gears(manifest: dict, opts: dict, models: dict[str, ir.Model]) ->
 
     Returns:
         None for a package whose images have one size, else ``{"kind", "rules": [...], "row_padded":
-        [symbols the runner pads by rows], "runtime": {symbol: per-image values}}`` (the last goes to the
-        runtime manifest's ``vision.preprocess.gears``).
+        [symbols the runner pads by rows], "unpadded": [symbols it must not pad], "runtime": {symbol:
+        per-image values}}`` (the last goes to the runtime manifest's ``vision.preprocess.gears``).
 
     Raises:
         VlmcError: an option names gears the package's preprocessing has not, or values it cannot take.
@@ -206,8 +206,9 @@ def resolution_gears(manifest: dict, opts: dict, models: dict[str, ir.Model]) ->
         if rule.symbol not in dims_in_graphs or rule.symbol in fixed:
             continue
         given = opts.get(rule.option)
-        values = sorted(set(given)) if given is not None else rule.defaults(facts)
-        why = rule.check(facts, values) if values else "no value fits the preprocessor's limits"
+        vision = manifest.get("vision") or {}
+        values = sorted(set(given)) if given is not None else rule.defaults(facts, vision)
+        why = rule.check(facts, values, vision) if values else "no value fits the preprocessor's limits"
         if why:
             raise VlmcError(f"target: {rule.option} {values}: {why}")
         out.append(
@@ -228,6 +229,7 @@ def resolution_gears(manifest: dict, opts: dict, models: dict[str, ir.Model]) ->
         "kind": kind,
         "rules": out,
         "row_padded": [r["symbol"] for r in out if r["fit"] == "rows"],
+        "unpadded": list(preprocess.UNPADDED.get(kind, ())),
         "runtime": {r["symbol"]: r["gears"] for r in out},
     }
 

@@ -215,7 +215,13 @@ class BuildExecutor:
         self._loaded: set[str] = set()
         # Dims padded by rows: batch and images, and the resolution gears compile.json says are (anyres'
         # image_tokens: each output token is its own gather, so copied rows change no real one).
-        self.row_padded = ROW_PADDED + tuple((summary.get("resolution") or {}).get("row_padded") or ())
+        # ``unpadded`` names the ones a kind forbids (anyres' images: the newline row would move).
+        resolution = summary.get("resolution") or {}
+        self.row_padded = tuple(
+            s
+            for s in ROW_PADDED + tuple(resolution.get("row_padded") or ())
+            if s not in (resolution.get("unpadded") or ())
+        )
         self.runs: dict[str, int] = {}  # build -> executions (the CLI reports it)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self.new_pool = getattr(device, "new_pool", None)
