@@ -199,6 +199,23 @@ def test_default_patch_gears_follow_the_preprocessor_limits():
         assert gh * gw in gears and np.sign(gh - gw) == np.sign(height - width)
 
 
+@pytest.mark.parametrize("name", ["tiny-llava-next", "tiny-llava-onevision", "tiny-internvl"])
+def test_default_tile_and_token_gears_hold_every_image_size(exported, name):
+    from vlmc.runtime import anyres, tiles
+
+    facts = Package.load(exported(name)).manifest["vision"]["preprocess"]
+    sizes = [(h, w) for h in range(8, 260, 9) for w in range(8, 260, 11)]
+    if facts["kind"] == "tiles":
+        assert max(tiles.tiles_for(h, w, facts) for h, w in sizes) <= max(tiles.default_gears(facts))
+        return
+    # an image's token count depends on how much of its pinpoint it leaves unpadded
+    most = max(anyres.tokens_for_size(h, w, facts) for h, w in sizes)
+    assert most == max(anyres.default_token_gears(facts)) == anyres.most_tokens(facts)
+    assert max(len(anyres.tiles(preprocess.demo_image(s)[:, : s // 2], facts)) for s in (40, 96)) <= max(
+        anyres.default_tile_gears(facts)
+    )
+
+
 def test_tampered_runtime_gears_are_one_line_errors(exported, tmp_path):
     pkg = Package.load(exported("tiny-qwen2-vl"))
     _compile(pkg, tmp_path / "b")

@@ -237,22 +237,30 @@ def tile_counts(facts: dict) -> list[int]:
 
 
 def most_tokens(facts: dict) -> int:
-    """The most image tokens one image can give: an image exactly a pinpoint's size has nothing unpadded."""
-    return max(tokens_for_size(int(h), int(w), facts) for h, w in facts["grid_pinpoints"])
+    """The most image tokens one image can give (an upper bound): over every pinpoint's feature grid and
+    every unpadded part of it (full rows or full columns, :func:`_unpadded`).
+
+    Not only the full grid: OneVision's downscale keeps ~``max_tiles`` tiles of features but one newline
+    per row, so a narrow unpadded part left un-downscaled can give more tokens than the full grid.
+    """
+    tile, side, base = int(facts["tile_size"]), int(facts["tile_tokens_side"]), int(facts["tile_tokens"])
+    most = 0
+    for ph, pw in facts["grid_pinpoints"]:
+        rows, cols = int(ph) // tile * side, int(pw) // tile * side
+        for h, w in [(rows, c) for c in range(1, cols + 1)] + [(r, cols) for r in range(1, rows + 1)]:
+            oh, ow = _downscaled(h, w, facts)
+            most = max(most, base + oh * ow + oh)
+    return most
 
 
 def default_tile_gears(facts: dict, vision: dict | None = None) -> list[int]:
-    from vlmc.runtime import tiles as tiles_mod
-
     counts = tile_counts(facts)
-    return tiles_mod.power_buckets(counts[0], counts[-1])
+    return imaging.power_buckets(counts[0], counts[-1])
 
 
 def default_token_gears(facts: dict, vision: dict | None = None) -> list[int]:
     """Image tokens per image: powers of two from the base tile's tokens up to the most, and the most."""
-    from vlmc.runtime import tiles as tiles_mod
-
-    return tiles_mod.power_buckets(int(facts["tile_tokens"]) + 1, most_tokens(facts))[1:] or [
+    return imaging.power_buckets(int(facts["tile_tokens"]) + 1, most_tokens(facts))[1:] or [
         most_tokens(facts)
     ]
 

@@ -137,7 +137,7 @@ def tile_counts(facts: dict) -> list[int]:
 
 def default_gears(facts: dict, vision: dict | None = None) -> list[int]:
     """Tiles per image: the powers of two up to the most tiles an image can become, and that most."""
-    return power_buckets(min(tile_counts(facts)), max_tiles_per_image(facts))
+    return imaging.power_buckets(min(tile_counts(facts)), max_tiles_per_image(facts))
 
 
 def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
@@ -146,13 +146,3 @@ def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> s
     if max(values) < most:
         return f"the largest tile gear {max(values)} is below the {most} tiles an image can become"
     return None
-
-
-def power_buckets(lo: int, hi: int) -> list[int]:
-    """``lo``, the powers of two between ``lo`` and ``hi``, and ``hi``: buckets that pad by at most 2x."""
-    out, p = {lo, hi}, 1
-    while p < hi:
-        if p > lo:
-            out.add(p)
-        p *= 2
-    return sorted(out)
