@@ -116,6 +116,29 @@ def test_target_gears_are_used_and_padding_is_exact(exported, tmp_path):
     assert vision["bindings"]["patches"] == [64, 256] and vision["profiles"] == 2
 
 
+@pytest.mark.parametrize(
+    "name, extra",
+    [("tiny-qwen2-vl", {}), ("tiny-internvl", {}), ("tiny-llava-next", {"image_token_gears": [100]})],
+)
+def test_a_merged_paged_build_fits_images_the_same_way(exported, tmp_path, name, extra):
+    # the merged vlm prefill graph takes the vision inputs too: resized grids, padded tiles and padded
+    # feature-index rows (the merged graph reads the features of the placeholders only)
+    from vlmc import pass_api
+
+    pkg = Package.load(exported(name))
+    pass_api.get("paged_kv")(block_size=16).run(pkg)
+    pass_api.get("merge")().run(pkg)
+    pkg.save(tmp_path / "merged")
+    pkg = Package.load(tmp_path / "merged")
+    summary = _compile(pkg, tmp_path / "b", **extra)
+    vlm = next(b for b in summary["builds"] if b["graph"] == "vlm")
+    assert any(r["symbol"] in vlm["bindings"] for r in summary["resolution"]["rules"])
+    got, run_pkg, executor = _run_build(tmp_path / "b", ["demo"])
+    assert executor.runs.get(vlm["name"]) == 1
+    fitted, _ = preprocess.fit_to_gears(["demo"], run_pkg.manifest["vision"]["preprocess"])
+    assert got.tokens == Pipeline(pkg).generate(PROMPTS, [fitted], NEW_TOKENS).tokens
+
+
 def test_anyres_images_are_never_padded_by_rows(exported, tmp_path):
     # A copied image would move image_newline, the feature table's last row: a wrong token, not an error.
     pkg = Package.load(exported("tiny-llava-onevision"))
