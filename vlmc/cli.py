@@ -296,6 +296,11 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         pkg = Package.load(path)
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
+    # A build with resolution gears (its runtime manifest's vision.preprocess.gears) fits each image to one;
+    # say how, once (the pipeline fits them the same way).
+    fitted, notes = _fitted_images(pkg.manifest, per_prompt)
+    for note in notes:
+        ui.info(note)
     if pipe is None:
         # One process per rank, joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
         # (vlmc/runtime/collective.py; docs/tensor_parallel.md).
@@ -316,9 +321,10 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             pipe.close()
     report = None
     if against is not None:
+        # The package runs on the pixels the build ran on (fitted to its resolution gears), so both see one image.
         ref_pipe = Pipeline(Package.load(against))
         try:
-            report = runner.agreement(ref_pipe.generate(list(prompts), per_prompt, max_new_tokens), result)
+            report = runner.agreement(ref_pipe.generate(list(prompts), fitted, max_new_tokens), result)
         finally:
             ref_pipe.close()
     if as_json:
@@ -335,6 +341,22 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             f"against {against}: {report['tokens_agree']}/{report['tokens']} tokens agree (first divergence: "
             f"{where}); max |logit diff| {report['max_logit_diff']:.3g} (prefill {report['prefill_logit_diff']:.3g})"
         )
+
+
+def _fitted_images(manifest: dict, per_prompt: list[list]) -> tuple[list[list], list[str]]:
+    """Every prompt's images as a compile output's resolution gears take them (one request: one gear), and
+    what was changed; a manifest without gears gives the images back as they are."""
+    from vlmc.runtime import preprocess
+
+    flat = [img for per in per_prompt for img in per]
+    if not flat:
+        return per_prompt, []
+    fitted, notes = preprocess.fit_to_gears(flat, (manifest.get("vision") or {}).get("preprocess") or {})
+    out, k = [], 0
+    for per in per_prompt:
+        out.append(fitted[k : k + len(per)])
+        k += len(per)
+    return out, notes
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:

@@ -227,3 +227,71 @@ def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndar
         idx.append(a)
         wts.append(b)
     return {"image_feature_index": np.concatenate(idx), "image_feature_weight": np.concatenate(wts)}
+
+
+# ---- resolution gears (a compile output's fixed tile and image-token counts) ---------------------
+def tile_counts(facts: dict) -> list[int]:
+    """Every tile count of one image (the base tile included): one per grid pinpoint."""
+    tile = int(facts["tile_size"])
+    return sorted({1 + (int(h) // tile) * (int(w) // tile) for h, w in facts["grid_pinpoints"]})
+
+
+def most_tokens(facts: dict) -> int:
+    """The most image tokens one image can give (an upper bound): over every pinpoint's feature grid and
+    every unpadded part of it (full rows or full columns, :func:`_unpadded`).
+
+    Not only the full grid: OneVision's downscale keeps ~``max_tiles`` tiles of features but one newline
+    per row, so a narrow unpadded part left un-downscaled can give more tokens than the full grid.
+    """
+    tile, side, base = int(facts["tile_size"]), int(facts["tile_tokens_side"]), int(facts["tile_tokens"])
+    most = 0
+    for ph, pw in facts["grid_pinpoints"]:
+        rows, cols = int(ph) // tile * side, int(pw) // tile * side
+        for h, w in [(rows, c) for c in range(1, cols + 1)] + [(r, cols) for r in range(1, rows + 1)]:
+            oh, ow = _downscaled(h, w, facts)
+            most = max(most, base + oh * ow + oh)
+    return most
+
+
+def default_tile_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    counts = tile_counts(facts)
+    return imaging.power_buckets(counts[0], counts[-1])
+
+
+def default_token_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    """Image tokens per image: powers of two from the base tile's tokens up to the most, and the most."""
+    return imaging.power_buckets(int(facts["tile_tokens"]) + 1, most_tokens(facts))[1:] or [
+        most_tokens(facts)
+    ]
+
+
+def check_tile_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    most = tile_counts(facts)[-1]
+    if max(values) < most:
+        return f"the largest tile gear {max(values)} is below the {most} tiles an image can become"
+    return None
+
+
+def check_token_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    most = most_tokens(facts)
+    if max(values) < most:
+        return f"the largest image-token gear {max(values)} is below the {most} tokens an image can give"
+    return None
+
+
+def pad_to_gear(vision: dict[str, np.ndarray], values: list[int]) -> tuple[dict[str, np.ndarray], str | None]:
+    """``pixel_values`` [images, tiles, ...] zero-padded along tiles to the smallest gear that holds them.
+
+    Exact: the processor pads a batch's images the same way (``do_pad``), and the feature index
+    (:func:`graph_feeds`, computed after this) never names a padding tile's rows.
+    """
+    pixels = vision["pixel_values"]
+    most = pixels.shape[1]
+    fits = [v for v in sorted(values) if v >= most]
+    if not fits:
+        raise VlmcError(f"an image has {most} tiles, more than every tile gear {sorted(values)}")
+    if fits[0] == most:
+        return vision, None
+    pad = np.zeros((pixels.shape[0], fits[0] - most, *pixels.shape[2:]), pixels.dtype)
+    note = f"tiles padded from {most} to the gear {fits[0]} with zero tiles (never indexed: tokens unchanged)"
+    return {**vision, "pixel_values": np.concatenate([pixels, pad], axis=1)}, note

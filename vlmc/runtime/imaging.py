@@ -1,4 +1,4 @@
-"""Image resizing shared by the preprocessing kinds (preprocess.py) and the patch layouts (patches.py)."""
+"""Image resizing shared by the preprocessing kinds (preprocess.py) and the patch layouts (patches.py), and their gear buckets."""
 
 from __future__ import annotations
 
@@ -23,3 +23,13 @@ def resize(img: np.ndarray, height: int, width: int, resample: str) -> np.ndarra
     from PIL import Image
 
     return np.asarray(Image.fromarray(img).resize((width, height), resample_filter(resample)))
+
+
+def power_buckets(lo: int, hi: int) -> list[int]:
+    """``lo``, the powers of two between ``lo`` and ``hi``, and ``hi``: resolution gears that pad by at most 2x."""
+    out, p = {lo, hi}, 1
+    while p < hi:
+        if p > lo:
+            out.add(p)
+        p *= 2
+    return sorted(out)

@@ -107,3 +107,128 @@ def packed_patches(images: list[np.ndarray], facts: dict) -> dict[str, np.ndarra
         "pixel_values": np.concatenate(rows).astype(np.float32),
         "image_grid_thw": np.array(grids, np.int64),
     }
+
+
+# ---- resolution gears (a compile output's fixed patch counts) ------------------------------------
+# A build for an NPU has one static shape per gear, so it takes a few patch counts per image, not any
+# (docs/ascend.md, "Resolution gears"). Each image is resized to a grid of a compiled count; the token
+# count of that grid is then exact, and the package given the resized image sees the same grid.
+MAX_DEFAULT_GEARS = 8
+
+
+def _frames(facts: dict) -> int:
+    """Frames the pixel bounds count: the temporal frames for GLM-4.1V's rule, else one."""
+    return int(facts["temporal_patch_size"]) if facts.get("resize", "pixels") == "temporal_pixels" else 1
+
+
+def patch_bounds(facts: dict, vision: dict | None = None) -> tuple[int, int]:
+    """The fewest and most patches per image the preprocessor's min/max pixels allow.
+
+    A pruned package (``vision.pruning``) keeps ``tokens_per_image`` tokens of each image, so an image
+    needs at least that many merge blocks.
+    """
+    patch, frames = int(facts["patch_size"]), _frames(facts)
+    lo = math.ceil(int(facts["min_pixels"]) / frames / patch**2)
+    hi = int(facts["max_pixels"]) // frames // patch**2
+    kept = (vision or {}).get("tokens_per_image")
+    if (vision or {}).get("pruning") and isinstance(kept, int):
+        lo = max(lo, kept * int(facts["merge_size"]) ** 2)
+    return lo, hi
+
+
+def default_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    """Patches per image: ``merge² · 2^j`` for the powers of two inside the preprocessor's bounds.
+
+    Powers of two (in merged units) give every power-of-two aspect ratio at adjacent counts; above
+    :data:`MAX_DEFAULT_GEARS` of them only the largest are kept (smaller images are scaled up, so no
+    detail is lost), which keeps the profiles of the builds that multiply them well under ATC's 100.
+    """
+    merge2 = int(facts["merge_size"]) ** 2
+    lo, hi = patch_bounds(facts, vision)
+    out, m = [], 1
+    while m * merge2 <= hi:
+        if m * merge2 >= lo:
+            out.append(m * merge2)
+        m *= 2
+    return out[-MAX_DEFAULT_GEARS:]
+
+
+def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    """Why a patch gear cannot hold an image (None when every one can)."""
+    merge2 = int(facts["merge_size"]) ** 2
+    lo, hi = patch_bounds(facts, vision)
+    for v in values:
+        if v % merge2:
+            return (
+                f"{v} patches is not a multiple of merge_size² ({merge2}): the grid's sides are merge blocks"
+            )
+        if not lo <= v <= hi:
+            return (
+                f"{v} patches is outside what the preprocessor's min/max pixels (and a pruned package's "
+                f"kept tokens) allow ({lo}..{hi})"
+            )
+        if not _grids(facts, v):
+            return f"{v} patches has no grid the preprocessor keeps as it is"
+    return None
+
+
+def _grids(facts: dict, count: int) -> list[tuple[int, int]]:
+    """Every (grid_h, grid_w) of ``count`` patches in merge blocks that the smart resize leaves unchanged."""
+    patch, merge = int(facts["patch_size"]), int(facts["merge_size"])
+    resize = RESIZE_RULES[facts.get("resize", "pixels")]
+    units = count // (merge * merge)
+    out = []
+    for a in range(1, units + 1):
+        if units % a:
+            continue
+        gh, gw = a * merge, units // a * merge
+        if max(gh, gw) / min(gh, gw) > 200:
+            continue
+        h, w = gh * patch, gw * patch
+        if resize(h, w, patch * merge, int(facts["min_pixels"]), int(facts["max_pixels"])) == (h, w):
+            out.append((gh, gw))
+    return out
+
+
+def gear_grid(height: int, width: int, facts: dict, values: list[int]) -> tuple[int, int]:
+    """The compiled grid nearest the image's own, in log scale: the least ``ln(gh/h0)² + ln(gw/w0)²``.
+
+    The image's own grid (h0, w0) is the processor's smart resize; every grid of every compiled count
+    is a candidate. Scaling both sides alike is nearer than stretching one, so the aspect ratio is kept
+    where a compiled count allows it (ties: fewer patches, then the taller grid).
+    """
+    patch, merge = int(facts["patch_size"]), int(facts["merge_size"])
+    resize = RESIZE_RULES[facts.get("resize", "pixels")]
+    nh, nw = resize(height, width, patch * merge, int(facts["min_pixels"]), int(facts["max_pixels"]))
+    h0, w0 = nh // patch, nw // patch
+    candidates = [(gh, gw) for v in values for gh, gw in _grids(facts, v)]
+    if not candidates:
+        raise VlmcError(f"vision.preprocess.gears.patches {values} has no grid this preprocessor keeps")
+    return min(
+        candidates,
+        key=lambda g: (
+            round(math.log(g[0] / h0) ** 2 + math.log(g[1] / w0) ** 2, 9),
+            g[0] * g[1],
+            -g[0],
+        ),
+    )
+
+
+def fit(images: list[np.ndarray], facts: dict, values: list[int]) -> tuple[list[np.ndarray], list[str]]:
+    """Each image resized to its compiled grid's pixels (:func:`gear_grid`), and one note per image.
+
+    Every image of one request takes the same patch count (a build's gear pairs ``images`` with
+    ``images × patches per image``): the largest that any image's nearest grid has.
+    """
+    patch, merge = int(facts["patch_size"]), int(facts["merge_size"])
+    count = max(gh * gw for gh, gw in (gear_grid(*img.shape[:2], facts, values) for img in images))
+    out, notes = [], []
+    for i, img in enumerate(images):
+        h, w = img.shape[:2]
+        gh, gw = gear_grid(h, w, facts, [count])
+        out.append(imaging.resize(img, gh * patch, gw * patch, facts.get("resample", "bicubic")))
+        notes.append(
+            f"image {i}: {h}x{w} resized to {gh * patch}x{gw * patch} for the patches gear {gh * gw} "
+            f"(grid 1x{gh}x{gw}, {gh * gw // (merge * merge)} image tokens)"
+        )
+    return out, notes

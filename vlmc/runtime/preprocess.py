@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -139,12 +140,158 @@ def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndar
     return {} if fn is None or not vision else fn(vision, facts)
 
 
+@dataclass(frozen=True)
+class GearRule:
+    """How a compile output's resolution gears size one vision-graph dim of a preprocessing kind.
+
+    A build for an NPU takes a few shapes (gears), so an image must reach one of them. ``fit`` says how:
+    ``resize`` (the image is resized to a compiled resolution before preprocessing, so its tokens change
+    to the gear's, exactly), ``pad`` (the preprocessing pads up to the gear; tokens unchanged) or ``rows``
+    (the build runner pads the dim with copies of its first row and drops their outputs; tokens
+    unchanged). ``combine`` says what one request's dim is from its images' per-image gears: ``paired``
+    (images × gear, exact: every image of the request takes the same gear), ``sum`` (images × gear,
+    padded up) or ``max`` (the gear itself: a per-image axis).
+    """
+
+    symbol: str  # the graph dim
+    option: str  # the target option that names the per-image values
+    what: str  # what one value counts, for messages
+    combine: str
+    fit: str
+    defaults: Callable[[dict, dict | None], list[int]]  # (preprocess facts, vision facts) -> per-image gears
+    # (preprocess facts, values, vision facts) -> why the values cannot serve (None: they can)
+    check: Callable[[dict, list[int], dict | None], str | None]
+    effect: str  # the effect on the image tokens, for compile.json and docs
+    # fit "resize": (uint8 images, facts, gears) -> (resized images, one note per image)
+    resize: Callable[[list[np.ndarray], dict, list[int]], tuple[list[np.ndarray], list[str]]] | None = None
+    # fit "pad": (vision inputs, gears) -> (padded inputs, a note or None)
+    pad: Callable[[dict[str, np.ndarray], list[int]], tuple[dict[str, np.ndarray], str | None]] | None = None
+
+
+# kind -> the gear rules of its vision graphs' image-sized dims (kinds of fixed size have none).
+GEARS: dict[str, tuple[GearRule, ...]] = {
+    "packed_patches": (
+        GearRule(
+            "patches",
+            "patch_gears",
+            "patches per image",
+            "paired",
+            "resize",
+            patches.default_gears,
+            patches.check_gears,
+            "each image is resized to the grid of a compiled patch count nearest its own (least log-scale "
+            "change of the two sides); its image tokens are that grid's (patches / merge_size²), exactly, and "
+            "every image of a request takes the largest gear any of them needs",
+            resize=patches.fit,
+        ),
+    ),
+    "tiles": (
+        GearRule(
+            "images",
+            "tile_gears",
+            "tiles per image",
+            "sum",
+            "rows",
+            tiles.default_gears,
+            tiles.check_gears,
+            "none: each image keeps the processor's tile grid; the vision build runs on the tile count padded "
+            "up to the next gear with copies of the first tile, whose outputs are dropped (tiles are "
+            "independent rows of the vision graph)",
+        ),
+    ),
+    "anyres": (
+        GearRule(
+            "tiles",
+            "tile_gears",
+            "tiles per image",
+            "max",
+            "pad",
+            anyres.default_tile_gears,
+            anyres.check_tile_gears,
+            "none: pixel_values is zero-padded along tiles to the next gear, as the processor pads a batch; "
+            "the feature index never names a padding tile",
+            pad=anyres.pad_to_gear,
+        ),
+        GearRule(
+            "image_tokens",
+            "image_token_gears",
+            "image tokens per image",
+            "sum",
+            "rows",
+            anyres.default_token_gears,
+            anyres.check_token_gears,
+            "none: the feature index and weights are padded up to the next gear with copies of their first "
+            "row, and the extra output tokens are dropped (each token is its own gather)",
+        ),
+    ),
+}
+# kind -> dims a build runner must never pad by rows, though it pads them for other kinds: anyres' feature
+# index names image_newline as the table's last row, after every image's tiles, so a padded image would
+# move it (a request must then fill an images gear exactly).
+UNPADDED: dict[str, tuple[str, ...]] = {"anyres": ("images",)}
+GEAR_OPTIONS = tuple(dict.fromkeys(r.option for rules in GEARS.values() for r in rules))
+# The key of a compile output's gears in its runtime manifest: vision.preprocess.gears {symbol: values}.
+GEARS_KEY = "gears"
+
+
+def _gear_values(facts: dict, rule: GearRule) -> list[int] | None:
+    """The per-image gears a compile output wrote for ``rule`` (None in a package), checked."""
+    table = facts.get(GEARS_KEY)
+    if table is None or rule.symbol not in table:
+        return None
+    values = table[rule.symbol]
+    if (
+        not isinstance(values, list)
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+    ):
+        raise VlmcError(f"vision.preprocess.gears.{rule.symbol} must list positive integers, got {values!r}")
+    why = rule.check(facts, values, None)
+    if why:
+        raise VlmcError(f"vision.preprocess.gears.{rule.symbol}: {why}")
+    return values
+
+
+def fit_to_gears(images: list, facts: dict) -> tuple[list[np.ndarray], list[str]]:
+    """The images (uint8 HWC) as a compile output with resolution gears takes them, and what changed.
+
+    Only ``resize`` rules change an image (a package, which has no gears, gets its images back). The
+    package run on the returned images sees exactly what the build sees (``vlmc run --against``).
+    """
+    images = [load_image(i) for i in images]
+    notes: list[str] = []
+    for rule in GEARS.get(facts.get("kind"), ()):
+        values = _gear_values(facts, rule) if rule.resize is not None else None
+        if values is not None and images:
+            images, said = rule.resize(images, facts, values)
+            notes += said
+    return images, notes
+
+
+def pad_to_gears(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    """Vision inputs padded to a compile output's ``pad`` gears (anyres tiles); a package's are unchanged."""
+    for rule in GEARS.get(facts.get("kind"), ()):
+        values = _gear_values(facts, rule) if rule.pad is not None else None
+        if values is not None and vision:
+            vision, note = rule.pad(vision, values)
+            if note:
+                logger.info("%s", note)
+    return vision
+
+
 def preprocess(images: list, facts: dict) -> dict[str, np.ndarray]:
-    """Load and preprocess images as the manifest's ``vision.preprocess`` facts say -> vision graph inputs."""
+    """Load and preprocess images as the manifest's ``vision.preprocess`` facts say -> vision graph inputs.
+
+    A compile output's runtime manifest may carry resolution gears (``vision.preprocess.gears``): the
+    images are then first fitted to them (:func:`fit_to_gears`) and the inputs padded (:func:`pad_to_gears`).
+    """
     kind = facts.get("kind")
     if kind not in KINDS:
         raise VlmcError(
             f"unknown preprocessing kind {kind!r} (vision.preprocess.kind); known kinds: "
             f"{', '.join(KINDS)}; upgrade vlmc, or re-export the package with this one"
         )
-    return KINDS[kind]([load_image(i) for i in images], facts)
+    fitted, notes = fit_to_gears(images, facts)
+    for note in notes:
+        logger.info("%s", note)
+    return pad_to_gears(KINDS[kind](fitted, facts), facts)

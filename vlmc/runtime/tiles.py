@@ -119,3 +119,30 @@ def tokens_for_size(vision: dict, height: int | None, width: int | None) -> tupl
         return n * per_tile, n, f"at most {n} tiles of {per_tile} tokens (give an image size for its count)"
     n = tiles_for(height, width, facts)
     return n * per_tile, n, f"{height}x{width}: {n} tiles of {per_tile} tokens"
+
+
+# ---- resolution gears (a compile output's fixed tile counts) -------------------------------------
+def tile_counts(facts: dict) -> list[int]:
+    """Every tile count (thumbnail included) the processor can give one image."""
+    if not facts.get("crop_to_patches", True) or int(facts["max_tiles"]) <= 1:
+        return [1]
+    thumb = 1 if facts.get("thumbnail", True) else 0
+    return sorted(
+        {
+            c * r + (thumb if c * r > 1 else 0)
+            for c, r in tile_grids(int(facts["min_tiles"]), int(facts["max_tiles"]))
+        }
+    )
+
+
+def default_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    """Tiles per image: the powers of two up to the most tiles an image can become, and that most."""
+    return imaging.power_buckets(min(tile_counts(facts)), max_tiles_per_image(facts))
+
+
+def check_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    """The largest tile gear must hold the most tiles an image can become (tiles are padded up, never cut)."""
+    most = max_tiles_per_image(facts)
+    if max(values) < most:
+        return f"the largest tile gear {max(values)} is below the {most} tiles an image can become"
+    return None

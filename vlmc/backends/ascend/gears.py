@@ -66,6 +66,14 @@ class DimContext:
     block_size: int | None = None
     patches: int | None = None  # patches per image, from the manifest's preprocessing facts
     max_positions: int | None = None
+    # resolution gears (dynamic-resolution vision graphs): symbol -> (combine, per-image values), see
+    # vlmc.runtime.preprocess.GearRule; a symbol the target's ``dims`` names is not here
+    resolution: dict[str, tuple[str, list[int]]] = field(default_factory=dict)
+
+
+def per_image(symbol: str) -> str:
+    """The planner's own axis behind a ``paired`` resolution gear (never a graph dim)."""
+    return f"{symbol}/image"
 
 
 def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[str, list[int]]:
@@ -91,6 +99,13 @@ def free_values(variant: str, role: str, opts: dict, ctx: DimContext) -> dict[st
         max_blocks = math.ceil(max_context / ctx.block_size)
         vals["max_blocks"] = [max_blocks]
         vals["num_blocks"] = [pool_blocks(max_blocks, max(vals["batch"]))]
+    for name, (combine, values) in ctx.resolution.items():
+        if combine == "paired":  # name = images x a per-image gear, one gear per request (derived)
+            vals[per_image(name)] = sorted(set(values))
+        elif combine == "sum":  # the request's total, padded up to a gear
+            vals[name] = sorted({n * v for n in vals["images"] for v in values})
+        else:  # "max": a per-image axis, padded up to a gear
+            vals[name] = sorted(set(values))
     for name, v in ctx.fixed.items():
         vals[name] = sorted(set(v)) if isinstance(v, list) else [int(v)]
     return vals
@@ -144,13 +159,22 @@ def dropped_buckets(opts: dict, max_positions: int | None) -> list[str]:
     return out
 
 
-def _derived(variant: str, ctx: DimContext) -> dict[str, Callable[[dict[str, int]], int]]:
+def _derived(
+    variant: str, ctx: DimContext
+) -> tuple[dict[str, Callable[[dict[str, int]], int]], dict[str, list[str]]]:
+    """Symbols computed from others: (symbol -> rule, symbol -> the axes it is computed from)."""
     out: dict[str, Callable[[dict[str, int]], int]] = {
         "total_sequence": lambda p: p.get("past_sequence", 0) + p["sequence"],
     }
+    sources = {"total_sequence": ["past_sequence", "sequence"]}
     if ctx.patches:
         out["patches"] = lambda p: p["images"] * ctx.patches  # type: ignore[operator]
-    return out
+        sources["patches"] = ["images"]
+    for name, (combine, _) in ctx.resolution.items():
+        if combine == "paired":
+            out[name] = lambda p, axis=per_image(name): p["images"] * p[axis]
+            sources[name] = ["images", per_image(name)]
+    return out, sources
 
 
 def plan(
@@ -171,7 +195,7 @@ def plan(
         VlmcError: a dim cannot be resolved, or the plan needs more than 100 profiles.
     """
     free = free_values(variant, role, opts, ctx)
-    derived = _derived(variant, ctx)
+    derived, sources = _derived(variant, ctx)
     used: list[str] = []
     for inp in inputs:
         for i, d in enumerate(inp["shape"]):
@@ -199,7 +223,6 @@ def plan(
                 f"target's dims option, e.g. dims: {{{sym!r}: N}}"
             )
     # Derived symbols depend on their sources, which must be enumerated even if no input names them.
-    sources = {"total_sequence": ["past_sequence", "sequence"], "patches": ["images"]}
     axes = [s for s in used if s not in derived or s in ctx.fixed]
     for s in used:
         if s in derived and s not in ctx.fixed:
@@ -242,6 +265,8 @@ def plan(
         hint = "use coarser sequence/past buckets or fewer batch sizes" + (
             ", or run the paged_kv pass so decode needs only batch gears" if variant == "decode" else ""
         )
+        if any(s in ctx.resolution for s in used):
+            hint += ", or fewer resolution gears (patch_gears, tile_gears, image_token_gears)"
         raise VlmcError(
             f"{name}: the gear plan needs {len(profiles)} profiles ({sizes}) but ATC allows at most "
             f"{atc.MAX_PROFILES}; {hint}"

@@ -14,6 +14,8 @@ NAME = "ascend"
 DEFAULT_SEQUENCE_BUCKETS = [128, 256, 512, 1024, 2048]
 PRECISIONS = ("auto", "fp16", "mixed_float16", "mixed_bfloat16", "origin")
 QUANTIZED_PRECISIONS = ("int8", "int8_weight_only", "int4_weight_only")
+# per-image resolution gears (vlmc.runtime.preprocess.GEARS names which apply to which preprocessing kind)
+RESOLUTION_OPTIONS = ("patch_gears", "tile_gears", "image_token_gears")
 
 TARGET_OPTIONS = (
     pass_api.Option(
@@ -65,6 +67,39 @@ TARGET_OPTIONS = (
         max=limits.MAX_BATCH,
         max_items=limits.MAX_GEARS,
     ),
+    pass_api.Option(
+        "patch_gears",
+        list,
+        None,
+        "resolution gears of packed-patch vision graphs (Qwen2-VL, GLM-4.1V ...): patches per image, each a "
+        "multiple of merge_size² (default: from the preprocessor's min/max pixels)",
+        items=int,
+        min=1,
+        max=limits.MAX_IMAGE_PIXELS,
+        max_items=limits.MAX_GEARS,
+    ),
+    pass_api.Option(
+        "tile_gears",
+        list,
+        None,
+        "resolution gears of tiled vision graphs (InternVL tiles, LLaVA-NeXT anyres): tiles per image, "
+        "thumbnail or base tile included (default: from the preprocessor's max tiles or grid pinpoints)",
+        items=int,
+        min=1,
+        max=limits.MAX_TOKENS_PER_IMAGE,
+        max_items=limits.MAX_GEARS,
+    ),
+    pass_api.Option(
+        "image_token_gears",
+        list,
+        None,
+        "resolution gears of anyres vision graphs (LLaVA-NeXT, LLaVA-OneVision): image tokens per image "
+        "(default: powers of two up to the most an image gives)",
+        items=int,
+        min=1,
+        max=limits.MAX_TOKENS_PER_IMAGE,
+        max_items=limits.MAX_GEARS,
+    ),
     pass_api.Option("dims", dict, None, "sizes for other symbolic dims: name -> int or list of ints"),
     pass_api.Option(
         "precision",
@@ -99,7 +134,7 @@ TARGET_OPTIONS = (
 def check_target(opts: dict, where: str) -> None:
     """Cross-option checks for an ascend target (raises VlmcError)."""
     soc.check(opts["soc"], opts.get("soc_variant"), where)
-    for key in ("sequence_buckets", "past_buckets", "batch_sizes", "images"):
+    for key in ("sequence_buckets", "past_buckets", "batch_sizes", "images", *RESOLUTION_OPTIONS):
         values = opts.get(key)
         if values is None:
             continue

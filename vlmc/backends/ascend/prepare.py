@@ -12,6 +12,7 @@ from vlmc import ascend_limits, graphs, samples, tensor_names
 from vlmc.backends.ascend import atc, gears, lower, pools, precheck
 from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
+from vlmc.runtime import preprocess
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
     findings: list[precheck.Finding] = []
     models: dict[str, ir.Model] = {}
     known = set((opts.get("dims") or {}).keys())
+    # the dims resolution gears size (a kind without rules has none; options for another kind are refused below)
+    known |= {r.symbol for r in preprocess.GEARS.get(_preprocess_facts(package.manifest).get("kind"), ())}
     for name in package.graph_names:
         path = package.path_of(name)
         if path is not None:
@@ -57,6 +60,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
         models[name] = model
     _raise_errors(findings)
     warnings = [str(f) for f in findings if f.severity == "warning"]
+    resolution = resolution_gears(package.manifest, opts, models)
 
     lowered: dict[str, ir.Model] = {}
     reports: dict[str, lower.LowerReport] = {}
@@ -87,8 +91,9 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
         block_size=kv.get("block_size") if kv.get("layout") == "paged" else None,
         max_positions=max_positions,
         patches=_patches_per_image(package.manifest),
+        resolution={r["symbol"]: (r["combine"], r["gears"]) for r in (resolution or {}).get("rules", [])},
     )
-    deepstack_rows = _deepstack_rows(package, ctx_base.fixed)
+    deepstack_rows = _deepstack_rows(package, ctx_base.fixed, ctx_base.resolution, opts)
 
     def _ds(ctx: gears.DimContext, variant: str) -> gears.DimContext:
         if not deepstack_rows:
@@ -153,10 +158,85 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
         "builds": builds,
         "commands": commands,
         "warnings": warnings,
+        "resolution": resolution,
     }
 
 
-def _deepstack_rows(package, fixed: dict) -> tuple[str, int | list[int]] | None:
+def _preprocess_facts(manifest: dict) -> dict:
+    return (manifest.get("vision") or {}).get("preprocess") or {}
+
+
+def resolution_gears(manifest: dict, opts: dict, models: dict[str, ir.Model]) -> dict | None:
+    """The resolution gears of a dynamic-resolution package, for the planner, compile.json and the runtime.
+
+    Each of the preprocessing kind's gear rules (vlmc.runtime.preprocess.GEARS) whose dim some graph
+    takes gets its per-image values: the target's option (``patch_gears``, ``tile_gears``,
+    ``image_token_gears``) or the defaults derived from the preprocessor's own limits. A dim the target's
+    ``dims`` sizes keeps those exact sizes and no gear rule (the runtime then fits nothing).
+
+    Returns:
+        None for a package whose images have one size, else ``{"kind", "rules": [...], "row_padded":
+        [symbols the runner pads by rows], "unpadded": [symbols it must not pad], "runtime": {symbol:
+        per-image values}}`` (the last goes to the runtime manifest's ``vision.preprocess.gears``).
+
+    Raises:
+        VlmcError: an option names gears the package's preprocessing has not, or values it cannot take.
+    """
+    facts = _preprocess_facts(manifest)
+    kind = facts.get("kind")
+    rules = preprocess.GEARS.get(kind, ())
+    offered = {r.option for r in rules}
+    for option in preprocess.GEAR_OPTIONS:
+        if opts.get(option) is not None and option not in offered:
+            have = ", ".join(sorted(offered)) or "none: its images have one size"
+            raise VlmcError(
+                f"target: {option} does not apply to this package: its preprocessing ({kind}) has other "
+                f"resolution gears ({have})"
+            )
+    dims_in_graphs = {
+        d
+        for m in models.values()
+        for i in graphs.signature(m)["inputs"]
+        for d in i["shape"]
+        if isinstance(d, str)
+    }
+    fixed = opts.get("dims") or {}
+    out = []
+    for rule in rules:
+        if rule.symbol not in dims_in_graphs or rule.symbol in fixed:
+            continue
+        given = opts.get(rule.option)
+        vision = manifest.get("vision") or {}
+        values = sorted(set(given)) if given is not None else rule.defaults(facts, vision)
+        why = rule.check(facts, values, vision) if values else "no value fits the preprocessor's limits"
+        if why:
+            raise VlmcError(f"target: {rule.option} {values}: {why}")
+        out.append(
+            {
+                "symbol": rule.symbol,
+                "option": rule.option,
+                "counts": rule.what,
+                "gears": values,
+                "source": "target" if given is not None else "preprocessor limits",
+                "combine": rule.combine,
+                "fit": rule.fit,
+                "tokens": rule.effect,
+            }
+        )
+    if not out:
+        return None
+    return {
+        "kind": kind,
+        "rules": out,
+        "row_padded": [r["symbol"] for r in out if r["fit"] == "rows"],
+        "unpadded": list(preprocess.UNPADDED.get(kind, ())),
+        "runtime": {r["symbol"]: r["gears"] for r in out},
+    }
+
+
+def _deepstack_rows(
+    package, fixed: dict, resolution: dict[str, tuple[str, list[int]]], opts: dict
+) -> tuple[str, int | list[int]] | None:
     """The deepstack rows dim (manifest text.deepstack, Qwen3-VL) and its prefill value(s).
 
     A decode step has no image token, so the runtime feeds one zero row (the graph gathers row 0, a zero
@@ -172,6 +252,10 @@ def _deepstack_rows(package, fixed: dict) -> tuple[str, int | list[int]] | None:
         return dim, fixed[dim]
     merge = int(package.manifest["vision"].get("spatial_merge_size", 1) or 1) ** 2
     patches = fixed.get("patches")
+    if patches is None and "patches" in resolution:
+        # the image tokens of every (images, patches) gear of the vision build
+        per_image = resolution["patches"][1]
+        patches = sorted({n * v for n in opts.get("images") or [1] for v in per_image})
     if patches is None:
         chain = package.manifest.get("pipeline", {}).get("image") or []
         pixels = (samples.shapes(package, chain[0]) or {}).get("pixel_values") if chain else None

@@ -15,8 +15,11 @@ Padding keeps the outputs' real part exact, the way the runtime already pads a b
   input_ids the pad token and zeros elsewhere; outputs lose the same leading positions;
 - ``batch`` and ``images`` are padded at the end with copies of the first row (independent rows that
   are dropped from the outputs);
-- ``max_blocks`` (block_tables) is padded with the null block 0, which the mask never reads.
-Any other dim (``num_blocks``, ``patches``, static dims) must match exactly.
+- ``max_blocks`` (block_tables) is padded with the null block 0, which the mask never reads;
+- the dims compile.json ``resolution.row_padded`` names (anyres' ``image_tokens``: each output token is
+  its own gather) are padded like ``batch``.
+Any other dim (``num_blocks``, ``patches``, static dims) must match exactly: the runtime's preprocessing
+fits images to the resolution gears first (vlmc.runtime.preprocess.fit_to_gears).
 """
 
 from __future__ import annotations
@@ -210,6 +213,15 @@ class BuildExecutor:
             spec = BuildSpec(entry)
             self.builds.setdefault(spec.graph, []).append(spec)
         self._loaded: set[str] = set()
+        # Dims padded by rows: batch and images, and the resolution gears compile.json says are (anyres'
+        # image_tokens: each output token is its own gather, so copied rows change no real one).
+        # ``unpadded`` names the ones a kind forbids (anyres' images: the newline row would move).
+        resolution = summary.get("resolution") or {}
+        self.row_padded = tuple(
+            s
+            for s in ROW_PADDED + tuple(resolution.get("row_padded") or ())
+            if s not in (resolution.get("unpadded") or ())
+        )
         self.runs: dict[str, int] = {}  # build -> executions (the CLI reports it)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self.new_pool = getattr(device, "new_pool", None)
@@ -284,7 +296,7 @@ class BuildExecutor:
                 target = values.get(sym)
                 if target is None or target == n:
                     continue
-                if n > target or sym not in LEFT_PADDED + ROW_PADDED + NULL_PADDED:
+                if n > target or sym not in LEFT_PADDED + self.row_padded + NULL_PADDED:
                     cost = None
                     break
                 cost += target - n
@@ -306,7 +318,7 @@ class BuildExecutor:
             if isinstance(d, int) or values.get(d, actual[d]) == actual[d]:
                 continue
             extra = values[d] - actual[d]
-            if d in ROW_PADDED:
+            if d in self.row_padded:
                 arr = np.concatenate(
                     [arr, np.repeat(np.take(arr, [0], axis=axis), extra, axis=axis)], axis=axis
                 )

@@ -16,6 +16,7 @@ from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools, rank_builds, soc
 from vlmc.backends.ascend.options import NAME
 from vlmc.package import Package
+from vlmc.runtime import preprocess
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def summary(package: Package, opts: dict, resolution: soc.Resolution, plan: dict
         "runner": dict(RUNNER),
         "paged_kv": paged_kv_host_write(package.manifest.get("kv", {}), plan["builds"]),
         "tensor_parallel": rank_builds.host_schedule(package.manifest, plan["builds"]),
+        # resolution gears of a dynamic-resolution package, and how an image reaches one (docs/ascend.md)
+        "resolution": plan.get("resolution"),
         "warnings": plan["warnings"] + ([resolution.warning] if resolution.warning else []),
         "run": None,
     }
@@ -207,12 +210,17 @@ def write_runtime_package(package: Package, plan: dict, dest: Path) -> None:
 
     A paged package whose pool size was left symbolic gets the builds' static pool size as
     ``kv.num_blocks``: the runner's block allocator must hand out exactly the blocks the .om's pools have.
+    A build with resolution gears gets them as ``vision.preprocess.gears``, so the runtime fits each image.
     """
     dest.mkdir(parents=True)
     manifest = json.loads(json.dumps(package.manifest))
     pool = next((dims for b in plan["builds"] if (dims := _pool_shapes(b))), None)
     if pool and not isinstance(manifest["kv"].get("num_blocks"), int):
         manifest["kv"]["num_blocks"] = int(pool[0][0])
+    resolution = plan.get("resolution")
+    if resolution:
+        # what the runtime's preprocessing fits each image to (vlmc.runtime.preprocess.fit_to_gears)
+        manifest["vision"]["preprocess"][preprocess.GEARS_KEY] = dict(resolution["runtime"])
     (dest / "vlmc.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     for rel, blob in sorted(package.files.items()):
         if _runtime_file(rel):  # the same files as from a saved package's directory below
