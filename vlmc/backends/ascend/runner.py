@@ -245,7 +245,14 @@ class BuildExecutor:
         return {o["name"]: _strip(outs[o["name"]], o["dims"], values, actual) for o in build.outputs}
 
     def close(self) -> None:
+        """Release the device session (on an NPU: every buffer, dataset and model, then acl.finalize)."""
         self.device.close()
+
+    def __enter__(self) -> BuildExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- gear choice and padding --------------------------------------------------------------
     def _builds(self, graph: str) -> list[BuildSpec]:
@@ -449,8 +456,12 @@ def open_build(
         device = acl_device.AclDevice(device_id)
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
-    pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
-    return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
+    try:
+        pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
+        return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
+    except BaseException:
+        device.close()  # the caller never gets the executor, so it cannot release the device
+        raise
 
 
 def rank_devices(build_dir: str | Path, size: int) -> list[int]:
