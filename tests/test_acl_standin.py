@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from vlmc import pass_api
 from vlmc.backends import ascend
 from vlmc.backends.ascend import acl_device, runner
 from vlmc.cli import main
@@ -234,3 +235,114 @@ def test_a_failed_open_releases_what_it_made(acl, llava_build, monkeypatch):
     with pytest.raises(VlmcError, match="acl.rt.create_context failed with error 107000"):
         runner.open_build(llava_build, "acl")
     assert state.finalized == 1 and not any(state.live().values())
+
+
+# ---- every build kind under --executor acl ---------------------------------------------------------
+def _build(exported, tmp_path, name: str, layout: str, target: dict):
+    pkg = Package.load(exported(name))
+    if layout == "paged":
+        pass_api.get("paged_kv")(block_size=BLOCK).run(pkg)
+        pkg.save(tmp_path / "paged")
+        pkg = Package.load(tmp_path / "paged")
+    ascend.compile(pkg, tmp_path / "build", {"soc": SOC, **target})
+    standin.placeholder_oms(tmp_path / "build")
+    return pkg, tmp_path / "build"
+
+
+def _same_tokens_no_leak(state, root, prompts, images, tokens):
+    pkg, ref_exec = runner.open_build(root, "reference")
+    want = Pipeline(pkg, executor=ref_exec).generate(prompts, images, tokens)
+    got, executor = _generate(root, prompts, images, tokens)
+    assert got.tokens == want.tokens and len(got.tokens[0]) == tokens
+    assert state.violations == [] and state.finalized == 1 and not any(state.live().values())
+    assert 0 < state.max_dim_count <= standin.ACL_MAX_DIM_CNT
+    return executor
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_default_gears(acl, exported, tmp_path, layout):
+    _, state = acl
+    _, root = _build(exported, tmp_path, "tiny-llava", layout, {"sequence_buckets": [64, 256]})
+    executor = _same_tokens_no_leak(state, root, PROMPTS, IMAGES, 5)
+    assert set(executor.runs) >= {"decoder_prefill", "decoder_decode"}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_batch_and_image_gears(acl, exported, tmp_path, layout):
+    _, state = acl
+    target = {"sequence_buckets": [64, 256], "batch_sizes": [1, 4], "images": [1, 2]}
+    _, root = _build(exported, tmp_path, "tiny-llava", layout, target)
+    prompts = ["Describe the image.", "What is it? Answer in a few words please.", "Hi"]
+    _same_tokens_no_leak(state, root, prompts, [["demo"], ["demo:1"], []], 4)
+
+
+# ---- a 32-layer decoder: the dims vector stays within ACL_MAX_DIM_CNT --------------------------------
+DEEP = 32
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """tiny-llava's architecture with a narrow 32-layer text model (widths 16), exported once."""
+    import copy
+
+    import torch
+
+    from vlmc import exporters
+    from vlmc.exporters import zoo
+
+    model = zoo.build("tiny-llava")
+    cfg = copy.deepcopy(model.config)
+    text = cfg.text_config
+    text.num_hidden_layers, text.hidden_size, text.intermediate_size = DEEP, 16, 16
+    text.num_attention_heads, text.num_key_value_heads = 2, 1
+    torch.manual_seed(0)
+    d = type(model)(cfg).eval()
+    exporters._eager(d)
+    src = exporters.Source(
+        name="tiny-llava", model=d, config=d.config, family=zoo.BUILTINS["tiny-llava"][0], builtin=True
+    )
+    out = tmp_path_factory.mktemp("deep") / "pkg"
+    exporters.export(src).save(out)
+    return out
+
+
+def _deep_build(deep, tmp_path, layout, **target):
+    pkg = Package.load(deep)
+    if layout == "paged":
+        pass_api.get("paged_kv")(block_size=BLOCK).run(pkg)
+        pkg.save(tmp_path / "paged")
+        pkg = Package.load(tmp_path / "paged")
+    summary = ascend.compile(pkg, tmp_path / "build", {"soc": SOC, "sequence_buckets": [64, 256], **target})
+    standin.placeholder_oms(tmp_path / "build")
+    return summary, tmp_path / "build"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_32_layer_decoder_runs_with_a_short_dims_vector(acl, deep, tmp_path, layout):
+    _, state = acl
+    summary, root = _deep_build(deep, tmp_path, layout, batch_sizes=[1, 2])
+    decoder = [b for b in summary["builds"] if b["graph"] == "decoder"]
+    assert all(b["gears"] for b in decoder)  # batch (and sequence/past) gears: every step sets dims
+    # The KV inputs are stacked, so the count does not grow with depth (7 + 8 x 32 = 263 per layer).
+    assert all(len(b["dims_vector"]) <= 24 for b in decoder), [len(b["dims_vector"]) for b in decoder]
+    stacked = {
+        i["name"]: i["shape"][0] for b in decoder for i in b["inputs"] if i["shape"] and i["shape"][0] == DEEP
+    }
+    assert set(stacked) == (
+        {"past_key_values.key", "past_key_values.value"}
+        if layout == "contiguous"
+        else {"key_cache", "value_cache"}
+    )
+    _same_tokens_no_leak(state, root, ["Describe the image.", "Hi"], [["demo"], []], 4)
+
+
+def test_precheck_refuses_a_dims_vector_over_acl_max_dim_cnt(deep, tmp_path, monkeypatch):
+    # The per-layer form (what vlmc built before the stacked one) at 32 layers: 7 + 8 x 32 values.
+    from vlmc.backends.ascend import stack_kv
+
+    monkeypatch.setattr(stack_kv, "stack_inputs", lambda model, graph: [])
+    out = CliRunner().invoke(main, ["compile", str(deep), "--soc", SOC, "-o", str(tmp_path / "build")])
+    assert out.exit_code == 1 and "Traceback" not in out.output, out.output  # CheckFailed: exit 1
+    line = out.output.strip().splitlines()[-1]
+    assert "ACL_MAX_DIM_CNT = 128" in line and "decoder_decode" in line and "263 values" in line
+    assert not (tmp_path / "build").exists()

@@ -64,19 +64,19 @@ def _check(ret, what: str) -> None:
 
 
 class DevicePool:
-    """One paged KV pool in device memory (``acl.rt.malloc``), bound as a build input by address."""
+    """A paged KV pool in device memory (``acl.rt.malloc``), bound as a build input by address.
+
+    ``[num_blocks, block_size, kv_heads, head_dim]``, or stacked ``[layers, num_blocks, ...]`` for a build
+    that takes all layers in one input (stack_kv.py); a layer of a stack is written with :meth:`write_layer`.
+    """
 
     def __init__(self, device: AclDevice, name: str, shape: tuple[int, ...], dtype) -> None:
-        self.device, self.name, self.shape, self.dtype = (
-            device,
-            name,
-            tuple(int(d) for d in shape),
-            np.dtype(dtype),
-        )
+        self.device, self.name = device, name
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         if self.dtype != np.float16:
             raise VlmcError(f"{name}: device pools are float16 (the builds' pool dtype), not {self.dtype}")
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.row_bytes = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
+        self.row_bytes = int(np.prod(self.shape[-2:], dtype=np.int64)) * self.dtype.itemsize
         self.ptr = device._malloc(self.nbytes, f"pool {name}")
         self.zero()
 
@@ -87,6 +87,14 @@ class DevicePool:
 
     def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
         """Store a step's rows [batch, seq, kv_heads, head_dim] at ``slot_mapping`` [batch, seq]."""
+        self._write(self.ptr, self.nbytes, rows, slot_mapping)
+
+    def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """The same, into layer ``layer`` of a stacked pool."""
+        size = self.nbytes // self.shape[0]
+        self._write(self.ptr + layer * size, size, rows, slot_mapping)
+
+    def _write(self, base: int, size: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
         acl = self.device.acl
         slots = np.asarray(slot_mapping).reshape(-1).astype(np.int64)
         flat = np.ascontiguousarray(rows, dtype=self.dtype).reshape(len(slots), -1)
@@ -95,7 +103,7 @@ class DevicePool:
                 f"{self.name}: rows of shape {list(rows.shape)} do not fit the pool {list(self.shape)}"
             )
         live = np.flatnonzero(slots >= 0)
-        if live.size and int(slots[live].max()) * self.row_bytes >= self.nbytes:
+        if live.size and (int(slots[live].max()) + 1) * self.row_bytes > size:
             raise VlmcError(f"{self.name}: slot {int(slots[live].max())} is outside the pool")
         src = acl.util.numpy_to_ptr(flat)
         # Runs of consecutive slots (a sequence's tokens inside one block) are one copy each.
@@ -108,14 +116,10 @@ class DevicePool:
                 and slots[live[end]] == slots[live[end - 1]] + 1
             ):
                 end += 1
-            first, n = int(live[start]), end - start
-            dst = self.ptr + int(slots[first]) * self.row_bytes
-            size = n * self.row_bytes
-            _check(
-                acl.rt.memcpy(dst, self.nbytes - int(slots[first]) * self.row_bytes, src + first * self.row_bytes, size,
-                              _MEMCPY_HOST_TO_DEVICE),
-                f"acl.rt.memcpy({self.name})",
-            )  # fmt: skip
+            first, offset = int(live[start]), int(slots[live[start]]) * self.row_bytes
+            ret = acl.rt.memcpy(base + offset, size - offset, src + first * self.row_bytes,
+                                (end - start) * self.row_bytes, _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
+            _check(ret, f"acl.rt.memcpy({self.name})")
             start = end
 
 
