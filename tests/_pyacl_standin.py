@@ -53,6 +53,7 @@ vlmc/backends/ascend/reference.py, reading the inputs from and writing the outpu
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import importlib.machinery
 import json
@@ -107,6 +108,7 @@ class _State:
         self.max_dim_count = 0
         self._next = 1
         self._next_addr = _DEVICE_BASE
+        self._bases: list[int] | None = None  # sorted allocation addresses, rebuilt after malloc/free
 
     def handle(self) -> int:
         self._next += 1
@@ -116,6 +118,7 @@ class _State:
         addr = self._next_addr
         self._next_addr += ((size + 32 + 63) // 64) * 64 + 4096  # aclrtMalloc's padding, plus a guard gap
         self.memory[addr] = bytearray(size)
+        self._bases = None
         return addr
 
     def live(self) -> dict[str, int]:
@@ -156,8 +159,13 @@ def _ready(name: str, context: bool = True) -> int:
 
 
 def _device_range(addr: int, count: int, what: str) -> tuple[bytearray, int] | None:
-    for base, buf in STATE.memory.items():
-        if base <= addr < base + max(len(buf), 1):
+    if STATE._bases is None:
+        STATE._bases = sorted(STATE.memory)
+    i = bisect.bisect_right(STATE._bases, addr) - 1  # the allocation starting at or below addr
+    if i >= 0:
+        base = STATE._bases[i]
+        buf = STATE.memory[base]
+        if addr < base + max(len(buf), 1):
             if addr + count > base + len(buf):
                 _refuse(
                     ACL_ERROR_INVALID_PARAM,
@@ -170,6 +178,9 @@ def _device_range(addr: int, count: int, what: str) -> tuple[bytearray, int] | N
 
 
 def _host_range(addr: int, count: int, what: str) -> bool:
+    arr = STATE.host.get(addr)
+    if arr is not None and count <= arr.nbytes:
+        return True
     for base, arr in STATE.host.items():
         if base <= addr and addr + count <= base + arr.nbytes:
             return True
@@ -303,6 +314,7 @@ def _free(dev_ptr: int) -> int:
         twice = " (freed twice)" if dev_ptr in STATE.freed else ""
         return _refuse(ACL_ERROR_INVALID_PARAM, f"acl.rt.free({dev_ptr:#x}): not an allocation{twice}")
     del STATE.memory[dev_ptr]
+    STATE._bases = None
     STATE.freed.add(dev_ptr)
     return ACL_SUCCESS
 

@@ -4,6 +4,8 @@ each planted and caught, and every build kind run through AclDevice with the ref
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import _pyacl_standin as standin
 import numpy as np
@@ -17,6 +19,9 @@ from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_host_loop  # noqa: E402  (the 32-layer config is the benchmark's)
 
 PROMPTS = ["Describe the image."]
 IMAGES = [["demo"]]
@@ -283,27 +288,7 @@ DEEP = 32
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
     """tiny-llava's architecture with a narrow 32-layer text model (widths 16), exported once."""
-    import copy
-
-    import torch
-
-    from vlmc import exporters
-    from vlmc.exporters import zoo
-
-    model = zoo.build("tiny-llava")
-    cfg = copy.deepcopy(model.config)
-    text = cfg.text_config
-    text.num_hidden_layers, text.hidden_size, text.intermediate_size = DEEP, 16, 16
-    text.num_attention_heads, text.num_key_value_heads = 2, 1
-    torch.manual_seed(0)
-    d = type(model)(cfg).eval()
-    exporters._eager(d)
-    src = exporters.Source(
-        name="tiny-llava", model=d, config=d.config, family=zoo.BUILTINS["tiny-llava"][0], builtin=True
-    )
-    out = tmp_path_factory.mktemp("deep") / "pkg"
-    exporters.export(src).save(out)
-    return out
+    return bench_host_loop.deep_llava(tmp_path_factory.mktemp("deep") / "pkg", DEEP)
 
 
 def _deep_build(deep, tmp_path, layout, **target):
