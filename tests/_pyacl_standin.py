@@ -231,19 +231,21 @@ def update_data_buffer(data_buffer: int, data: int, size: int) -> int:
     return ACL_SUCCESS
 
 
-def destroy_data_buffer(data_buffer: int) -> int:
-    ret = _ready("acl.destroy_data_buffer", context=False)
+def _destroy(table: dict, handle: int, what: str, code: int = ACL_ERROR_INVALID_PARAM) -> int:
+    """Destroy a live handle of ``table``; a dead one is refused (and named a double destroy)."""
+    ret = _ready(what, context=False)
     if ret:
         return ret
-    if data_buffer not in STATE.buffers:
-        twice = " (destroyed twice)" if data_buffer in STATE.dead else ""
-        return _refuse(
-            ACL_ERROR_INVALID_PARAM,
-            f"acl.destroy_data_buffer({data_buffer:#x}): not a live data buffer{twice}",
-        )
-    del STATE.buffers[data_buffer]
-    STATE.dead.add(data_buffer)
+    if handle not in table:
+        twice = " (destroyed twice)" if handle in STATE.dead else ""
+        return _refuse(code, f"{what}({handle:#x}): not a live handle{twice}")
+    del table[handle]
+    STATE.dead.add(handle)
     return ACL_SUCCESS
+
+
+def destroy_data_buffer(data_buffer: int) -> int:
+    return _destroy(STATE.buffers, data_buffer, "acl.destroy_data_buffer")
 
 
 # ---- acl.rt ---------------------------------------------------------------------------------------
@@ -486,14 +488,7 @@ def _get_desc(model_desc: int, model_id: int) -> int:
 
 
 def _destroy_desc(model_desc: int) -> int:
-    ret = _ready("acl.mdl.destroy_desc", context=False)
-    if ret:
-        return ret
-    if model_desc not in STATE.descs:
-        return _refuse(ACL_ERROR_INVALID_PARAM, f"acl.mdl.destroy_desc({model_desc:#x}): not a live desc")
-    del STATE.descs[model_desc]
-    STATE.dead.add(model_desc)
-    return ACL_SUCCESS
+    return _destroy(STATE.descs, model_desc, "acl.mdl.destroy_desc")
 
 
 def _desc_model(model_desc: int, what: str) -> _Model | None:
@@ -557,17 +552,7 @@ def _create_dataset() -> int:
 
 
 def _destroy_dataset(dataset: int) -> int:
-    ret = _ready("acl.mdl.destroy_dataset", context=False)
-    if ret:
-        return ret
-    if dataset not in STATE.datasets:
-        twice = " (destroyed twice)" if dataset in STATE.dead else ""
-        return _refuse(
-            ACL_ERROR_INVALID_PARAM, f"acl.mdl.destroy_dataset({dataset:#x}): not a live dataset{twice}"
-        )
-    del STATE.datasets[dataset]
-    STATE.dead.add(dataset)
-    return ACL_SUCCESS
+    return _destroy(STATE.datasets, dataset, "acl.mdl.destroy_dataset")
 
 
 def _add_dataset_buffer(dataset: int, data_buffer: int) -> tuple[int, int]:
