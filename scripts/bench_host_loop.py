@@ -50,6 +50,8 @@ def _compile(pkg_dir: Path, out: Path, layout: str) -> Path:
     from vlmc.backends import ascend
     from vlmc.package import Package
 
+    if (out / layout / "compile.json").is_file():
+        return out / layout
     pkg = Package.load(pkg_dir)
     if layout == "paged":
         pass_api.get("paged_kv")(block_size=16).run(pkg)
@@ -59,8 +61,13 @@ def _compile(pkg_dir: Path, out: Path, layout: str) -> Path:
     return out / layout
 
 
-def host_cost(root: Path, tokens: int) -> dict:
-    """Per decode step: wall time, time in acl.mdl.execute, and their difference (ms), at batch 1."""
+def host_cost(root: Path, tokens: int, repeats: int = 3) -> dict:
+    """Per decode step at batch 1 (ms): wall time, time in acl.mdl.execute, and the loop's own time.
+
+    Each of 1 and ``tokens`` new tokens is generated ``repeats`` times on a warm session; the loop's own
+    time per run is the wall time less the time inside ``acl.mdl.execute`` of that same run, and the
+    per-step figure is the difference of the fastest runs over the ``tokens - 1`` extra decode steps.
+    """
     sys.path.insert(0, str(REPO / "tests"))
     import _pyacl_standin as standin
 
@@ -81,22 +88,24 @@ def host_cost(root: Path, tokens: int) -> dict:
             spent[0] += time.perf_counter() - t
 
     acl.mdl.execute = timed
-    runs = {}
-    for n in (1, tokens):
-        standin.STATE.reset()
-        spent[0] = 0.0
-        pkg, executor = runner.open_build(root, "acl")
-        with executor:
-            pipe = Pipeline(pkg, executor=executor)
-            pipe.generate(["Hi"], [[]], 2)  # warm: every build (decode included) loaded, buffers made
-            t = time.perf_counter()
-            spent[0] = 0.0
-            pipe.generate(["Hi"], [[]], n)
-            runs[n] = (time.perf_counter() - t, spent[0])
-        assert not standin.STATE.violations, standin.STATE.violations
+    standin.STATE.reset()
+    best: dict[int, tuple[float, float]] = {}
+    pkg, executor = runner.open_build(root, "acl")
+    with executor:
+        pipe = Pipeline(pkg, executor=executor)
+        pipe.generate(["Hi"], [[]], 2)  # warm: every build (decode included) loaded, buffers made
+        for _ in range(repeats):
+            for n in (1, tokens):
+                spent[0] = 0.0
+                t = time.perf_counter()
+                pipe.generate(["Hi"], [[]], n)
+                wall = time.perf_counter() - t
+                if n not in best or wall - spent[0] < best[n][0] - best[n][1]:
+                    best[n] = (wall, spent[0])
+    assert not standin.STATE.violations and not any(standin.STATE.live().values()), standin.STATE.violations
     steps = tokens - 1
-    wall = (runs[tokens][0] - runs[1][0]) / steps * 1e3
-    device = (runs[tokens][1] - runs[1][1]) / steps * 1e3
+    wall = (best[tokens][0] - best[1][0]) / steps * 1e3
+    device = (best[tokens][1] - best[1][1]) / steps * 1e3
     return {"wall_ms": wall, "execute_ms": device, "host_ms": wall - device}
 
 
@@ -108,7 +117,8 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     out = args.out or Path(tempfile.mkdtemp(prefix="vlmc-hostloop-"))
-    pkg = deep_llava(out / "pkg", args.layers)
+    # An --out from an earlier run is reused (its package and builds are those of --layers then).
+    pkg = out / "pkg" if (out / "pkg").is_dir() else deep_llava(out / "pkg", args.layers)
     print("| layout | layers | decode steps | step wall ms | in acl.mdl.execute ms | host loop ms/step |")
     print("|---|---|---|---|---|---|")
     for layout in ("contiguous", "paged"):
