@@ -295,10 +295,10 @@ def test_contiguous_decoder_prefill_and_decode_builds(tmp_path):
     assert prefill["dynamic_dims"] == "128,128,128;256,256,256"
     assert (
         "inputs_embeds:1,1,8" in decode["input_shape"]
-        and "past_key_values.0.key:1,2,-1,4" in decode["input_shape"]
+        and "past_key_values.key:2,1,2,-1,4" in decode["input_shape"]  # stacked: [layers, ...] (stack_kv.py)
     )
-    # attention_mask covers past + the new token: 257 for a 256 past.
-    assert decode["dynamic_dims"].split(";")[0] == "257,256,256,256,256"
+    # attention_mask covers past + the new token: 257 for a 256 past; then the stacked past key and value.
+    assert decode["dynamic_dims"].split(";")[0] == "257,256,256"
     assert by["embed_tokens"]["dynamic_dims"] == "1;128;256"
     assert (
         by["vision_encoder"]["dynamic_dims"] is None
@@ -326,7 +326,7 @@ def test_paged_decoder_has_static_pool_and_batch_gears(tmp_path):
     decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
     # max context 257 with 16-token blocks -> 17 blocks per sequence, 4 sequences and the reserved
     # block 0 -> a pool of 69 blocks.
-    assert "key_cache.0:69,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
+    assert "key_cache:2,69,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
     assert decode["profiles"] == 3 and decode["bindings"]["sequence"] == [1]
 
 

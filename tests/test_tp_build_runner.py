@@ -145,7 +145,14 @@ def test_paged_tp_build_gives_each_rank_a_pool_of_its_kv_heads(built):
             i["name"]: i["shape"] for i in b["inputs"] if i["name"].startswith(("key_cache.", "value_cache."))
         }
 
-    whole = pools(ref, "decoder_decode")["key_cache.0"]
+    # The unsharded build takes its pools stacked, [layers, num_blocks, ...] (stack_kv.py).
+    whole = next(
+        i["shape"][1:]
+        for b in ref["builds"]
+        if b["name"] == "decoder_decode"
+        for i in b["inputs"]
+        if i["name"] == "key_cache"
+    )
     heads = tp["tensor_parallel"]["kv_heads_per_rank"]
     assert heads * tp["tensor_parallel"]["size"] == whole[2]
     for rank in range(tp["tensor_parallel"]["size"]):

@@ -288,17 +288,28 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             pipe, group_executor = None, chosen
         else:
             pkg, build_exec = runner.open_build(path, chosen, device_id)
-            pipe = Pipeline(pkg, executor=build_exec)
+            try:
+                pipe = Pipeline(pkg, executor=build_exec)
+            except BaseException:
+                build_exec.close()
+                raise
     else:
         if executor is not None or against is not None:
             flag = "--executor" if executor is not None else "--against"
             raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
         pkg = Package.load(path)
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
-    per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
-    # A build with resolution gears (its runtime manifest's vision.preprocess.gears) fits each image to one;
-    # say how, once (the pipeline fits them the same way).
-    fitted, notes = _fitted_images(pkg.manifest, per_prompt)
+    try:
+        per_prompt = _distribute(
+            list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>")
+        )
+        # A build with resolution gears (its runtime manifest's vision.preprocess.gears) fits each image to
+        # one; say how, once (the pipeline fits them the same way).
+        fitted, notes = _fitted_images(pkg.manifest, per_prompt)
+    except BaseException:
+        if pipe is not None:
+            pipe.close()  # an open device session (acl) is released and acl.finalize reached on this path too
+        raise
     for note in notes:
         ui.info(note)
     if pipe is None:

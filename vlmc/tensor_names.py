@@ -99,3 +99,33 @@ def layer_of(name: str) -> int | None:
 def with_layer(name: str, layer: int) -> str:
     """``name`` with the layer index it carries replaced (``past_key_values.3.key``, 0 -> ``past_key_values.0.key``)."""
     return _LAYER_RE.sub(lambda m: m.group(0).replace(m.group(1), str(layer), 1), name, count=1)
+
+
+# Stacked KV inputs of an Ascend build (docs/ascend.md "Running on a 910B"): the per-layer past or pool
+# inputs of layers 0..L-1 as one input [L, ...], so the build's dims vector does not grow with depth.
+_STACKABLE_RE = re.compile(r"^(past_key_values)\.(\d+)\.(key|value)$|^(key|value)_cache\.(\d+)$")
+
+
+def stack_group(name: str) -> tuple[str, int] | None:
+    """(stacked input name, layer) of a per-layer KV input: ``past_key_values.3.key`` -> (``past_key_values.key``, 3),
+    ``key_cache.3`` -> (``key_cache``, 3); None for any other name."""
+    m = _STACKABLE_RE.match(name)
+    if m is None:
+        return None
+    if m[1]:
+        return f"{m[1]}.{m[3]}", int(m[2])
+    return f"{m[4]}_cache", int(m[5])
+
+
+def stack_members(stacked: str, layers: int) -> list[str]:
+    """The per-layer names a stacked input holds, in layer order (the inverse of :func:`stack_group`)."""
+    if stacked.startswith(PAST_PREFIX):
+        kind = stacked[len(PAST_PREFIX) :]
+        return [past(i, kind) for i in range(layers)]
+    kind = stacked[: -len("_cache")]
+    return [cache(i, kind) for i in range(layers)]
+
+
+def is_stacked(name: str) -> bool:
+    """True for a stacked KV input name (``past_key_values.key``, ``value_cache`` ...)."""
+    return name in {f"{PAST_PREFIX}{k}" for k in KV_KINDS} | {f"{k}_cache" for k in KV_KINDS}

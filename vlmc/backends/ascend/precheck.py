@@ -13,7 +13,9 @@ from vlmc.backends.ascend import ops
 
 logger = logging.getLogger(__name__)
 
-PROTOBUF_LIMIT = 2**31 - 1  # protobuf cannot serialize a message of 2 GB or more
+PROTOBUF_LIMIT = 2**31 - 1
+# acl_mdl.h: aclmdlIODims.dims[ACL_MAX_DIM_CNT]; aclmdlSetInputDynamicDims takes every input's full shape in it.
+ACL_MAX_DIM_CNT = 128  # protobuf cannot serialize a message of 2 GB or more
 # Ops the lowering turns into Ascend forms; in a portable graph they are expected, not errors.
 LOWERED_OPS = frozenset({"QuantizeLinear", "DequantizeLinear"})
 DATA_DEPENDENT = frozenset({"NonZero", "Compress", "Unique"})
@@ -191,3 +193,21 @@ def check_inputs(model: ir.Model, graph: str, known: set[str], sample_inputs: se
                 )
             )
     return out
+
+
+def check_dims_vector(build: str, input_shape: list[tuple[str, list[int]]], has_gears: bool) -> list[Finding]:
+    """A build with gears passes every input's full shape to aclmdlSetInputDynamicDims in one aclmdlIODims,
+    whose ``dims`` holds ACL_MAX_DIM_CNT = 128 values (acl_mdl.h; the aclmdlSetInputDynamicDims page,
+    https://www.hiascend.com/document/detail/en/canncommercial/800/apiref/appdevgapi/aclcppdevg_03_0312.html).
+    A longer vector cannot be set at run time, so the build is refused here."""
+    count = sum(len(dims) for _, dims in input_shape)
+    if not has_gears or count <= ACL_MAX_DIM_CNT:
+        return []
+    return [
+        Finding(
+            build,
+            f"its dims vector has {count} values ({len(input_shape)} inputs' full shapes) but "
+            f"aclmdlSetInputDynamicDims takes at most ACL_MAX_DIM_CNT = {ACL_MAX_DIM_CNT}; use fewer gear "
+            "symbols or static shapes for this build (one value per gear list: batch_sizes, buckets)",
+        )
+    ]

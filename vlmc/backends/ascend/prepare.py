@@ -9,7 +9,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from vlmc import ascend_limits, graphs, samples, tensor_names
-from vlmc.backends.ascend import atc, gears, lower, pools, precheck
+from vlmc.backends.ascend import atc, gears, lower, pools, precheck, stack_kv
 from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
 from vlmc.runtime import preprocess
@@ -124,6 +124,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
                 warnings.append(
                     f"{name}: the prefill graph feeds an empty past to {empties} non-Concat consumer(s)"
                 )
+            stack_kv.stack_inputs(model, name)  # after the prefill clone: the decode build's past, stacked
             pfile = f"{name}_prefill.onnx"
             files[pfile] = prefill
             shared[pfile] = file
@@ -134,6 +135,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
                 _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
             )
         elif role == "decoder" and any(tensor_names.is_cache(n) for n in input_names):
+            stack_kv.stack_inputs(model, name)  # the pools, stacked (one input per kind)
             builds.append(
                 _plan(f"{name}_prefill", name, file, "prefill", role, model, opts, _ds(ctx, "prefill"))
             )
@@ -143,6 +145,9 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
         else:
             builds.append(_plan(name, name, file, "full", role, model, opts, _ds(ctx, "prefill")))
 
+    findings += [
+        f for b in builds for f in precheck.check_dims_vector(b.name, b.input_shape, bool(b.profiles))
+    ]
     for file, model in files.items():
         findings += precheck.check_ops(model, file, lowered=True)
         findings += precheck.check_size(model, file)

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
-from vlmc import paths
+from vlmc import paths, tensor_names
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc
 from vlmc.errors import VlmcError
@@ -140,6 +140,31 @@ class HostPool:
 
         write_rows(self.array, rows, slot_mapping)
 
+    def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Write into layer ``layer`` of a stacked pool [layers, num_blocks, block_size, kv_heads, head_dim]."""
+        from vlmc.runtime.paged import write_rows
+
+        write_rows(self.array[layer], rows, slot_mapping)  # a contiguous view: written in place
+
+
+class PoolLayer:
+    """One layer of a stacked pool (stack_kv.py): the per-layer pool PagedKV holds and writes, while the
+    build binds the whole stack. ``parent`` is a :class:`HostPool` or an ``acl_device.DevicePool``."""
+
+    def __init__(self, parent, layer: int) -> None:
+        self.parent, self.layer = parent, int(layer)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.parent.shape[1:])
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parent.dtype
+
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        self.parent.write_layer(self.layer, rows, slot_mapping)
+
 
 class ReferenceDevice:
     """The lowered graphs on CPU (vlmc/backends/ascend/reference.py), as strict as the .om is.
@@ -223,17 +248,70 @@ class BuildExecutor:
             if s not in (resolution.get("unpadded") or ())
         )
         self.runs: dict[str, int] = {}  # build -> executions (the CLI reports it)
+        # Stacked KV inputs (stack_kv.py) of each graph: stacked name -> layers.
+        self._stacked: dict[str, dict[str, int]] = {
+            graph: {
+                i["name"]: int(i["shape"][0])
+                for b in builds
+                for i in b.inputs
+                if tensor_names.is_stacked(i["name"])
+            }
+            for graph, builds in self.builds.items()
+        }
+        self._stack_pools: dict[str, object] = {}
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
-        self.new_pool = getattr(device, "new_pool", None)
+        self._device_pool = getattr(device, "new_pool", None)
+        self.new_pool = self._new_pool if self._device_pool is not None else None
 
     # ---- Executor protocol ------------------------------------------------------------------
     def inputs(self, graph: str) -> list[dict]:
         """The inputs of the graph's widest build (a contiguous prefill build takes no past)."""
         builds = self._builds(graph)
         widest = max(builds, key=lambda b: len(b.inputs))
-        return [{"name": i["name"], "dtype": i["dtype"]} for i in widest.inputs]
+        out = []
+        for i in widest.inputs:
+            layers = self._stacked[graph].get(i["name"])
+            names = [i["name"]] if layers is None else tensor_names.stack_members(i["name"], layers)
+            out += [{"name": n, "dtype": i["dtype"]} for n in names]  # the graph's own per-layer names
+        return out
+
+    def _new_pool(self, name: str, shape: tuple[int, ...], dtype):
+        """A pool the device holds; a layer of a stacked pool when the builds take the pools stacked."""
+        key = tensor_names.stack_group(name)
+        layers = next((s[key[0]] for s in self._stacked.values() if key and key[0] in s), None)
+        if layers is None or key[1] >= layers:  # not a layer of a stacked input (a later segment's own)
+            return self._device_pool(name, shape, dtype)
+        stacked, layer = key
+        if layer == 0 or stacked not in self._stack_pools:  # layer 0 opens a new generation's pools
+            self._stack_pools[stacked] = self._device_pool(stacked, (layers, *shape), dtype)
+        return PoolLayer(self._stack_pools[stacked], layer)
+
+    def _stack(self, graph: str, feeds: dict[str, object]) -> dict[str, object]:
+        """The feeds with each group of per-layer KV inputs as the stacked input the builds take."""
+        stacked = self._stacked.get(graph)
+        if not stacked:
+            return feeds
+        out = dict(feeds)
+        for name, layers in stacked.items():
+            members = tensor_names.stack_members(name, layers)
+            if not all(m in feeds for m in members):
+                continue
+            values = [out.pop(m) for m in members]
+            parent = getattr(values[0], "parent", None)
+            if parent is not None and all(
+                getattr(v, "parent", None) is parent and v.layer == i for i, v in enumerate(values)
+            ):
+                out[name] = parent  # the device's own stack, bound as it is
+            elif all(isinstance(v, np.ndarray) for v in values):
+                out[name] = np.stack(values)
+            else:
+                raise VlmcError(
+                    f"graph {graph}: the {name} inputs are not one stacked pool's layers in order"
+                )
+        return out
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feeds = self._stack(graph, feeds)
         reasons, best = [], None
         for build in self._builds(graph):
             fit = self._fit(build, feeds)
@@ -257,7 +335,14 @@ class BuildExecutor:
         return {o["name"]: _strip(outs[o["name"]], o["dims"], values, actual) for o in build.outputs}
 
     def close(self) -> None:
+        """Release the device session (on an NPU: every buffer, dataset and model, then acl.finalize)."""
         self.device.close()
+
+    def __enter__(self) -> BuildExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- gear choice and padding --------------------------------------------------------------
     def _builds(self, graph: str) -> list[BuildSpec]:
@@ -461,8 +546,12 @@ def open_build(
         device = acl_device.AclDevice(device_id)
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
-    pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
-    return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
+    try:
+        pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
+        return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
+    except BaseException:
+        device.close()  # the caller never gets the executor, so it cannot release the device
+        raise
 
 
 def rank_devices(build_dir: str | Path, size: int) -> list[int]:

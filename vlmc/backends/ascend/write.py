@@ -118,7 +118,9 @@ def dims_vector_order(input_shape: list[tuple[str, list[int]]]) -> list[str]:
 
 
 def _pool_shapes(b: gears.Build) -> list[list[int]]:
-    return [dims for name, dims in b.input_shape if name.startswith(tensor_names.CACHE_PREFIX["key"])]
+    """Each key pool's [num_blocks, block_size, kv_heads, head_dim] (a stacked key_cache: one layer's)."""
+    per_layer = [dims for name, dims in b.input_shape if name.startswith(tensor_names.CACHE_PREFIX["key"])]
+    return per_layer + [list(dims[1:]) for name, dims in b.input_shape if name == "key_cache"]
 
 
 # Public CANN documentation the host-side write below follows (docs/ascend.md, "Paged decoder builds").
@@ -149,13 +151,17 @@ def paged_kv_host_write(kv: dict, builds: list[gears.Build]) -> dict | None:
             "max_blocks x max batch + 1 blocks"
         ),
         "pools": (
-            f"allocate key_cache.{{i}} and value_cache.{{i}} for i < {layers} once on the device, "
-            "[num_blocks, block_size, kv_heads, head_dim] ND, and bind the same buffers as the build's "
+            f"allocate key_cache and value_cache once on the device, [{layers}, num_blocks, block_size, kv_heads, "
+            "head_dim] ND (the builds take all layers stacked, layer i at offset i x one layer's bytes; a build "
+            "left per layer takes key_cache.{i} / value_cache.{i}), and bind the same buffers as the build's "
             "inputs every step; the .om never writes them"
         ),
         "write": {
             "when": "after every decoder_prefill / decoder_decode execution, before the next step",
-            "op": "ATB ReshapeAndCacheOperation (one per layer; keyCache/valueCache are updated in place)",
+            "op": (
+                "ATB ReshapeAndCacheOperation (one per layer; keyCache/valueCache are updated in place), or "
+                "acl.rt.memcpy host-to-device of each run of consecutive slots (what vlmc's AclDevice does)"
+            ),
             "key": "new_key.{i} [batch, seq, kv_heads, head_dim] viewed as [batch*seq, kv_heads, head_dim]",
             "value": "new_value.{i}, viewed the same way",
             "slotMapping": "the step's slot_mapping flattened to [batch*seq] int32",
