@@ -62,7 +62,7 @@ def from_path(
 def from_model(
     model: ir.Model,
     threads: int | None = None,
-    extra_outputs: list[str] = (),
+    extra_outputs: list = (),  # names, or onnx ValueInfoProtos (see interop.outputs_suffix)
     precision: str | None = None,
 ) -> ort.InferenceSession:
     """A CPU session for an in-memory model; large IR graphs get their weights as memory maps.
