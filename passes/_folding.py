@@ -50,26 +50,25 @@ def same_graph(a: ir.Model, b: ir.Model) -> bool:
 
 
 def _canonical(m: ir.Model) -> tuple:
+    tensors = [a.value for n in m.graph for a in n.attributes.values() if a.type == ir.AttributeType.TENSOR]
+    hashes = dict(zip(map(id, tensors), graphs.tensor_hashes(tensors)))
     nodes = sorted(
         (
             n.op_type,
             n.domain,
             tuple(v.name if v is not None else "" for v in n.inputs),
             tuple(v.name for v in n.outputs),
-            tuple(sorted((k, _attr_key(a)) for k, a in n.attributes.items())),
+            tuple(sorted((k, _attr_key(a, hashes)) for k, a in n.attributes.items())),
         )
         for n in m.graph
     )
-    inits = sorted(
-        (n, graphs.tensor_hash(v.const_value))
-        for n, v in m.graph.initializers.items()
-        if v.const_value is not None
-    )
+    weights = graphs.weight_hashes(m)
+    inits = sorted((n, weights[v]) for n, v in m.graph.initializers.items() if v in weights)
     io = (tuple(v.name for v in m.graph.inputs), tuple(v.name for v in m.graph.outputs))
     return tuple(nodes), tuple(inits), io
 
 
-def _attr_key(a: ir.Attr) -> str:
+def _attr_key(a: ir.Attr, hashes: dict[int, str]) -> str:
     if a.type == ir.AttributeType.TENSOR:
-        return graphs.tensor_hash(a.value)
+        return hashes[id(a.value)]
     return repr(a.value)

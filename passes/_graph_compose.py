@@ -55,23 +55,9 @@ def reads(node: ir.Node) -> list[ir.Value]:
     return vals
 
 
-def values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    """Every named value of a graph's top level: inputs, initializers and node outputs."""
-    out: dict[str, ir.Value] = {}
-    for v in graph.inputs:
-        out.setdefault(v.name, v)
-    for name, v in graph.initializers.items():
-        out.setdefault(name, v)
-    for node in graph:
-        for v in node.outputs:
-            if v.name:
-                out.setdefault(v.name, v)
-    return out
-
-
 def lookup(graph: ir.Graph, names: Iterable[str], where: str) -> list[ir.Value]:
     """The values named ``names`` (in that order); a missing one is a one-line error."""
-    by_name = values_by_name(graph)
+    by_name = ir.convenience.create_value_mapping(graph, include_subgraphs=False)
     missing = [n for n in names if n not in by_name]
     if missing:
         raise VlmcError(f"{where}: cannot cut the graph there ({', '.join(missing[:4])} not in the graph)")

@@ -15,16 +15,12 @@ from vlmc.passes._folding import foldable, same_graph
 logger = logging.getLogger(__name__)
 
 
-def remove_dead_nodes(model: ir.Model | onnx.ModelProto) -> bool:
+def remove_dead_nodes(model: ir.Model) -> bool:
     """Drop nodes and initializers that do not contribute to a graph output (onnx-ir's pass), in place.
 
-    Returns True if anything was removed. A ModelProto is edited through the IR and written back.
+    Returns True if anything was removed.
     """
-    m = model if isinstance(model, ir.Model) else ir.from_proto(model)
-    modified = RemoveUnusedNodesPass()(m).modified
-    if modified and not isinstance(model, ir.Model):
-        model.CopyFrom(ir.to_proto(m))
-    return modified
+    return RemoveUnusedNodesPass()(model).modified
 
 
 @register

@@ -178,7 +178,7 @@ def _split_decoder(pkg: Package, bounds: list[int]) -> dict:
     info = pkg.info(dec)
     model = pkg.model(dec)
     g = model.graph
-    by_name = compose.values_by_name(g)
+    by_name = ir.convenience.create_value_mapping(g, include_subgraphs=False)
     source, sink = by_name[tensor_names.INPUTS_EMBEDS], by_name[tensor_names.LOGITS]
     kv_in = {
         by_name[i["name"]]: layer

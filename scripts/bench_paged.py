@@ -114,7 +114,7 @@ def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from vlmc import graphs, ortsession
+    from vlmc import graphs, interop, ortsession
     from vlmc.passes.paged_kv import rewrite
 
     # ``contiguous`` is the exported decoder's file; the paged graph goes beside it, sharing its data
@@ -122,10 +122,7 @@ def _sessions(contiguous, head_dim: int, cfg: dict, tmp: Path):
     folder = contiguous.parent
     paged = graphs.load_ir(contiguous)
     rewrite(paged, cfg["block_size"], None, cfg["num_key_value_heads"], head_dim)
-    proto = ir.to_proto(paged)
-    graphs.drop_initializer_infos(proto, paged)
-    (folder / "paged.onnx").write_bytes(proto.SerializeToString())
-    del proto
+    interop.write(paged, folder / "paged.onnx")
     # The weights once, as numpy read straight from the data file; each session takes them as shared
     # initializers instead of reading the file again (an OrtValue over a numpy array does not copy it).
     weights = {}

@@ -175,14 +175,14 @@ def test_conv_per_channel_lowers_and_matches(tmp_path):
 
 
 def test_fp32_graph_is_unchanged():
-    from vlmc import graphs
+    from vlmc import interop
 
     model = ir.from_proto(_fp32_matmul_add())
-    before = graphs.fingerprint(model.clone())
+    before = interop.fingerprint(model.clone())
     low, report = lower.lower(model, "g")
     assert [n.op_type for n in low.graph] == ["MatMul", "Add", "Relu"]
     assert not report.quantized and report.fake_quant_clips == 0 and report.kept_fp32 == []
-    assert graphs.fingerprint(low) == before
+    assert interop.fingerprint(low) == before
 
 
 def test_per_channel_matmul_is_refused_by_default_naming_the_node(tmp_path):

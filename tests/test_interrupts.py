@@ -18,7 +18,7 @@ RECIPE = "model: tiny-llava\npasses:\n  - fold_constants\n  - simplify\n"
 # package is being written) instead of racing a build that may finish first.
 PAUSED = """\
 import os, sys, time
-from vlmc import graphs
+from vlmc import graphs, interop
 from vlmc.exporters import base
 marker, phase = os.environ["VLMC_TEST_MARKER"], os.environ["VLMC_TEST_PHASE"]
 def pausing(real):
@@ -31,7 +31,7 @@ def pausing(real):
 if phase == "exporting":
     base.export_graph = pausing(base.export_graph)
 elif phase == "writing":
-    graphs.save = pausing(graphs.save)
+    interop.save = pausing(interop.save)
 from vlmc.cli import main
 main()
 """

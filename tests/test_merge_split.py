@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from vlmc import exporters, graphs, manager, recipe, report, samples
+from vlmc import exporters, graphs, interop, manager, recipe, report, samples
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
@@ -127,7 +127,7 @@ def test_merged_greedy_equals_split(name, source, merged):
     assert merged_pkg.graphs_with_role("vlm") == ["vlm"]
     assert not merged_pkg.graphs_with_role("vision") and not merged_pkg.graphs_with_role("fusion")
     vlm = merged_pkg.model("vlm")
-    graphs.check(vlm, "vlm")
+    interop.check(vlm, "vlm")
     ins = [i.name for i in vlm.graph.inputs]
     vision_inputs = [i["name"] for i in split_pkg.info(split_pkg.manifest["pipeline"]["image"][0])["inputs"]]
     assert ins[: len(vision_inputs) + 1] == [*vision_inputs, "input_ids"]
@@ -204,7 +204,7 @@ def test_split_of_merge_restores_the_package(name, source, merged, tmp_path):
             k: b[k] for k in ("inputs", "outputs", "role", "precision", "file")
         }
         assert "weights_file" not in b
-        graphs.check(restored.model(g), g)
+        interop.check(restored.model(g), g)
         feeds = samples.inputs_for(original, g)
         want, got = _run_graph(original, g, feeds), _run_graph(restored, g, feeds)
         assert want.keys() == got.keys()
@@ -229,7 +229,7 @@ def test_decoder_ranges_token_exact(name, ranges, deep, tmp_path):
         assert outs[0] == ("logits" if k == ranges - 1 else f"hidden_states.{z}")
         layers = {int(n.split(".")[1]) for n in ins + outs if n.startswith(("past_key_values.", "present."))}
         assert layers == set(range(a, z))
-        graphs.check(split.model(g), g)
+        interop.check(split.model(g), g)
     _assert_same_generation(_generate(whole), _generate(split))
 
 

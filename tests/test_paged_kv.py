@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from vlmc import exporters, graphs, manager, ortsession, pass_api, tensor_names
+from vlmc import exporters, graphs, interop, manager, ortsession, pass_api, tensor_names
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
@@ -311,7 +311,7 @@ def test_rewritten_graph_is_valid_and_uses_only_atc_ops(exported):
     pkg, result = _paged(path)
     assert result.modified and result.report["graphs"]["decoder"]["layers"] == [0, 1]
     model = pkg.model("decoder")
-    graphs.check(model, "decoder")  # onnx.checker (full) and strict shape inference
+    interop.check(model, "decoder")  # onnx.checker (full) and strict shape inference
     added = [n.op_type for n in model.graph if n.name.startswith("paged_kv/")]
     layers = pkg.manifest["kv"]["layers"]
     # Exactly: per K/V pool a Reshape+Gather read and a Slice+Transpose for this step's rows.

@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from vlmc import graphs, ortsession
+from vlmc import graphs, interop, ortsession
 from vlmc.passes.quantize import scheme, static, weight_only
 from vlmc.passes.quantize.calib import FeedReader
 
@@ -25,7 +25,7 @@ def _matmul_ir(w: np.ndarray, rows: int = 3) -> ir.Model:
 
 def _on_disk(model: ir.Model, tmp_path) -> ir.Model:
     """The model saved and reopened, so its weight is an ExternalTensor read from the file."""
-    graphs.save(model, tmp_path / "m.onnx")
+    interop.save(model, tmp_path / "m.onnx")
     out = graphs.load_ir(tmp_path / "m.onnx")
     assert isinstance(out.graph.initializers["w"].const_value, ir.ExternalTensor)
     return out
@@ -57,7 +57,7 @@ def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tm
     t = out.graph.initializers[name].const_value
     assert isinstance(t, ir.ExternalTensor) and t.path == str(tmp_path / "q.data")
     assert graphs.tensor_hash(t) == graphs.tensor_hash(ir.tensor(expect))
-    graphs.check(out, "g")
+    interop.check(out, "g")
     x = rng.standard_normal((3, 128)).astype(np.float32)
     y = ortsession.from_model(out, precision=f"{weights}_weight_only").run(None, {"x": x})[0]
     ref = ortsession.from_model(out).run(None, {"x": x})[0]  # constant folding on: the same numbers
@@ -75,11 +75,11 @@ def test_exact_ops_after_int4_packed_and_nothing_eligible_is_left_alone():
     ]  # fmt: skip
     # negative: an input size that is not a multiple of the group is skipped, the graph unchanged
     odd = _matmul_ir(np.ones((48, 8), np.float32))
-    before = graphs.fingerprint(odd)
+    before = interop.fingerprint(odd)
     plan = scheme.GraphScheme(key="g", weights="int4", group_size=32)
     same, facts = weight_only.quantize_weight_only(odd, plan, None)
     assert facts["nodes_quantized"] == [] and "mm" in facts["nodes_skipped"]
-    assert graphs.fingerprint(same) == before
+    assert interop.fingerprint(same) == before
 
 
 def test_calibration_one_sample_at_a_time_keeps_the_global_min_max():
@@ -191,10 +191,10 @@ def test_minmax_ranges_from_the_cache_equal_the_calibrators_bit_for_bit(monkeypa
     rng = np.random.default_rng(4)
     feeds2 = [{"x": (rng.standard_normal((3, 16)) * (i + 1)).astype(np.float32)} for i in range(3)]
     ref, ref_facts = static.quantize_int8(_two_matmuls_ir(rng), FeedReader(feeds2), plan)
-    assert graphs.fingerprint(out) == graphs.fingerprint(ref)
+    assert interop.fingerprint(out) == interop.fingerprint(ref)
     assert facts == ref_facts
     # negative: an activation that is not finite leaves the ranges to the calibrator (no cache)
     bad = [{"x": np.full((3, 16), np.inf, np.float32)}]
     model = _two_matmuls_ir(rng)
-    graphs.save(model, tmp_path / "fp32.onnx")
+    interop.save(model, tmp_path / "fp32.onnx")
     assert real(model, ["mm", "relu", "mm2"], {"mm", "mm2"}, FeedReader(bad), tmp_path / "fp32.onnx") is None

@@ -11,7 +11,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from vlmc import build, exporters, graphs, manager, recipe
+from vlmc import build, exporters, graphs, interop, manager, recipe
 from vlmc.package import Package
 
 
@@ -44,17 +44,17 @@ def _big_model(mib: int = 64) -> ir.Model:
 
 def test_save_and_check_leave_the_model_and_its_memory_alone(tmp_path):
     model = _big_model(64)
-    before = graphs.fingerprint(model)
-    graphs.check(model)  # warm up imports and allocator pools before measuring
+    before = interop.fingerprint(model)
+    interop.check(model)  # warm up imports and allocator pools before measuring
     rss = _rss_bytes()
     for i in range(4):
-        graphs.check(model)
-        graphs.save(model, tmp_path / f"m{i}.onnx")
+        interop.check(model)
+        interop.save(model, tmp_path / f"m{i}.onnx")
     # check writes placeholders, save streams the weight: neither keeps a copy (4 x 64 MiB if they did)
     assert _rss_bytes() - rss < 96 * 2**20
-    assert graphs.fingerprint(model) == before
+    assert interop.fingerprint(model) == before
     loaded = graphs.load_ir(tmp_path / "m3.onnx")
-    assert graphs.fingerprint(loaded) == before  # structure and every weight byte
+    assert interop.fingerprint(loaded) == before  # structure and every weight byte
     onnx.checker.check_model(str(tmp_path / "m3.onnx"), full_check=True)
     stored = onnx.load(str(tmp_path / "m3.onnx"), load_external_data=False)
     assert [t.data_location for t in stored.graph.initializer] == [TensorProto.EXTERNAL]
@@ -65,7 +65,7 @@ def test_check_path_reports_an_invalid_graph(tmp_path):
     proto.graph.node[1].input[1] = "missing"
     onnx.save(proto, str(tmp_path / "bad.onnx"))
     with pytest.raises(Exception, match="bad: ONNX check failed"):
-        graphs.check_path(tmp_path / "bad.onnx", name="bad")
+        interop.check_path(tmp_path / "bad.onnx", name="bad")
 
 
 @pytest.fixture(scope="module")
@@ -77,16 +77,16 @@ def tiny_dir(tmp_path_factory):
 
 def test_opening_and_fingerprinting_a_package_reads_weights_once(tmp_path):
     """Graphs open as onnx-ir models whose weights stay in the file; a fingerprint hashes each weight once."""
-    graphs.save(_big_model(64), tmp_path / "m.onnx")
+    interop.save(_big_model(64), tmp_path / "m.onnx")
     rss = _rss_bytes()
     model = graphs.load_ir(tmp_path / "m.onnx")
     w = model.graph.initializers["w"].const_value
     assert isinstance(w, ir.ExternalTensor)
     assert _rss_bytes() - rss < 16 * 2**20  # 64 MiB of weights, not read
-    first = graphs.fingerprint(model)
+    first = interop.fingerprint(model)
     assert w.meta[graphs._HASH_KEY] == first_hash(w)  # the weight's hash is kept with it
     # a new read of the same file: the same hash
-    assert graphs.fingerprint(graphs.load_ir(tmp_path / "m.onnx")) == first
+    assert interop.fingerprint(graphs.load_ir(tmp_path / "m.onnx")) == first
 
 
 def first_hash(t) -> str:
@@ -95,12 +95,12 @@ def first_hash(t) -> str:
 
 def test_fingerprint_sees_one_changed_value_deep_inside_a_large_weight(tmp_path):
     model = _big_model(8)
-    before = graphs.fingerprint(model)
+    before = interop.fingerprint(model)
     w = model.graph.initializers["w"]
     arr = w.const_value.numpy().copy()
     arr[5, 100, 1000] += 1.0  # one value in the middle of 8 MiB: windowed hashes missed this
     w.const_value = ir.tensor(arr, name="w")
-    assert graphs.fingerprint(model) != before
+    assert interop.fingerprint(model) != before
 
 
 def test_unchanged_graphs_are_not_rewritten_and_changed_ones_stream(tiny_dir, tmp_path):
@@ -218,7 +218,7 @@ def test_build_frees_the_source_model_and_leaves_no_scratch(tmp_path, monkeypatc
     assert result.package.root == tmp_path / "out" / "package"
     saved = Package.load(tmp_path / "out" / "package")  # complete on its own: every graph and its weights
     for g in saved.graph_names:
-        assert graphs.fingerprint(saved.model(g)) == graphs.fingerprint(result.package.model(g))
+        assert interop.fingerprint(saved.model(g)) == interop.fingerprint(result.package.model(g))
 
 
 def test_graph_read_before_a_pass_and_unchanged_is_not_a_change(tiny_llava):
@@ -243,11 +243,11 @@ def test_per_pass_peak_memory_is_recorded(tiny_dir):
 def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
     """Hashing a weight in a file maps it only while it is hashed: a fingerprinted package's
     process does not keep every weight resident (onnx-ir maps the whole data file per tensor)."""
-    graphs.save(_big_model(64), tmp_path / "m.onnx")
+    interop.save(_big_model(64), tmp_path / "m.onnx")
     model = graphs.load_ir(tmp_path / "m.onnx")
     w = model.graph.initializers["w"].const_value
     rss = _rss_bytes()
-    digest = graphs.fingerprint(model)
+    digest = interop.fingerprint(model)
     assert w.raw is None  # released again
     assert _rss_bytes() - rss < 16 * 2**20  # not 64 MiB of mapped pages
     assert w.meta[graphs._HASH_KEY] == graphs._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
@@ -255,4 +255,4 @@ def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
     # a weight a pass had mapped stays mapped (its numpy views stay valid)
     fresh = graphs.load_ir(tmp_path / "m.onnx")
     view = fresh.graph.initializers["w"].const_value.numpy()
-    assert graphs.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5
+    assert interop.fingerprint(fresh) == digest and float(view[0, 0, 0]) == 0.5

@@ -1,25 +1,21 @@
-"""ONNX graph helpers shared by the package, passes and backends: IO, signatures, fingerprints, checks.
+"""onnx-ir graph helpers shared by the package, passes and backends: opening, signatures, weight hashes.
 
 Graphs live in memory as onnx-ir models (``onnx_ir.Model``) whose weights stay in their files and
 are read (memory-mapped) only when something asks for their bytes; every helper here takes that
-form. The only protobuf work left is reading a graph file's header to check it before it is opened
-(:func:`open_checked`); tools written against ModelProto go through :mod:`vlmc.interop`.
+form and none touches protobuf: writing, checking, fingerprinting and every ModelProto are in
+:mod:`vlmc.interop`, which builds on this module (never the reverse).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
-from onnx import helper
+from onnx_ir.passes.common import NameFixPass
 
-from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -30,82 +26,12 @@ EXPORT_OPSET = 17
 EXTERNAL_DATA_THRESHOLD = 1024
 
 
-def dtype_name(elem_type: int) -> str:
-    """ONNX TensorProto element type -> numpy-style name ('float32', 'int64', ...)."""
-    return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
-
-
-def elem_type(dtype_name_: str) -> int:
-    """numpy-style dtype name -> ONNX TensorProto element type."""
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype_name_))
-
-
 def signature(model: ir.Model) -> dict:
     """The graph's inputs and outputs: names, dtypes and (symbolic) shapes, as stored in the manifest."""
     return {
         "inputs": [_value_entry(v) for v in model.graph.inputs if not v.is_initializer()],
         "outputs": [_value_entry(v) for v in model.graph.outputs],
     }
-
-
-def open_checked(path: str | Path) -> ir.Model:
-    """Open a graph file of an untrusted package as IR, after checking its external data entries.
-
-    The file's protobuf is read without its weights, every external data entry is checked against
-    the confinement rule and the data file's size (:func:`check_external_data`), and only then is
-    it wrapped as an onnx-ir model (weights stay in the file). Raises a one-line VlmcError.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise VlmcError(f"graph file {path} is missing")
-    try:
-        proto = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf raises several types for truncated files
-        raise VlmcError(
-            f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package"
-        ) from exc
-    check_external_data(proto, path.parent)
-    model = ir.from_proto(proto)
-    ir.external_data.set_base_dir(model.graph, path.parent)
-    return model
-
-
-def check_external_data(model: onnx.ModelProto, base: Path) -> None:
-    """Raise a one-line VlmcError if an external data file is missing or too short (nothing is read)."""
-    from onnx.external_data_helper import uses_external_data
-
-    sizes: dict[Path, int] = {}
-    for tensor in _all_tensors(model):
-        if not uses_external_data(tensor):
-            continue
-        info = {e.key: e.value for e in tensor.external_data}
-        try:  # the one confinement rule (vlmc/paths.py), symlinks followed
-            location = paths.inside(
-                base, info.get("location", ""), f"external data of tensor {tensor.name!r}", str(base)
-            )
-        except VlmcError:
-            raise VlmcError(
-                f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
-                f"{base}; re-export the package"
-            ) from None
-        if location not in sizes:
-            if not location.is_file():
-                raise VlmcError(
-                    f"external data {location} for tensor {tensor.name!r} is missing; "
-                    "copy the whole package directory or re-export it"
-                )
-            sizes[location] = location.stat().st_size
-        try:
-            end = int(info.get("offset", 0)) + int(info.get("length", 0))
-        except ValueError:
-            raise VlmcError(
-                f"tensor {tensor.name!r} has a malformed external data entry; re-export the package"
-            ) from None
-        if end > sizes[location]:
-            raise VlmcError(
-                f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {end}, "
-                f"the file has {sizes[location]}); copy the whole package again or re-export it"
-            )
 
 
 def _value_entry(v: ir.Value) -> dict:
@@ -117,6 +43,42 @@ def _value_entry(v: ir.Value) -> dict:
             shape.append(d.value if d.value is not None else "?")
     dtype = np.dtype(v.dtype.numpy()).name if v.dtype is not None else "undefined"
     return {"name": v.name, "dtype": dtype, "shape": shape}
+
+
+# ---- node names ----------------------------------------------------------------------------------
+
+
+class _IndexedNames:
+    """NameFixPass naming: an unnamed node is ``<op_type>_<its index in the graph>``."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self._index = {node: i for i, node in enumerate(graph)}
+
+    def generate_node_name(self, node: ir.Node) -> str:
+        return node.name or f"{node.op_type}_{self._index.get(node, 0)}"
+
+    def generate_value_name(self, value: ir.Value) -> str:
+        return value.name or "v"
+
+
+def name_nodes(model: ir.Model) -> None:
+    """Give every node a unique name, in place: an unnamed one is ``<op_type>_<index>`` (onnx-ir's NameFixPass).
+
+    Node names are how users, quantize's facts and the backends refer to nodes (keep_fp32 lists,
+    precheck messages). NameFixPass also names unnamed values; an omitted optional output ("")
+    must stay omitted, so those keep their empty name.
+    """
+    omitted = [o for n in model.graph.all_nodes() for o in n.outputs if not o.name]
+    NameFixPass(_IndexedNames(model.graph))(model)
+    for o in omitted:
+        o.name = ""
+
+
+def node_names(model: ir.Model) -> list[str]:
+    """The name :func:`name_nodes` gives each node of the main graph, in order; the model is not changed."""
+    named = model.clone()  # shares the weight tensors: nothing is read
+    name_nodes(named)
+    return [n.name for n in named.graph]
 
 
 # ---- the in-memory IR ---------------------------------------------------------------------------
@@ -135,51 +97,6 @@ def load_ir(path: str | Path) -> ir.Model:
         ) from exc
 
 
-def _point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
-    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
-        entry = tensor.external_data.add()
-        entry.key, entry.value = key, value
-
-
-def _large_initializers(model: ir.Model) -> list[ir.Value]:
-    return [
-        v
-        for g in model.graphs()
-        for v in g.initializers.values()
-        if v.const_value is not None and v.const_value.nbytes >= EXTERNAL_DATA_THRESHOLD
-    ]
-
-
-def save(model: ir.Model, path: str | Path) -> None:
-    """Save a graph with its large tensors in one external data file named ``<file>.data``.
-
-    onnx-ir streams each weight from where it lives (its source file, memory-mapped, or memory) to
-    the data file one tensor at a time; the model is left unchanged. Offsets are 64-byte aligned so
-    runtimes can map tensors in place.
-    """
-    path = Path(path)
-    m = model
-    values = [v for g in m.graphs() for v in g.initializers.values()]
-    tensors = [v.const_value for v in values]
-    try:
-        ir.external_data.unload_from_model(
-            m,
-            path.parent,
-            path.name + ".data",
-            size_threshold_bytes=EXTERNAL_DATA_THRESHOLD - 1,  # onnx-ir externalizes sizes above it
-            alignment=64,
-            align_threshold=0,
-        )
-        _write_proto(ir.to_proto(m), m, path)
-    finally:
-        for v, t in zip(values, tensors):
-            v.const_value = t
-        release(tensors)
-    data = path.parent / (path.name + ".data")
-    if data.exists() and data.stat().st_size == 0:
-        data.unlink()
-
-
 def release(tensors) -> None:
     """Close the memory maps of tensors read from files (their pages count as resident while mapped).
 
@@ -190,76 +107,7 @@ def release(tensors) -> None:
             t.release()
 
 
-def _write_proto(proto: onnx.ModelProto, m: ir.Model, path: Path) -> None:
-    drop_initializer_infos(proto, m)
-    with open(path, "wb") as f:
-        f.write(proto.SerializeToString())
-
-
-def drop_initializer_infos(proto: onnx.ModelProto, m: ir.Model) -> None:
-    """Leave initializers out of a proto's value_info (onnx-ir lists them there), in place."""
-    # onnx-ir describes initializers in value_info too; tools such as onnxruntime's float16 converter
-    # take a value_info entry for an activation, so they are left out, as onnx's own protos do.
-    infos = [v for v in proto.graph.value_info if v.name not in m.graph.initializers]
-    del proto.graph.value_info[:]
-    proto.graph.value_info.extend(infos)
-
-
-def save_shared(models: dict[Path, ir.Model], data_path: Path) -> None:
-    """Save graphs whose large tensors go to one data file, each distinct content stored once.
-
-    Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path
-    beside it). onnx-ir's writer handles one model per file, so the shared file is written here and
-    each model is then serialized with its tensors pointing into it.
-    """
-    data_path = Path(data_path)
-    irs = {Path(p): m for p, m in models.items()}
-    written: dict[str, tuple[int, int]] = {}
-    offset = 0
-    swaps: list[tuple[ir.Value, object]] = []
-    try:
-        with open(data_path, "wb") as data:
-            for m in irs.values():
-                for v in _large_initializers(m):
-                    t = v.const_value
-                    key = tensor_hash(t)
-                    if key not in written:
-                        pad = (-offset) % 64
-                        data.write(b"\0" * pad)
-                        offset += pad
-                        raw = t.tobytes()
-                        data.write(raw)
-                        written[key] = (offset, len(raw))
-                        offset += len(raw)
-                        del raw
-                    off, length = written[key]
-                    ext = ir.ExternalTensor(
-                        data_path.name,
-                        off,
-                        length,
-                        t.dtype,
-                        shape=t.shape,
-                        name=t.name,
-                        base_dir=data_path.parent,
-                    )
-                    swaps.append((v, t))
-                    v.const_value = ext
-        for path, m in irs.items():
-            _write_proto(ir.to_proto(m), m, path)
-    finally:
-        for v, t in reversed(swaps):
-            v.const_value = t
-    if not written:
-        data_path.unlink(missing_ok=True)
-
-
-def _all_tensors(model: onnx.ModelProto):
-    from onnx.external_data_helper import _get_all_tensors
-
-    return _get_all_tensors(model)
-
-
-# ---- fingerprints --------------------------------------------------------------------------------
+# ---- weight hashes (interop.fingerprint hashes the structure around them) -------------------
 
 _HASH_KEY = "vlmc.sha256"
 # Content hashes of external tensors by where they are stored. vlmc writes every data file once and
@@ -299,6 +147,17 @@ def tensor_hash(t) -> str:
     return digest
 
 
+def tensor_hashes(tensors) -> list[str]:
+    """:func:`tensor_hash` of each tensor, in order."""
+    return [tensor_hash(t) for t in tensors]
+
+
+def weight_hashes(model: ir.Model) -> dict[ir.Value, str]:
+    """:func:`tensor_hash` of every initializer (of every graph) that holds a tensor, by its value."""
+    values = [v for g in model.graphs() for v in g.initializers.values() if v.const_value is not None]
+    return dict(zip(values, tensor_hashes(v.const_value for v in values)))
+
+
 def _external_digest(t: ir.ExternalTensor) -> str:
     """:func:`_digest` of a tensor stored in a file, hashed in place from its memory map.
 
@@ -334,95 +193,7 @@ def _digest(dtype: int, dims: list[int], raw: bytes) -> str:
     return h.hexdigest()
 
 
-def fingerprint(model: ir.Model) -> str:
-    """A content hash of a graph, used by the pass manager to see what a pass changed.
-
-    Structure (nodes, attributes, IO, opsets, names, dtypes and shapes) and every weight's bytes are
-    hashed exactly; a weight's hash is computed once (see :func:`tensor_hash`), so fingerprinting
-    again after a pass that did not touch the weights reads nothing.
-    """
-    m = model
-    h = hashlib.sha256()
-    swaps = []
-    try:
-        # The structure is hashed from a serialization with every initializer replaced by a stub that
-        # names its content hash, so no weight bytes are serialized.
-        for g in m.graphs():
-            for v in g.initializers.values():
-                t = v.const_value
-                if t is None:
-                    continue
-                stub = ir.ExternalTensor(tensor_hash(t), 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
-                swaps.append((v, t))
-                v.const_value = stub
-        proto = ir.to_proto(m)
-    finally:
-        for v, t in reversed(swaps):
-            v.const_value = t
-    proto.ClearField("producer_name")
-    proto.ClearField("producer_version")
-    h.update(proto.SerializeToString(deterministic=True))
-    return h.hexdigest()
-
-
-# ---- checks --------------------------------------------------------------------------------------
-
-
-# int64 initializers up to this size stay inline in :func:`check`: shape inference's data
-# propagation reads int64 constants (shape arithmetic, e.g. paged_kv's block offsets, 1 KiB at
-# block_size 128) and fails on external ones. Weights (float, int8/int4, int32 biases) never are.
-CHECK_INLINE_INT64_BYTES = 1 << 16
-
-
-def check(model: ir.Model, name: str = "graph") -> None:
-    """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
-
-    The graph is written without its weights: every large initializer points into a sparse file of
-    the right size (the checker and shape inference need only dtypes and shapes), so this works for
-    models over the protobuf limit and reads no weight bytes. int64 tensors of at most
-    :data:`CHECK_INLINE_INT64_BYTES` (shape data, not weights) are kept inline.
-    """
-    m = model
-    with tempfile.TemporaryDirectory() as tmp:
-        swaps = []
-        size = 0
-        try:
-            for v in _large_initializers(m):
-                t = v.const_value
-                swaps.append((v, t))
-                if t.dtype == ir.DataType.INT64 and t.nbytes <= CHECK_INLINE_INT64_BYTES:
-                    # Shape arithmetic: data propagation needs the values (they are small, and read).
-                    v.const_value = ir.tensor(np.array(t.numpy()), name=t.name)
-                    continue
-                v.const_value = ir.ExternalTensor(
-                    "weights", size, t.nbytes, t.dtype, shape=t.shape, name=t.name, base_dir=tmp
-                )
-                size += t.nbytes
-            with open(os.path.join(tmp, "weights"), "wb") as f:
-                f.truncate(size)
-            path = os.path.join(tmp, "graph.onnx")
-            proto = ir.to_proto(m)
-        finally:
-            for v, t in reversed(swaps):
-                v.const_value = t
-        with open(path, "wb") as f:
-            f.write(proto.SerializeToString(deterministic=True))
-        del proto
-        check_path(path, name)
-
-
-def check_path(path: str | Path, name: str = "graph") -> None:
-    """:func:`check` on a graph file; its external data is only located, never read."""
-    path = str(path)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            onnx.checker.check_model(path, full_check=True)
-            onnx.shape_inference.infer_shapes_path(
-                path, os.path.join(tmp, "inferred.onnx"), check_type=True, strict_mode=True, data_prop=True
-            )
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise VlmcError(f"{name}: ONNX check failed: {first}") from exc
+# ---- facts ----------------------------------------------------------------------------------------
 
 
 def initializer_bytes(model: ir.Model) -> int:

@@ -1,20 +1,27 @@
-"""The one seam between vlmc's IR (onnx_ir.Model) and tools written against ModelProto or ONNX files.
+"""The one seam between vlmc's IR (onnx_ir.Model) and protobuf: every ModelProto vlmc builds or reads.
 
-vlmc keeps every graph as an onnx-ir model whose weights stay in their files. Foreign tools
-(onnxsim, onnx-graphsurgeon, onnxruntime.quantization, onnxruntime sessions, onnx.utils.Extractor)
-are reached only through this module, which hands them a bounded form of the graph and brings
-their result back to the IR:
+vlmc keeps every graph as an onnx-ir model whose weights stay in their files. Everything that
+touches ``onnx.ModelProto`` is here; the rest of vlmc works on onnx-ir:
 
-* :func:`as_proto` — a ModelProto in which every weight of ``weight_limit`` bytes or more is a
+* :func:`weightless` — THE stub swap: a ModelProto of the graph with chosen initializers holding
+  stub tensors (an external pointer, a sparse placeholder, a content hash), the very same tensor
+  objects put back before the proto is handed out; :func:`serialized` and :func:`write` are it as
+  bytes and as a file. Writers, fingerprints, checks, size estimates and sessions use it.
+* :func:`save` / :func:`point_at` — the graph file writer and external-data pointing.
+* :func:`open_checked` / :func:`check_external_data` — an untrusted graph file's header checked
+  before it is opened as IR; :func:`check` / :func:`check_path` — onnx.checker and shape inference;
+  :func:`protobuf_bytes` — the size a graph's .onnx file will have.
+* :func:`as_proto` — for foreign tools (onnxsim, onnx-graphsurgeon, onnxruntime.quantization,
+  onnx.utils.Extractor): a ModelProto in which every weight of ``weight_limit`` bytes or more is a
   graph *input* (a value the tool cannot know, so it never reads or copies it). On exit the tool's
   result, if given back, becomes an IR model holding the same weight tensors (nothing is read).
   ``weight_limit=None`` reads every weight in (only for tools that need all values and graphs known
-  to be small, e.g. the fp16 converter).
+  to be small).
 * :func:`as_file` — the graph saved to a file (weights streamed one tensor at a time), for tools
   that take a path (quantize_static, calibrators, InferenceSession on graphs over 2 GB).
 * :func:`load_result` — a file a tool wrote, opened as IR (weights memory-mapped, not read).
-* :func:`session_bytes` — the serialized graph for an in-memory InferenceSession (bounded by the
-  protobuf limit; larger graphs go through :func:`as_file`).
+* :func:`session_bytes` / :func:`outputs_suffix` — serialized graphs for in-memory sessions.
+* :func:`exported` — torch's exported graph file, read and cleaned up before the exporter writes it.
 
 Usage::
 
@@ -26,21 +33,318 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
+import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+from onnx.external_data_helper import uses_external_data
 
-from vlmc import graphs
+from vlmc import graphs, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_WEIGHT_LIMIT = 1 << 20  # 1 MiB: shape arithmetic and small constants stay foldable
+# int64 initializers up to this size stay inline in :func:`check`: shape inference's data
+# propagation reads int64 constants (shape arithmetic, e.g. paged_kv's block offsets, 1 KiB at
+# block_size 128) and fails on external ones. Weights (float, int8/int4, int32 biases) never are.
+CHECK_INLINE_INT64_BYTES = 1 << 16
+
+# ---- the stub swap -------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def weightless(
+    model: ir.Model, stubs: Mapping[ir.Value, ir.TensorProtocol] | None = None
+) -> Iterator[onnx.ModelProto]:
+    """The graph's ModelProto built with the initializers in ``stubs`` holding their stub tensors.
+
+    Each initializer (of any graph, subgraphs too) that ``stubs`` maps is serialized from its stub
+    (an ExternalTensor pointing somewhere, a sparse placeholder, a small inline tensor) instead of
+    its own tensor; the model gets back the very same tensor objects before the proto is handed
+    out, even when serializing fails, so nothing is read or copied that the stubs do not hold.
+    Initializers are left out of the proto's value_info (onnx-ir lists them there; onnx's own
+    protos do not, and tools such as onnxruntime's float16 converter take a value_info entry for
+    an activation).
+    """
+    swaps: list[tuple[ir.Value, ir.TensorProtocol | None]] = []
+    try:
+        for v, stub in (stubs or {}).items():
+            swaps.append((v, v.const_value))
+            v.const_value = stub
+        proto = ir.to_proto(model)
+    finally:
+        for v, t in reversed(swaps):
+            v.const_value = t
+    del swaps
+    _drop_initializer_infos(proto, model)
+    yield proto
+
+
+def serialized(
+    model: ir.Model, stubs: Mapping[ir.Value, ir.TensorProtocol] | None = None, for_hash: bool = False
+) -> bytes:
+    """:func:`weightless`'s proto as bytes; ``for_hash``: deterministic, without the producer fields."""
+    with weightless(model, stubs) as proto:
+        if for_hash:
+            proto.ClearField("producer_name")
+            proto.ClearField("producer_version")
+        return proto.SerializeToString(deterministic=for_hash)
+
+
+def _initializers(model: ir.Model) -> list[ir.Value]:
+    return [v for g in model.graphs() for v in g.initializers.values() if v.const_value is not None]
+
+
+def _drop_initializer_infos(proto: onnx.ModelProto, model: ir.Model) -> None:
+    infos = [v for v in proto.graph.value_info if v.name not in model.graph.initializers]
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(infos)
+
+
+# ---- writing graph files -------------------------------------------------------------------------
+
+
+def write(
+    model: ir.Model, path: str | Path, stubs: Mapping[ir.Value, ir.TensorProtocol] | None = None
+) -> None:
+    """Write the graph file ``path`` from :func:`weightless`'s proto (``stubs`` say where the weights are)."""
+    with open(path, "wb") as f:
+        f.write(serialized(model, stubs))
+
+
+def point_at(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    """Make a TensorProto external data stored at ``location`` (``offset``, ``length`` bytes)."""
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+
+
+def save(model: ir.Model, path: str | Path) -> None:
+    """Save a graph with its large tensors in one external data file named ``<file>.data``.
+
+    onnx-ir streams each weight from where it lives (its source file, memory-mapped, or memory) to
+    the data file one tensor at a time; the model is left unchanged. Offsets are 64-byte aligned so
+    runtimes can map tensors in place.
+    """
+    path = Path(path)
+    data = path.name + ".data"
+    values = _initializers(model)
+    big = [v for v in values if v.const_value.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD]
+    inline = [
+        v
+        for v in values
+        if v.const_value.nbytes < graphs.EXTERNAL_DATA_THRESHOLD
+        and isinstance(v.const_value, ir.ExternalTensor)
+    ]
+    # Small tensors stored in a file are read in first: the data file written next may be theirs.
+    new = dict(zip(inline, ir.external_data.convert_tensors_from_external([v.const_value for v in inline])))
+    new.update(
+        zip(
+            big,
+            ir.external_data.convert_tensors_to_external(
+                [v.const_value for v in big], path.parent, data, alignment=64, align_threshold=0
+            ),
+        )
+    )
+    try:
+        write(model, path, new)
+    finally:
+        graphs.release([v.const_value for v in values])
+    data_path = path.parent / data
+    if data_path.exists() and data_path.stat().st_size == 0:
+        data_path.unlink()
+
+
+def fingerprint(model: ir.Model) -> str:
+    """A content hash of a graph, used by the pass manager to see what a pass changed.
+
+    Structure (nodes, attributes, IO, opsets, names, dtypes and shapes) and every weight's bytes are
+    hashed exactly; a weight's hash is computed once (:func:`vlmc.graphs.tensor_hash`), so fingerprinting
+    again after a pass that did not touch the weights reads nothing. The structure is hashed from a
+    serialization with every initializer replaced by a stub that names its content hash
+    (:func:`serialized`), so no weight bytes are serialized.
+    """
+    stubs = {
+        v: ir.ExternalTensor(key, 0, (t := v.const_value).nbytes, t.dtype, shape=t.shape, name=t.name)
+        for v, key in graphs.weight_hashes(model).items()
+    }
+    return hashlib.sha256(serialized(model, stubs, for_hash=True)).hexdigest()
+
+
+def save_shared(models: dict[Path, ir.Model], data_path: Path) -> None:
+    """Save graphs whose large tensors go to one data file, each distinct content stored once.
+
+    Used for graphs that share weights (the merged ``vlm`` graph and the text-only decode path
+    beside it). onnx-ir's writer handles one model per file, so the shared file is written here
+    (keyed by :func:`tensor_hash`) and each model is then written (:func:`write`) with
+    its tensors pointing into it.
+    """
+    data_path = Path(data_path)
+    written: dict[str, tuple[int, int]] = {}
+    with open(data_path, "wb") as data:
+        for path, m in models.items():
+            stubs = {}
+            for v, key in graphs.weight_hashes(m).items():
+                t = v.const_value
+                if t.nbytes < graphs.EXTERNAL_DATA_THRESHOLD:
+                    continue
+                if key not in written:
+                    data.write(b"\0" * (-data.tell() % 64))
+                    offset = data.tell()
+                    raw = t.tobytes()
+                    data.write(raw)
+                    written[key] = (offset, len(raw))
+                    del raw
+                off, length = written[key]
+                stubs[v] = ir.ExternalTensor(
+                    data_path.name,
+                    off,
+                    length,
+                    t.dtype,
+                    shape=t.shape,
+                    name=t.name,
+                    base_dir=data_path.parent,
+                )
+            data.flush()
+            write(m, path, stubs)
+    if not written:
+        data_path.unlink(missing_ok=True)
+
+
+# ---- opening and checking graph files ------------------------------------------------------------
+
+
+def open_checked(path: str | Path) -> ir.Model:
+    """Open a graph file of an untrusted package as IR, after checking its external data entries.
+
+    The file's protobuf is read without its weights, every external data entry is checked against
+    the confinement rule and the data file's size (:func:`check_external_data`), and only then is
+    it wrapped as an onnx-ir model (weights stay in the file). Raises a one-line VlmcError.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise VlmcError(f"graph file {path} is missing")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several types for truncated files
+        raise VlmcError(
+            f"{path} is not a readable ONNX file ({type(exc).__name__}); re-export the package"
+        ) from exc
+    check_external_data(proto, path.parent)
+    model = ir.from_proto(proto)
+    ir.external_data.set_base_dir(model.graph, path.parent)
+    return model
+
+
+def check_external_data(model: onnx.ModelProto, base: Path) -> None:
+    """Raise a one-line VlmcError if an external data file is missing or too short (nothing is read)."""
+    from onnx.external_data_helper import _get_all_tensors
+
+    sizes: dict[Path, int] = {}
+    for tensor in _get_all_tensors(model):
+        if not uses_external_data(tensor):
+            continue
+        info = {e.key: e.value for e in tensor.external_data}
+        try:  # the one confinement rule (vlmc/paths.py), symlinks followed
+            location = paths.inside(
+                base, info.get("location", ""), f"external data of tensor {tensor.name!r}", str(base)
+            )
+        except VlmcError:
+            raise VlmcError(
+                f"tensor {tensor.name!r} points at external data {info.get('location')!r} outside "
+                f"{base}; re-export the package"
+            ) from None
+        if location not in sizes:
+            if not location.is_file():
+                raise VlmcError(
+                    f"external data {location} for tensor {tensor.name!r} is missing; "
+                    "copy the whole package directory or re-export it"
+                )
+            sizes[location] = location.stat().st_size
+        try:
+            end = int(info.get("offset", 0)) + int(info.get("length", 0))
+        except ValueError:
+            raise VlmcError(
+                f"tensor {tensor.name!r} has a malformed external data entry; re-export the package"
+            ) from None
+        if end > sizes[location]:
+            raise VlmcError(
+                f"external data {location} is truncated (tensor {tensor.name!r} needs bytes up to {end}, "
+                f"the file has {sizes[location]}); copy the whole package again or re-export it"
+            )
+
+
+def check(model: ir.Model, name: str = "graph") -> None:
+    """Run onnx.checker (full) and strict shape inference on a graph; raise a one-line VlmcError.
+
+    The graph is written without its weights: every large initializer points into a sparse file of
+    the right size (the checker and shape inference need only dtypes and shapes), so this works for
+    models over the protobuf limit and reads no weight bytes. int64 tensors of at most
+    :data:`CHECK_INLINE_INT64_BYTES` (shape data, not weights) are kept inline.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        size = 0
+        stubs: dict[ir.Value, ir.TensorProtocol] = {}
+        for v in _initializers(model):
+            t = v.const_value
+            if t.nbytes < graphs.EXTERNAL_DATA_THRESHOLD:
+                continue
+            if t.dtype == ir.DataType.INT64 and t.nbytes <= CHECK_INLINE_INT64_BYTES:
+                # Shape arithmetic: data propagation needs the values (they are small, and read).
+                stubs[v] = ir.tensor(np.array(t.numpy()), name=t.name)
+                continue
+            stubs[v] = ir.ExternalTensor(
+                "weights", size, t.nbytes, t.dtype, shape=t.shape, name=t.name, base_dir=tmp
+            )
+            size += t.nbytes
+        path = os.path.join(tmp, "graph.onnx")
+        with open(path, "wb") as f:
+            f.write(serialized(model, stubs, for_hash=True))  # deterministic
+        del stubs
+        with open(os.path.join(tmp, "weights"), "wb") as f:
+            f.truncate(size)
+        check_path(path, name)
+
+
+def check_path(path: str | Path, name: str = "graph") -> None:
+    """:func:`check` on a graph file; its external data is only located, never read."""
+    path = str(path)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            onnx.checker.check_model(path, full_check=True)
+            onnx.shape_inference.infer_shapes_path(
+                path, os.path.join(tmp, "inferred.onnx"), check_type=True, strict_mode=True, data_prop=True
+            )
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise VlmcError(f"{name}: ONNX check failed: {first}") from exc
+
+
+def protobuf_bytes(model: ir.Model) -> int:
+    """Size of the .onnx protobuf once large tensors are moved to external data (as :func:`save` does).
+
+    The graph is serialized with every large initializer as a stub that only names its place, so
+    no weight is read; what is left is what the file will hold (nodes, small tensors, IO).
+    """
+
+    stubs = {
+        v: ir.ExternalTensor(f"{v.name}.data", 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
+        for v in _initializers(model)
+        if (t := v.const_value).nbytes >= graphs.EXTERNAL_DATA_THRESHOLD
+    }
+    with weightless(model, stubs) as proto:
+        return proto.ByteSize()
+
+
+# ---- foreign tools -------------------------------------------------------------------------------
 
 
 class ProtoSeam:
@@ -124,8 +428,8 @@ def order_initializers_like(graph: ir.Graph, like: ir.Model) -> None:
 
 def _full_proto(model: ir.Model) -> onnx.ModelProto:
     """A ModelProto with every initializer's bytes inside (read one tensor at a time)."""
-    proto = ir.to_proto(model)
-    graphs.drop_initializer_infos(proto, model)
+    with weightless(model) as proto:
+        pass
     tensors = {name: v.const_value for name, v in model.graph.initializers.items()}
     for t in proto.graph.initializer:
         if t.data_location != onnx.TensorProto.EXTERNAL:
@@ -144,6 +448,29 @@ def from_proto(proto: onnx.ModelProto) -> ir.Model:
     return ir.from_proto(proto)
 
 
+def is_proto(model: object) -> bool:
+    """True for a ModelProto (a tool's or a test's graph), False for an IR model."""
+    return isinstance(model, onnx.ModelProto)
+
+
+def outputs_suffix(extra_outputs) -> bytes:
+    """Bytes that, appended to a serialized graph, add ``extra_outputs`` to its outputs.
+
+    Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a
+    model holding only the extra outputs, written after the graph's, add them to the graph's
+    outputs, so a session sees them without the graph being touched or its weights copied again.
+    Each output is a name (float32) or a ValueInfoProto.
+    """
+    if not extra_outputs:
+        return b""
+    extra = onnx.ModelProto()
+    extra.graph.output.extend(
+        onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) if isinstance(o, str) else o
+        for o in extra_outputs
+    )
+    return extra.SerializeToString()
+
+
 def session_bytes(model: ir.Model | onnx.ModelProto) -> bytes:
     """The serialized graph with its weights, for an in-memory onnxruntime session (< 2 GiB graphs)."""
     proto = model if isinstance(model, onnx.ModelProto) else _full_proto(model)
@@ -160,12 +487,12 @@ def as_file(model: ir.Model, directory: str | Path | None = None, name: str = "g
     if directory is not None:
         path = Path(directory) / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        graphs.save(model, path)
+        save(model, path)
         yield path
         return
     with tempfile.TemporaryDirectory(prefix="vlmc-seam-") as tmp:
         path = Path(tmp) / name
-        graphs.save(model, path)
+        save(model, path)
         yield path
 
 
@@ -193,3 +520,50 @@ def load_result(path: str | Path, in_memory: bool = False) -> ir.Model:
                     v.const_value = ir.tensor(np.array(t.numpy()), name=t.name)
                     t.release()
     return model
+
+
+# ---- torch's exported graph ----------------------------------------------------------------------
+
+
+def exported(path: str | Path) -> onnx.ModelProto:
+    """The graph torch.onnx wrote to ``path`` (its small constants only), cleaned up for the exporter.
+
+    Every node gets a unique name (:func:`vlmc.graphs.name_nodes`, read off the graph as IR), and
+    small weights the tracer shared through Identity nodes get their own initializer. The exporter
+    then grows the layer stacks it cut and writes the weights into the proto before saving it.
+    """
+    model = onnx.load(str(path))
+    for node, name in zip(model.graph.node, graphs.node_names(ir.from_proto(model))):
+        node.name = name
+    _inline_shared_small_constants(model)
+    return model
+
+
+def save_exported(model: onnx.ModelProto, path: str | Path) -> None:
+    """Write the exporter's graph proto (its weights already pointing at the data file) to ``path``."""
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+
+
+def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:
+    """Give small weights that the tracer shared through Identity nodes their own initializer.
+
+    torch's exporter stores equal parameters once and feeds the copies through Identity (random
+    tiny models have many identical zero biases). Quantizers and the Ascend lowering need a Gemm or
+    MatMul bias to be an initializer, so small ones are materialized; large shared tensors keep the
+    Identity so no weight bytes are duplicated.
+    """
+    inits = {t.name: t for t in model.graph.initializer}
+    keep = []
+    for node in model.graph.node:
+        src = inits.get(node.input[0]) if node.op_type == "Identity" and node.input else None
+        if src is not None and len(src.raw_data) <= limit:
+            copy = onnx.TensorProto()
+            copy.CopyFrom(src)
+            copy.name = node.output[0]
+            model.graph.initializer.append(copy)
+        else:
+            keep.append(node)
+    if len(keep) != len(model.graph.node):
+        del model.graph.node[:]
+        model.graph.node.extend(keep)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmc import graphs, manifest, memory, ortsession, samples, ui
+from vlmc import interop, manifest, memory, ortsession, samples, ui
 from vlmc.errors import CheckFailed, PassFailed, PassRefused, VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import check_requirements, contract_violations
@@ -116,9 +116,9 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     try:
                         path = out.path_of(name)
                         if path is not None:
-                            graphs.check_path(path, name=f"{name} after {step.name}")
+                            interop.check_path(path, name=f"{name} after {step.name}")
                         else:
-                            graphs.check(out.model(name), name=f"{name} after {step.name}")
+                            interop.check(out.model(name), name=f"{name} after {step.name}")
                     except VlmcError as exc:
                         raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
                 report = dict(result.report or {})
@@ -193,7 +193,7 @@ def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, ke
             if path is None:
                 path = tmp / name / pkg.info(name)["file"]
                 path.parent.mkdir(parents=True)
-                graphs.save(pkg.model(name), path)
+                interop.save(pkg.model(name), path)
             kept[name] = path
     return _Before(
         state=pkg.state(),

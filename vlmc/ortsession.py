@@ -8,7 +8,6 @@ import os
 import tempfile
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -18,11 +17,8 @@ logger = logging.getLogger(__name__)
 
 # onnxruntime's graph-optimizer warnings are noise for users; errors still surface as exceptions.
 ort.set_default_logger_severity(3)
-# Models at least this large are handed to onnxruntime as a file (protobuf messages stop at 2 GiB).
-MAX_IN_MEMORY_BYTES = 1_800_000_000
-# An IR graph this large goes through a file too: serializing it in memory would hold its weights
-# three times at once (the proto, its bytes, and onnxruntime's copy); streamed to a file, only
-# onnxruntime's copy is resident (a 1.33 GB decoder: 4 GB less at the peak).
+# An IR graph this large hands its weights over as memory maps (``_from_linked``): serializing it in
+# memory would hold its weights three times at once (the proto, its bytes, and onnxruntime's copy).
 STREAM_FROM_FILE_BYTES = 64 << 20
 
 
@@ -64,51 +60,31 @@ def from_path(
 
 
 def from_model(
-    model: onnx.ModelProto | ir.Model,
+    model: ir.Model,
     threads: int | None = None,
-    extra_outputs: list[str | onnx.ValueInfoProto] = (),
+    extra_outputs: list = (),  # names, or onnx ValueInfoProtos (see interop.outputs_suffix)
     precision: str | None = None,
 ) -> ort.InferenceSession:
-    """A CPU session for an in-memory model; models over the protobuf limit go through a temp file.
+    """A CPU session for an in-memory model; large IR graphs get their weights as memory maps.
 
     Args:
-        model: the graph (a ModelProto or an onnx-ir model); it is not changed.
+        model: the graph (an onnx-ir model, or a tool's ModelProto); it is not changed.
         threads: intra-op threads (default: onnxruntime's).
         extra_outputs: internal tensors the session also returns (e.g. activations for calibration),
             by name (float32) or as value infos.
         precision: the graph's manifest precision; weight-only graphs keep their dequantization
             unfolded (see ``_KEEP_DEQUANT``).
     """
-    # Protobuf merges a message field that occurs twice, appending repeated fields: the bytes of a model
-    # holding only the extra outputs, written after the graph's, add them to the graph's outputs. So
-    # the session sees them without the model being touched or its weights copied once more.
-    suffix = b""
-    if extra_outputs:
-        extra = onnx.ModelProto()
-        extra.graph.output.extend(
-            onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) if isinstance(o, str) else o
-            for o in extra_outputs
-        )
-        suffix = extra.SerializeToString()
-    if isinstance(model, onnx.ModelProto):  # a tool's or a test's proto: bounded by protobuf itself
-        small = model.ByteSize() < MAX_IN_MEMORY_BYTES
-    else:
-        small = graphs.initializer_bytes(model) < STREAM_FROM_FILE_BYTES
-    if small:
+    suffix = interop.outputs_suffix(extra_outputs)
+    # A tool's or a test's ModelProto is bounded by protobuf itself (under 2 GiB): always in memory.
+    if interop.is_proto(model) or graphs.initializer_bytes(model) < STREAM_FROM_FILE_BYTES:
         return ort.InferenceSession(
             interop.session_bytes(model) + suffix,
             options(threads, precision),
             providers=["CPUExecutionProvider"],
             disabled_optimizers=_disabled(precision),
         )
-    if isinstance(model, ir.Model):
-        return _from_linked(model, suffix, threads, precision)
-    with tempfile.TemporaryDirectory(prefix="vlmc-session-") as tmp:
-        p = os.path.join(tmp, "m.onnx")
-        graphs.save(model, p)
-        with open(p, "ab") as f:
-            f.write(suffix)
-        return from_path(p, threads, precision)
+    return _from_linked(model, suffix, threads, precision)
 
 
 def _from_linked(model: ir.Model, suffix: bytes, threads, precision) -> ort.InferenceSession:
@@ -124,9 +100,9 @@ def _from_linked(model: ir.Model, suffix: bytes, threads, precision) -> ort.Infe
     refuses a target outside the model's directory; hard links make onnx-ir refuse the package's
     own data file (``st_nlink > 1``) while they exist.
     """
-    proto, buffers, maps = _linked_proto(model)
+    data, buffers, maps = _linked(model)
     try:
-        return _session(proto.SerializeToString() + suffix, buffers, options(threads, precision), precision)
+        return _session(data + suffix, buffers, options(threads, precision), precision)
     except BaseException:
         for m in maps:
             m.close()
@@ -157,47 +133,68 @@ def _session(data: bytes, buffers: list, so: ort.SessionOptions, precision) -> o
     return sess
 
 
-def _linked_proto(model: ir.Model) -> tuple[onnx.ModelProto, list, list]:
-    """The graph proto with large weights external under aliases, (alias, buffer) pairs, open maps."""
+def _linked(model: ir.Model) -> tuple[bytes, list, list]:
+    """The serialized graph with large weights external under aliases, (alias, buffer) pairs, open maps."""
     aliases: dict[str, str] = {}
     buffers: list = []
     maps: list[mmap.mmap] = []
-    swaps: list[tuple[ir.Value, object]] = []
+    stubs: dict[ir.Value, ir.TensorProtocol] = {}
     try:
         for g in model.graphs():
             for v in g.initializers.values():
                 t = v.const_value
-                if t is None:
-                    continue
                 if isinstance(t, ir.ExternalTensor):
                     target = os.path.realpath(t.path)
-                    alias = aliases.get(target)
-                    if alias is None:
-                        alias = aliases[target] = f"vlmc-data-{len(aliases)}.bin"
+                    name = aliases.get(target)
+                    if name is None:
+                        name = aliases[target] = f"vlmc-data-{len(aliases)}.bin"
                         with open(target, "rb") as f:
                             if os.fstat(f.fileno()).st_size:
                                 maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                                buffers.append((alias, maps[-1]))
-                    new = ir.ExternalTensor(alias, t.offset, t.length, t.dtype, shape=t.shape, name=t.name)
-                elif t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
-                    alias = f"vlmc-memory-{len(buffers)}.bin"
+                                buffers.append((name, maps[-1]))
+                    stubs[v] = ir.ExternalTensor(
+                        name, t.offset, t.length, t.dtype, shape=t.shape, name=t.name
+                    )
+                elif t is not None and t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+                    name = f"vlmc-memory-{len(buffers)}.bin"
                     raw = np.ascontiguousarray(t.numpy()).view(np.uint8).reshape(-1)
-                    buffers.append((alias, raw))
-                    new = ir.ExternalTensor(alias, 0, raw.nbytes, t.dtype, shape=t.shape, name=t.name)
-                else:
-                    continue
-                swaps.append((v, t))
-                v.const_value = new
-        proto = ir.to_proto(model)
+                    buffers.append((name, raw))
+                    stubs[v] = ir.ExternalTensor(name, 0, raw.nbytes, t.dtype, shape=t.shape, name=t.name)
+        return interop.serialized(model, stubs), buffers, maps
     except BaseException:
-        for m in maps:
-            m.close()
+        _close(maps)
         raise
-    finally:
-        for v, t in swaps:
-            v.const_value = t
-    graphs.drop_initializer_infos(proto, model)
-    return proto, buffers, maps
+
+
+def _close(maps: list[mmap.mmap]) -> None:
+    for m in maps:
+        m.close()
+
+
+def _constant_chains(graph: ir.Graph) -> tuple[list[ir.Node], list[ir.Value]]:
+    """The nodes computed from initializers alone, and those of their outputs the rest of the graph reads."""
+    const: set[ir.Value] = set(graph.initializers.values())
+    chains: list[ir.Node] = []
+    for node in graph:
+        if (
+            node.inputs
+            and all(i is None or i in const for i in node.inputs)
+            and not any(
+                a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()
+            )
+            and not node.op_type.startswith("Random")
+        ):
+            chains.append(node)
+            const.update(node.outputs)
+    folded = {id(n) for n in chains}
+    outputs = set(graph.outputs)
+    frontier = [
+        o
+        for n in chains
+        for o in n.outputs
+        if o in outputs or any(id(user) not in folded for user, _ in o.uses())
+    ]
+    return chains, frontier
 
 
 def dequantized(model: ir.Model, threads: int | None = None) -> ort.InferenceSession:
@@ -208,114 +205,62 @@ def dequantized(model: ir.Model, threads: int | None = None) -> ort.InferenceSes
     run per call (``_KEEP_DEQUANT``) they cost a whole-model dequantization per decoder step
     (measured: 12 x 2048^2 INT4 MatMuls, one token, 0.51 s per call against 0.032 s for FP32), and
     onnxruntime's own constant folding holds every chain's intermediates at once (+1.87 GB of RSS for
-    those 201 MB of FP32 weights). Here each chain runs alone on onnxruntime (the same kernels, so the
-    same float weights), its result goes to a temporary data file, and the session is opened on the
-    graph with the chains replaced by those weights: the session then holds the FP32 model's size,
-    as the FP32 reference run did, and runs at its speed.
+    those 201 MB of FP32 weights). Here each chain (onnx-ir's ``extract`` of it, weights shared, not
+    read) runs alone on onnxruntime (the same kernels, so the same float weights), its result goes to
+    a temporary data file, and the session is opened on a clone of the graph (weights shared) with
+    the chains replaced by those weights: the session then holds the FP32 model's size, as the FP32
+    reference run did, and runs at its speed. The model is not changed.
     """
-    proto, buffers, maps = _linked_proto(model)
-    try:
-        graph = proto.graph
-        const = {t.name for t in graph.initializer}
-        inits = {t.name: t for t in graph.initializer}
-        constant_nodes = []
-        for node in graph.node:
-            if (
-                node.input
-                and all(i == "" or i in const for i in node.input)
-                and not any(
-                    a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
-                )
-                and not node.op_type.startswith("Random")
-            ):
-                constant_nodes.append(node)
-                const.update(node.output)
-        if not constant_nodes:
-            return _session(proto.SerializeToString(), buffers, options(threads), None)
-        folded = {o for n in constant_nodes for o in n.output}
-        live = [n for n in graph.node if not any(o in folded for o in n.output)]
-        used = {i for n in live for i in n.input} | {o.name for o in graph.output}
-        frontier = [o for n in constant_nodes for o in n.output if o in used]
-        producer = {o: n for n in constant_nodes for o in n.output}
-        with tempfile.TemporaryDirectory(prefix="vlmc-dequant-") as tmp:
-            data_path = os.path.join(tmp, "weights.bin")
-            new_inits = []
-            with open(data_path, "wb") as out:
-                for name in frontier:
-                    cone, stack, seen = [], [name], set()
-                    while stack:
-                        v = stack.pop()
-                        n = producer.get(v)
-                        if n is None or id(n) in seen:
-                            continue
-                        seen.add(id(n))
-                        cone.append(n)
-                        stack.extend(i for i in n.input if i)
-                    order = {id(n): k for k, n in enumerate(graph.node)}
-                    cone.sort(key=lambda n: order[id(n)])
-                    needs = {i for n in cone for i in n.input if i in inits}
-                    mini = onnx.helper.make_model(
-                        onnx.helper.make_graph(
-                            cone,
-                            "chain",
-                            [],
-                            [onnx.ValueInfoProto(name=name)],
-                            [inits[i] for i in sorted(needs)],
-                        ),
-                        opset_imports=proto.opset_import,
-                        ir_version=proto.ir_version,
-                    )
-                    # Run at call time (not folded at creation) so the kernels are the per-call path's.
-                    sess = _session(mini.SerializeToString(), buffers, options(threads), "int4_weight_only")
-                    (arr,) = sess.run([name], {})
-                    del sess
-                    _drop_pages(maps)
-                    offset = -out.tell() % 64 + out.tell()
-                    out.seek(offset)
-                    raw = np.ascontiguousarray(arr)
-                    out.write(raw.reshape(-1).view(np.uint8).data)  # no bytes copy of the weight
-                    t = onnx.TensorProto(name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(raw.dtype))
-                    t.dims.extend(raw.shape)
-                    t.data_location = onnx.TensorProto.EXTERNAL
-                    graphs._point_at(t, "vlmc-dequantized.bin", offset, raw.nbytes)
-                    new_inits.append(t)
-                    del arr, raw
-            keep = [t for t in graph.initializer if t.name in used]
-            del graph.node[:]
-            graph.node.extend(live)
-            del graph.initializer[:]
-            graph.initializer.extend(keep + new_inits)
-            with open(data_path, "rb") as f:
-                if os.fstat(f.fileno()).st_size:
-                    maps.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-                    buffers.append(("vlmc-dequantized.bin", maps[-1]))
-            # The session computes from the maps in place (``_session``: no prepacked or copied
-            # weights); the temporary file is unlinked when this block ends, its map lives on with
-            # the session, so its pages are the only copy of the dequantized weights. Without the
-            # arena a run's activations go back to the system after the run instead of staying
-            # reserved (at the arena's rounded-up high-water mark) for the session's life: fidelity
-            # holds this session beside the recorded FP32 outputs. Allocation only: same kernels.
-            memory.release_free()  # the chains' intermediates
-            so = options(threads)
-            so.enable_cpu_mem_arena = False
-            return _session(proto.SerializeToString(), buffers, so, None)
-    except BaseException:
-        for m in maps:
-            m.close()
-        raise
-
-
-def _drop_pages(maps: list[mmap.mmap]) -> None:
-    """Drop this process's pages of read-only file maps (the quantized weights a chain just read).
-
-    A page of a mapped file counts in RSS once read, for as long as the map lives; the session keeps
-    these maps for the few small weights it still reads from them, so without this every integer
-    weight's pages stayed resident beside the dequantized ones (the 512 M real-width INT4 decoder:
-    85 MiB of its 177 MB data file, in /proc/PID/smaps). The pages stay in the page cache and are
-    read again if touched.
-    """
-    for m in maps:
-        m.madvise(mmap.MADV_DONTNEED)
+    work = model.clone()  # shares the weight tensors: nothing is read
+    graph = work.graph
+    chains, frontier = _constant_chains(graph)
+    if not chains:
+        data, buffers, _ = _linked(work)
+        return _session(data, buffers, options(threads), None)
+    with tempfile.TemporaryDirectory(prefix="vlmc-dequant-") as tmp:
+        out = open(os.path.join(tmp, "weights.bin"), "wb")  # noqa: SIM115 (closed below, before it is mapped)
+        for k, value in enumerate(frontier):
+            chain = ir.Model(ir.convenience.extract(graph, [], [value]), ir_version=work.ir_version)
+            data, buffers, maps = _linked(chain)
+            try:
+                # Run at call time (not folded at creation) so the kernels are the per-call path's.
+                sess = _session(data, buffers, options(threads), "int4_weight_only")
+                (arr,) = sess.run(None, {})
+                del sess
+            finally:
+                _close(maps)  # the integer weights' pages this chain read are not kept resident
+            name = value.name or f"vlmc_dequantized_{k}"
+            raw = np.ascontiguousarray(arr)
+            out.seek(-out.tell() % 64 + out.tell())
+            offset = out.tell()
+            out.write(raw.reshape(-1).view(np.uint8).data)  # no bytes copy of the weight
+            dtype = ir.DataType.from_numpy(raw.dtype)
+            tensor = ir.ExternalTensor(
+                "weights.bin", offset, raw.nbytes, dtype, shape=ir.Shape(raw.shape), name=name, base_dir=tmp
+            )
+            folded = ir.Value(name=name, const_value=tensor, type=ir.TensorType(dtype), shape=tensor.shape)
+            del arr, raw
+            ir.convenience.replace_all_uses_with(value, folded, replace_graph_outputs=True)
+            graph.register_initializer(folded)
+        out.close()
+        graph.remove(chains, safe=True)
+        for name in [n for n, v in graph.initializers.items() if not v.uses() and v not in graph.outputs]:
+            graph.initializers.pop(name)
+        # The session computes from the maps in place (``_session``: no prepacked or copied
+        # weights); the temporary file is unlinked when this block ends, its map lives on with
+        # the session, so its pages are the only copy of the dequantized weights. Without the
+        # arena a run's activations go back to the system after the run instead of staying
+        # reserved (at the arena's rounded-up high-water mark) for the session's life: fidelity
+        # holds this session beside the recorded FP32 outputs. Allocation only: same kernels.
+        memory.release_free()  # the chains' intermediates
+        so = options(threads)
+        so.enable_cpu_mem_arena = False
+        data, buffers, maps = _linked(work)
+        try:
+            return _session(data, buffers, so, None)
+        except BaseException:
+            _close(maps)
+            raise
 
 
 def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs, manifest, outdir, paths
+from vlmc import graphs, interop, manifest, outdir, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class Package:
                 raise VlmcError(f"graph {name!r} has no data")
             model = graphs.load_ir(path)
             self._ir[name] = model
-            self._file_fp.setdefault(name, graphs.fingerprint(model))
+            self._file_fp.setdefault(name, interop.fingerprint(model))
         return self._ir[name]
 
     def set_graph(
@@ -169,7 +169,7 @@ class Package:
 
     def _current_fp(self, name: str) -> str | None:
         if name in self._ir:
-            return graphs.fingerprint(self._ir[name])
+            return interop.fingerprint(self._ir[name])
         return None
 
     def path_of(self, name: str) -> Path | None:
@@ -253,13 +253,13 @@ class Package:
                     continue
                 path = self.path_of(name)
                 if path is None or not _own_data_only(path):
-                    graphs.save(self.model(name), tmp / info["file"])
+                    interop.save(self.model(name), tmp / info["file"])
                 else:
                     unchanged[name] = path
             for data_file, names in sorted(shared.items()):
                 # Graphs that share weights (merge) are written together so each weight is stored once.
                 dest = paths.inside(tmp, data_file, f"graphs.{names[0]}.weights_file", "manifest to save")
-                graphs.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, dest)
+                interop.save_shared({tmp / self.info(n)["file"]: self.model(n) for n in names}, dest)
             # Unchanged files go last: a changed graph may still read weights from them.
             for name, src in unchanged.items():
                 self._place(src, tmp / self.info(name)["file"], move=adopt)
@@ -337,7 +337,7 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
     catching these here keeps them from surfacing later as onnxruntime errors mid-run.
     """
     path = root / info["file"]
-    actual = graphs.signature(graphs.open_checked(path))
+    actual = graphs.signature(interop.open_checked(path))
     for io in ("inputs", "outputs"):
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]

@@ -7,6 +7,7 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
 import vlmc.manifest
@@ -93,7 +94,7 @@ def weight_dtypes(model: ir.Model) -> dict[str, int]:
         if tensor is None:
             continue
         try:
-            name = graphs.dtype_name(int(tensor.dtype))
+            name = np.dtype(tensor.dtype.numpy()).name
         except Exception:  # types numpy has no name for (bfloat16, float8, int4)
             name = f"onnx:{int(tensor.dtype)}"
         out[name] = out.get(name, 0) + tensor.nbytes
@@ -110,12 +111,14 @@ def weight_regions(model: ir.Model) -> dict[str, int]:
     for node in model.graph:
         if node.op_type == "Constant" and node.domain == "":
             tensors.extend(a.value for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR)
+    in_memory = [t for t in tensors if not isinstance(t, ir.ExternalTensor)]
+    hashes = dict(zip(map(id, in_memory), graphs.tensor_hashes(in_memory)))
     out: dict[str, int] = {}
     for tensor in tensors:
         if isinstance(tensor, ir.ExternalTensor):
             key = f"{Path(tensor.path).resolve()}@{tensor.offset or 0}+{tensor.length}"
         else:
-            key = graphs.tensor_hash(tensor)
+            key = hashes[id(tensor)]
         out[key] = tensor.nbytes
     return out
 

@@ -257,19 +257,6 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
     return kept, b.one("Sub", [indices, starts]), source
 
 
-def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
-    """Every named value of the top-level graph: inputs, initializers and node outputs."""
-    out: dict[str, ir.Value] = {}
-    for value in graph.inputs:
-        out[value.name] = value
-    out.update(graph.initializers)
-    for node in graph:
-        for value in node.outputs:
-            if value.name:
-                out[value.name] = value
-    return out
-
-
 def _output(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((o for o in graph.outputs if o.name == name), None)
 
@@ -320,7 +307,7 @@ def rewrite(
         raise VlmcError(f"method {method} needs vision.attention facts in the manifest")
     new = model.clone()
     graph = new.graph
-    tensors = _values_by_name(graph)
+    tensors = ir.convenience.create_value_mapping(graph, include_subgraphs=False)
     feats = _output(graph, FEATURES)
     shape = list(feats.shape) if feats.shape is not None else [None] * (2 if packed else 3)
     feats.name = f"{FEATURES}_unpruned"

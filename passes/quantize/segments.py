@@ -20,55 +20,21 @@ def _is_weight(v: ir.Value) -> bool:
 
 
 class Segment:
-    """Nodes ``nodes`` of ``model`` as a model of their own.
+    """The nodes of ``model`` between ``inputs`` and ``outputs``, as a model of their own.
 
     Inputs: the values they read that earlier segments (or the graph's inputs) made; outputs:
     ``outputs`` (the values they make that later nodes read, and any graph outputs the caller wants).
-    The model is a clone of the structure; its weights are the graph's own tensors.
+    The model is onnx-ir's ``extract`` of them (a clone of the structure bounded by ``inputs`` and
+    ``outputs``); its weights are the graph's own tensors.
     """
 
-    def __init__(
-        self, model: ir.Model, nodes: list[ir.Node], inputs: list[ir.Value], outputs: list[ir.Value]
-    ):
-        vmap: dict[ir.Value, ir.Value] = {}
-        self.inputs = []
-        for v in inputs:
-            nv = ir.Value(name=v.name, type=v.type, shape=v.shape)
-            vmap[v] = nv
-            self.inputs.append(nv)
-        inits = []
-        clones = []
-        for node in nodes:
-            args = []
-            for i in node.inputs:
-                if i is not None and i not in vmap:  # a weight (inputs and earlier outputs are mapped)
-                    nv = ir.Value(name=i.name, type=i.type, shape=i.shape, const_value=i.const_value)
-                    vmap[i] = nv
-                    inits.append(nv)
-                args.append(None if i is None else vmap[i])
-            c = ir.Node(
-                node.domain,
-                node.op_type,
-                args,
-                list(node.attributes.values()),
-                overload=node.overload,
-                num_outputs=len(node.outputs),
-                version=node.version,
-                name=node.name,
-            )
-            for o, co in zip(node.outputs, c.outputs):
-                co.name, co.type, co.shape = o.name, o.type, o.shape
-                vmap[o] = co
-            clones.append(c)
+    def __init__(self, model: ir.Model, inputs: list[ir.Value], outputs: list[ir.Value]):
+        graph = ir.convenience.extract(model.graph, inputs, outputs)
+        graph.name = "segment"
+        self.inputs = list(graph.inputs)
         self.output_names = [v.name for v in outputs]
-        self.weight_bytes = sum(v.const_value.nbytes for v in inits if v.const_value is not None)
-        graph = ir.Graph(
-            self.inputs,
-            [vmap[v] for v in outputs],
-            nodes=clones,
-            initializers=inits,
-            opset_imports=dict(model.graph.opset_imports),
-            name="segment",
+        self.weight_bytes = sum(
+            v.const_value.nbytes for v in graph.initializers.values() if v.const_value is not None
         )
         self.model = ir.Model(graph, ir_version=model.ir_version)
 
@@ -148,7 +114,7 @@ def split(
                 (o for o in made if last_use.get(o, -1) >= cut or o in wanted_out),
                 key=lambda o: pos[o.producer()],
             )
-            seg = Segment(model, seg_nodes, ins, outs)
+            seg = Segment(model, ins, outs)
             start = cut
         plan.append((cut, seg, [o.name for o in outs]))
     return plan

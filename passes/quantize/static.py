@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
-from vlmc import ascend_limits, interop
+from vlmc import ascend_limits, graphs, interop
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def weighted_nodes(
 ) -> tuple[list[str], list[str]]:
     """Names of nodes with a constant weight to quantize, and of such nodes kept in float32.
 
-    ``names`` gives every node's name (see :func:`node_names`); default: the names in the graph.
+    ``names`` gives every node's name (see :func:`vlmc.graphs.node_names`); default: the names in the graph.
     """
     nodes = list(model.graph)
     names = names if names is not None else [n.name for n in nodes]
@@ -58,7 +58,7 @@ def weighted_nodes(
 
 @contextlib.contextmanager
 def _named(model: ir.Model, names: list[str]):
-    """The model with every node named as :func:`node_names` listed them, for the length of the block.
+    """The model with every node named as :func:`vlmc.graphs.node_names` listed them, for the length of the block.
 
     quantize_static and the fp16 converter select nodes by name; the package's graph keeps its own.
     """
@@ -88,7 +88,7 @@ def quantize_int8(
 
     import vlmc.ortsession  # noqa: F401  (quiets onnxruntime's logger)
 
-    names = node_names(model)
+    names = graphs.node_names(model)
     nodes, kept = weighted_nodes(model, scheme.op_types, scheme.keep_fp32, names)
     if not nodes:
         return model, {"mode": "int8", "nodes_kept_fp32": kept, "nodes_quantized": []}
@@ -189,7 +189,6 @@ def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, s
     None (the calibrator then runs) if a tensor is empty or not finite, where onnxruntime's
     ReduceMin/ReduceMax and numpy could differ.
     """
-    import onnx
     import onnxruntime
     from onnxruntime.quantization.calibrate import (
         CalibrationMethod,
@@ -212,14 +211,9 @@ def _minmax_cache(model: ir.Model, names: list[str], wanted: set[str], reader, s
     inputs = {v.name for v in model.graph.inputs}
     outputs = {v.name for v in model.graph.outputs}
     fetch = [t for t in tensors if t not in inputs]
-    # Protobuf appends a repeated field that occurs twice: the graph's bytes followed by a model
-    # holding only the extra outputs is the graph with those outputs (see ortsession.from_model).
-    extra = onnx.ModelProto()
-    extra.graph.output.extend(
-        onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None) for t in fetch if t not in outputs
-    )
+    # The graph's bytes followed by these are the graph with the extra outputs (interop.outputs_suffix).
     calib = src.with_name(src.stem + "-ranges.onnx")
-    calib.write_bytes(src.read_bytes() + extra.SerializeToString())
+    calib.write_bytes(src.read_bytes() + interop.outputs_suffix([t for t in fetch if t not in outputs]))
     so = onnxruntime.SessionOptions()
     so.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.enable_cpu_mem_arena = False
@@ -326,26 +320,6 @@ def _quiet_root_logger():
             yield
     finally:
         root.removeFilter(f)
-
-
-def node_names(model: ir.Model) -> list[str]:
-    """Every node's name, with a unique made-up one for unnamed nodes; the model is not changed.
-
-    quantize_static and the fp16 converter select nodes by name, so unnamed nodes would be ambiguous.
-    The names are applied to the copy the tools work on, never to the package's graph.
-    """
-    nodes = list(model.graph)
-    used = {n.name for n in nodes if n.name}
-    names = []
-    for i, node in enumerate(nodes):
-        name = node.name
-        if not name:
-            name = f"{node.op_type}_{i}"
-            while name in used:
-                name += "_"
-            used.add(name)
-        names.append(name)
-    return names
 
 
 def clamp_activation_scales(model: ir.Model) -> list[dict]:
@@ -505,7 +479,7 @@ def convert_fp16(model: ir.Model, scheme, store=None) -> tuple[ir.Model, dict]:
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
-    names = node_names(model)
+    names = graphs.node_names(model)
     nodes = list(model.graph)
     kept = [name for node, name in zip(nodes, names) if scheme.keep_fp32.matches(node, name)]
     op_block = list(DEFAULT_OP_BLOCK_LIST) + [

@@ -138,7 +138,7 @@ def test_qdq_matmul_becomes_ascend_quant_int8_matmul_dequant(zp):
 
 def test_symmetric_int8_deploy_weight_points_at_the_package_bytes(tmp_path):
     """A stored symmetric int8 weight is its own deploy form: the lowered graph points at it (no copy)."""
-    graphs.save(_qdq_matmul(k=64, n=32), tmp_path / "g.onnx")  # 2 KiB weight: external data
+    interop.save(_qdq_matmul(k=64, n=32), tmp_path / "g.onnx")  # 2 KiB weight: external data
     x = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)}
     source = graphs.load_ir(tmp_path / "g.onnx").graph.initializers["Wq"].const_value
     store = graphs.TensorStore(tmp_path / "lowered.data")
@@ -155,7 +155,7 @@ def test_symmetric_int8_deploy_weight_points_at_the_package_bytes(tmp_path):
     held, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g")
     for where, model in (("a", low), ("b", held)):
         (tmp_path / where).mkdir()
-        graphs.save(model, tmp_path / where / "g.onnx")
+        interop.save(model, tmp_path / where / "g.onnx")
     for name in ("g.onnx", "g.onnx.data"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
     np.testing.assert_array_equal(
@@ -305,7 +305,7 @@ def test_weight_only_int4_groups_become_weight_quant_batch_matmul_from_the_facts
     assert weight.dtype == (ir.DataType.INT8 if int4_weights == "int8" else ir.DataType.INT4)
     assert weight.nbytes == (64 * 32 if int4_weights == "int8" else 64 * 32 // 2)
     np.testing.assert_array_equal(weight.numpy().astype(np.int8), q)
-    graphs.save(low, tmp_path / "low.onnx")
+    interop.save(low, tmp_path / "low.onnx")
     written = graphs.load_ir(tmp_path / "low.onnx").graph.initializers[node.inputs[1].name].const_value
     assert isinstance(written, ir.ExternalTensor) and written.dtype == weight.dtype
     np.testing.assert_array_equal(written.numpy().astype(np.int8), q)
@@ -430,7 +430,7 @@ def big_weight_graph(tmp_path_factory) -> tuple[Path, dict]:
         w = b.op("Mul", [w, b.op("Reshape", [scale, b.init(f"k{i}", np.array([1, _K]))], f"rs{i}")], f"dq{i}")
         h = b.op("MatMul", [h, w], f"mm{i}")
         nodes[f"mm{i}"] = {"axis": 1, "weight": f"w{i}_packed", "scale": f"w{i}_scale", "storage": "packed"}
-    graphs.save(b.model([h], [[1, _K]]), d / "g.onnx")
+    interop.save(b.model([h], [[1, _K]]), d / "g.onnx")
     return d / "g.onnx", {"weights": {"dtype": "int4", "group_size": 128, "nodes": nodes}}
 
 

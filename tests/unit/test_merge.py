@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlmc import graphs, tensor_names
+from vlmc import graphs, interop, tensor_names
 from vlmc.package import Package
 from vlmc.pass_api import get
 
@@ -74,7 +74,7 @@ def test_merged_graph_computes_the_stages(pkg):
     assert [o["name"] for o in info["outputs"]] == ["logits", *present]
     assert [s["name"] for s in info["stages"]] == ["vision_encoder", "embed_tokens", "decoder"]
     vlm = pkg.model("vlm")
-    graphs.check(vlm, "vlm")
+    interop.check(vlm, "vlm")
     hist = graphs.op_histogram(vlm)
     for op in ("Equal", "CumSum", "Max", "Gather", "Where"):
         assert hist.get(op, 0) >= 1, op
@@ -96,7 +96,7 @@ def test_merged_graph_computes_the_stages(pkg):
 def test_merge_shares_the_weight_tensors_and_reads_none(pkg):
     stages = {s: pkg.model(s) for s in ("vision_encoder", "embed_tokens", "decoder")}
     tensors = {id(t) for m in stages.values() for t in external_tensors(m).values()}
-    prints = {s: graphs.fingerprint(m) for s, m in stages.items()}
+    prints = {s: interop.fingerprint(m) for s, m in stages.items()}
     with weight_reads(pkg) as reads:
         get("merge")().run(pkg)
     assert reads == [], f"merge read weights: {reads[:4]}"
@@ -104,7 +104,7 @@ def test_merge_shares_the_weight_tensors_and_reads_none(pkg):
     # the merged graph's weights are the stage graphs' own ExternalTensor objects, all of them
     assert {id(t) for t in merged.values()} == tensors
     # and the stage graphs are as they were (the text-only decode path keeps using them)
-    assert {s: graphs.fingerprint(m) for s, m in stages.items()} == prints
+    assert {s: interop.fingerprint(m) for s, m in stages.items()} == prints
     assert pkg.model("decoder") is stages["decoder"]
 
 

@@ -8,7 +8,7 @@ import tempfile
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, ortsession
+from vlmc import graphs, interop, ortsession
 
 
 def _chain(n: int, width: int, rng) -> tuple[ir.Model, list[np.ndarray]]:
@@ -42,7 +42,7 @@ def test_session_on_file_backed_graph_writes_only_the_proto(tmp_path, monkeypatc
     model, weights = _chain(4, 512, rng)  # 4 x 1 MiB of weights
     path = tmp_path / "pkg" / "chain.onnx"
     path.parent.mkdir()
-    graphs.save(model, path)
+    interop.save(model, path)
     loaded = graphs.load_ir(path)  # weights are ExternalTensors in chain.onnx.data
     # A change in memory (as a pass makes): one more small in-memory weight and a new output.
     extra = (rng.standard_normal((512, 512)) / 16).astype(np.float32)

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs
+from vlmc import interop
 
 _WIDTH, _LAYERS = 2048, 8  # 8 x 16 MiB of FP32 weights
 
@@ -53,7 +53,7 @@ def _chain(path) -> np.ndarray:
         h = node.outputs[0]
         h.name = f"h{i}"
     graph.outputs.append(h)
-    graphs.save(ir.Model(graph, ir_version=9), path)
+    interop.save(ir.Model(graph, ir_version=9), path)
     return ref
 
 
@@ -130,7 +130,7 @@ def test_dequantized_session_drops_the_integer_weight_pages(tmp_path):
         h.name = f"h{i}"
     graph.outputs.append(h)
     path, out = tmp_path / "int8.onnx", tmp_path / "y.npy"
-    graphs.save(ir.Model(graph, ir_version=9), path)
+    interop.save(ir.Model(graph, ir_version=9), path)
     code = _DEQUANT_CHILD % _WIDTH
     done = subprocess.run(
         [sys.executable, "-c", code, str(path), str(out)], capture_output=True, text=True, check=True

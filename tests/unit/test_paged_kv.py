@@ -200,7 +200,7 @@ def test_rewrite_keeps_the_decoder_and_adds_the_paged_interface():
     )
     assert len([n for n in nodes if n.op_type == "Gather"]) == 2 * 2 + 1
     assert "ScatterND" not in {n.op_type for n in nodes}
-    graphs.check(model, "decoder")  # onnx.checker (full) and strict shape inference
+    interop.check(model, "decoder")  # onnx.checker (full) and strict shape inference
     # Placed in order and nothing left dangling: onnx-ir's own sort and dead-node removal change nothing.
     assert not ir.passes.common.TopologicalSortPass()(model).modified
     assert not ir.passes.common.RemoveUnusedNodesPass()(model).modified
@@ -214,7 +214,7 @@ def test_default_and_largest_block_sizes_pass_the_graph_check(block_size):
     model = _decoder(layers=1)
     paged_kv.rewrite(model, block_size, None, kv_heads=2, head_dim=4)
     assert model.graph.initializers[paged_kv.PREFIX + "offsets"].const_value.nbytes == 8 * block_size
-    graphs.check(model, "decoder")
+    interop.check(model, "decoder")
 
 
 def test_fixed_pool_size_and_kv_heads_go_into_the_pool_shape():
@@ -369,7 +369,7 @@ def big_decoder(tmp_path) -> tuple[Path, int]:
     """A decoder file whose weights (4 layers x 6 matrices of 1 MiB, 24 MiB) sit in its data file."""
     model = _decoder(layers=4, heads=8, head_dim=64, vocab=512, layer_weight_copies=3)
     path = tmp_path / "decoder.onnx"
-    graphs.save(model, path)
+    interop.save(model, path)
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values())
     return path, weight_bytes
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vlmc import graphs
+from vlmc import interop
 from vlmc.package import Package
 from vlmc.passes import paged_kv
 
@@ -57,7 +57,7 @@ _CHILD = textwrap.dedent(
 
 def _decoder_file(tmp_path: Path) -> Path:
     path = tmp_path / "decoder.onnx"
-    graphs.save(_decoder(layers=_LAYERS, heads=_HEADS, head_dim=_HEAD_DIM, vocab=64), path)
+    interop.save(_decoder(layers=_LAYERS, heads=_HEADS, head_dim=_HEAD_DIM, vocab=64), path)
     return path
 
 

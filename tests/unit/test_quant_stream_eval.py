@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, ortsession
+from vlmc import graphs, interop, ortsession
 from vlmc.passes.quantize import fidelity, scheme, stream_fidelity, weight_only
 
 from ._child import peak_growth
@@ -147,7 +147,7 @@ def test_weight_only_fidelity_equals_the_whole_graph_fidelity(tmp_path):
 
 
 def _saved(model: ir.Model, path: Path) -> Path:
-    graphs.save(model, path)
+    interop.save(model, path)
     return path
 
 

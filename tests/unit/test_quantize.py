@@ -117,7 +117,7 @@ def _run(model: ir.Model, feed: dict) -> list[np.ndarray]:
 
 def _saved(model: ir.Model, path: Path) -> ir.Model:
     """The model written with external data and opened again: weights memory-mapped, as in a package."""
-    graphs.save(model, path)
+    interop.save(model, path)
     return graphs.load_ir(path)
 
 
@@ -273,7 +273,7 @@ _CHILD = textwrap.dedent(
 def _peak_growth(tmp_path: Path, mode: str, layers: int, width: int) -> int:
     d = tmp_path / f"{mode}-{layers}"
     d.mkdir()
-    graphs.save(_layers_model(layers, width), d / "g.onnx")
+    interop.save(_layers_model(layers, width), d / "g.onnx")
     return peak_growth(_CHILD, str(d / "g.onnx"), mode, str(d))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, report
+from vlmc import graphs, interop, report
 
 
 def _model(weights: dict[str, np.ndarray]) -> ir.Model:
@@ -34,7 +34,7 @@ WEIGHTS = {
 
 
 def test_weight_dtypes_and_regions_read_no_weight(tmp_path):
-    graphs.save(_model(WEIGHTS), tmp_path / "g.onnx")
+    interop.save(_model(WEIGHTS), tmp_path / "g.onnx")
     model = graphs.load_ir(tmp_path / "g.onnx")
     external = [
         v.const_value
@@ -54,7 +54,7 @@ def test_weight_dtypes_and_regions_read_no_weight(tmp_path):
 
 def test_a_weight_two_graphs_share_is_one_stored_copy(tmp_path):
     first, second = _model(WEIGHTS), _model({"big": WEIGHTS["big"]})
-    graphs.save_shared({tmp_path / "a.onnx": first, tmp_path / "b.onnx": second}, tmp_path / "shared.data")
+    interop.save_shared({tmp_path / "a.onnx": first, tmp_path / "b.onnx": second}, tmp_path / "shared.data")
     a, b = graphs.load_ir(tmp_path / "a.onnx"), graphs.load_ir(tmp_path / "b.onnx")
     stored = {**report.weight_regions(a), **report.weight_regions(b)}
     assert graphs.initializer_bytes(a) == 4096 + 2048 + 24 + 12 and graphs.initializer_bytes(b) == 4096 + 12

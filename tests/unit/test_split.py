@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vlmc import graphs, tensor_names
+from vlmc import interop, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.pass_api import get
 
@@ -53,7 +53,7 @@ def test_ranges_compute_what_the_whole_decoder_computes(pkg, boundaries):
         # the hidden state between ranges has the residual stream's type
         if a:
             assert info["inputs"][0]["dtype"] == "float32" and info["inputs"][0]["shape"][-1] == 16
-        graphs.check(pkg.model(name), name)
+        interop.check(pkg.model(name), name)
     got = _chain(pkg, names, feeds)
     for name, ref in want.items():
         np.testing.assert_array_equal(got[name], ref, err_msg=name)
@@ -62,7 +62,7 @@ def test_ranges_compute_what_the_whole_decoder_computes(pkg, boundaries):
 def test_split_shares_the_weight_tensors_and_reads_none(pkg):
     whole = pkg.model("decoder")
     before = external_tensors(whole)
-    before_fp = graphs.fingerprint(whole)
+    before_fp = interop.fingerprint(whole)
     with weight_reads(pkg) as reads:
         get("split")(decoder_ranges=3).run(pkg)
     assert reads == [], f"split read weights: {reads[:4]}"
@@ -72,7 +72,7 @@ def test_split_shares_the_weight_tensors_and_reads_none(pkg):
     # every weight of every range is one of the decoder's own ExternalTensor objects (same file region)
     assert set(shared) <= {id(t) for t in before.values()}
     assert len(shared) == len(before)  # and every decoder weight went to a range
-    assert graphs.fingerprint(whole) == before_fp  # the input graph was not edited
+    assert interop.fingerprint(whole) == before_fp  # the input graph was not edited
 
 
 def test_the_mask_shape_input_of_a_later_range_is_its_own_past(pkg):

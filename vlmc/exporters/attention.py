@@ -36,13 +36,7 @@ def _is_constant(value: ir.Value | None) -> bool:
 
 def _scalar(value: ir.Value) -> float | None:
     """The value of a one-element constant, else None (a larger constant's bytes are never read)."""
-    tensor = value.const_value
-    if tensor is None:
-        producer = value.producer()
-        attribute = producer.attributes.get("value") if producer is not None else None
-        tensor = (
-            attribute.value if attribute is not None and attribute.type == ir.AttributeType.TENSOR else None
-        )
+    tensor = ir.convenience.get_const_tensor(value)  # an initializer's or a Constant node's
     # A file-backed tensor is a weight, never a scale factor (those are stored inline).
     if tensor is None or isinstance(tensor, ir.ExternalTensor) or math.prod(tensor.shape.numpy()) != 1:
         return None

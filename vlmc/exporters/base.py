@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
+import onnx_ir as ir
 import torch
 
-from vlmc import graphs, samples
+from vlmc import graphs, interop, samples
 from vlmc.exporters import streaming
 from vlmc.package import Package
 
@@ -145,11 +146,11 @@ def export_graph(
     dynamic_axes: dict[str, dict[int, str]],
     path: Path,
     edit=None,
-) -> onnx.ModelProto:
+) -> ir.Model:
     """Trace a module with torch.onnx (TorchScript exporter, opset 17) into ``path`` + ``path.data``.
 
-    ``edit(model)``, if given, may adjust the graph's structure before it is written. Returns the
-    written graph without its weights (for reading facts off its structure).
+    ``edit(model)``, if given, may adjust the graph's structure (a ModelProto) before it is written.
+    Returns the written graph as IR without its weights (for reading facts off its structure).
 
     The TorchScript exporter is used because it is fast and keeps the dynamic axes we name. Its own
     writer serializes every weight into one protobuf in memory (and the result would have to be
@@ -193,16 +194,14 @@ def export_graph(
                 dynamo=False,
                 do_constant_folding=True,
             )
-        model = onnx.load(tmp_path)  # the graph and small constants only
-        _name_unnamed_nodes(model)
-        _inline_shared_small_constants(model)
+        model = interop.exported(tmp_path)  # the graph and small constants only, its nodes named
         copies = []
         for name, (stack, traced) in stacks.items():
             copies += streaming.stitch(model, name, stack, traced)
         if edit is not None:
             edit(model)
         _write_with_weights(model, large, path, copies)
-    return model
+    return interop.from_proto(model)
 
 
 # Parameters larger than this are streamed to the data file by vlmc instead of serialized by torch.
@@ -525,8 +524,7 @@ def _write_with_weights(
         def put(t: onnx.TensorProto, chunks) -> None:
             offset, n, digest = out.put(t.data_type, list(t.dims), chunks)
             written.append((offset, n, digest))
-            graphs._point_at(t, data_name, offset, n)
-            t.data_location = onnx.TensorProto.EXTERNAL
+            interop.point_at(t, data_name, offset, n)
 
         for t in g.initializer:
             if t.HasField("raw_data") and len(t.raw_data) >= graphs.EXTERNAL_DATA_THRESHOLD:
@@ -563,42 +561,8 @@ def _write_with_weights(
             add(c.name, elem_types[c.template], tensor, dtype=tmpl.dtype)
             del tensor
     hashes = [(offset, n, digest.result()) for offset, n, digest in written]
-    with open(path, "wb") as f:
-        f.write(model.SerializeToString())
+    interop.save_exported(model, path)
     graphs.remember_hashes(path.parent / data_name, hashes)
-
-
-def _inline_shared_small_constants(model: onnx.ModelProto, limit: int = 1 << 16) -> None:
-    """Give small weights that the tracer shared through Identity nodes their own initializer.
-
-    torch's exporter stores equal parameters once and feeds the copies through Identity (random
-    tiny models have many identical zero biases). Quantizers and the Ascend lowering need a Gemm or
-    MatMul bias to be an initializer, so small ones are materialized; large shared tensors keep the
-    Identity so no weight bytes are duplicated.
-    """
-    inits = {t.name: t for t in model.graph.initializer}
-    keep = []
-    for node in model.graph.node:
-        src = inits.get(node.input[0]) if node.op_type == "Identity" and node.input else None
-        if src is not None and len(src.raw_data) <= limit:
-            copy = onnx.TensorProto()
-            copy.CopyFrom(src)
-            copy.name = node.output[0]
-            model.graph.initializer.append(copy)
-        else:
-            keep.append(node)
-    if len(keep) != len(model.graph.node):
-        del model.graph.node[:]
-        model.graph.node.extend(keep)
-
-
-def _name_unnamed_nodes(model: onnx.ModelProto) -> None:
-    # Node names are how users and backends refer to nodes (keep_dtype lists, precheck messages).
-    seen: set[str] = set()
-    for i, node in enumerate(model.graph.node):
-        if not node.name or node.name in seen:
-            node.name = f"{node.op_type}_{i}"
-        seen.add(node.name)
 
 
 def export_stage(
@@ -611,10 +575,10 @@ def export_stage(
     dynamic_axes: dict[str, dict[int, str]],
     role: str,
     edit=None,
-) -> onnx.ModelProto:
+) -> ir.Model:
     """Export one stage graph into the package's scratch directory and add it as ``name`` (fp32).
 
-    Returns the graph without its weights, for exporters that read facts off its structure.
+    Returns the graph as IR without its weights, for exporters that read facts off its structure.
     """
     path = pkg.scratch_path(name)
     model = export_graph(module, args, input_names, output_names, dynamic_axes, path, edit=edit)

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from vlmc import interop, samples
+from vlmc import samples
 from vlmc.exporters import attention, base, streaming
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -108,7 +108,6 @@ def attention_facts(vision_graph, config) -> dict | None:
     layer = n_layers + picked if picked < 0 else picked - 1
     if layer < 0:
         return None  # features are the patch embeddings: no attention before them
-    vision_graph = interop.from_proto(vision_graph)  # torch's exported graph, without its weights
     nodes = attention.softmax_nodes(vision_graph, scope=f"/encoder/layers.{layer}/")
     if len(nodes) != 1:
         logger.warning(

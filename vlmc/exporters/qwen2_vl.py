@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from vlmc import interop, samples
+from vlmc import samples
 from vlmc.exporters import attention, base, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -343,7 +343,6 @@ def attention_facts(vision_graph, vcfg) -> dict | None:
     full = getattr(vcfg, "fullatt_block_indexes", None)
     layer = max(full) if full else blocks - 1
     # The graph has exactly one Softmax per block, in block order (each in its block's scope).
-    vision_graph = interop.from_proto(vision_graph)  # torch's exported graph, without its weights
     nodes = attention.softmax_nodes(vision_graph)
     if len(nodes) != blocks:
         logger.warning(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs
+from vlmc import interop
 from vlmc.backends.ascend import ops
 
 logger = logging.getLogger(__name__)
@@ -106,30 +106,8 @@ def _attr_str(node: ir.Node, name: str) -> str | None:
     return a.value.decode() if isinstance(a.value, bytes) else str(a.value)
 
 
-def protobuf_bytes(model: ir.Model) -> int:
-    """Size of the .onnx protobuf once large tensors are moved to external data (as graphs.save does).
-
-    The graph is serialized with every large initializer as a stub that only names its place, so
-    no weight is read; what is left is what the file will hold (nodes, small tensors, IO).
-    """
-    swaps = []
-    try:
-        for g in model.graphs():
-            for v in g.initializers.values():
-                t = v.const_value
-                if t is not None and t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
-                    swaps.append((v, t))
-                    v.const_value = ir.ExternalTensor(
-                        f"{v.name}.data", 0, t.nbytes, t.dtype, shape=t.shape, name=t.name
-                    )
-        return ir.serde.serialize_model(model).ByteSize()
-    finally:
-        for v, t in reversed(swaps):
-            v.const_value = t
-
-
 def check_size(model: ir.Model, graph: str) -> list[Finding]:
-    size = protobuf_bytes(model)
+    size = interop.protobuf_bytes(model)  # serialized with weightless stubs: no weight is read
     if size >= PROTOBUF_LIMIT:
         return [
             Finding(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs, outdir, paths, tensor_names
+from vlmc import graphs, interop, outdir, paths, tensor_names
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools, rank_builds, soc
 from vlmc.backends.ascend.options import NAME
@@ -187,7 +188,7 @@ def write(out_dir: Path, plan: dict, summary: dict, force: bool, package: Packag
             if file not in plan["shared"]:
                 # weights stream one tensor at a time from where they are (the package's data file,
                 # the lowering's store) to the build's data file
-                graphs.save(model, tmp / "graphs" / file)
+                interop.save(model, tmp / "graphs" / file)
         for file, base in plan["shared"].items():
             _save_sharing(plan["files"][file], tmp / "graphs" / file, tmp / "graphs" / base)
         for b in plan["builds"]:
@@ -260,62 +261,39 @@ def _copy_inside(dest: Path, rel: str, blob: bytes | Path) -> None:
 def _save_sharing(model: ir.Model, path: Path, base: Path) -> None:
     """Write ``model`` so that its weights also in ``base`` (same name and size) point at base's data.
 
-    Weights the base does not hold go to ``<path>.data``, one tensor at a time; nothing of the base is read.
+    Weights the base does not hold go to ``<path>.data`` (64-byte aligned), one tensor at a time;
+    nothing of the base is read.
     """
     stored = {
         v.name: v.const_value
         for v in ir.load(str(base)).graph.initializers.values()
         if isinstance(v.const_value, ir.ExternalTensor)
     }
-    swaps: list[tuple[ir.Value, object]] = []
-    own: list[ir.Value] = []
-    try:
+    data = path.name + ".data"
+    stubs: dict[ir.Value, ir.TensorProtocol] = {}
+    with contextlib.ExitStack() as stack:
+        own = None  # the prefill graph's own data file, opened for the first tensor base does not hold
         for v in model.graph.initializers.values():
             t, there = v.const_value, stored.get(v.name)
             if t is None:
                 continue
             if there is not None and there.length == t.nbytes:
-                swaps.append((v, t))
-                v.const_value = ir.ExternalTensor(
-                    there.location,
-                    there.offset,
-                    there.length,
-                    t.dtype,
-                    shape=t.shape,
-                    name=t.name,
-                    base_dir=path.parent,
-                )
+                location, offset, length = there.location, there.offset, there.length
             elif t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
-                own.append(v)
-        if own:
-            # Tensors the prefill graph does not share go to its own data file.
-            swaps += _externalize(own, path)
-        graphs._write_proto(ir.to_proto(model), model, path)
-    finally:
-        for v, t in reversed(swaps):
-            v.const_value = t
-
-
-def _externalize(values: list[ir.Value], path: Path) -> list[tuple[ir.Value, object]]:
-    """Write the tensors to ``<path>.data`` (64-byte aligned), one at a time; returns (value, old tensor)."""
-    data = path.name + ".data"
-    offset = 0
-    swaps = []
-    with open(path.parent / data, "wb") as f:
-        for v in values:
-            t = v.const_value
-            pad = (-offset) % 64
-            f.write(b"\0" * pad)
-            offset += pad
-            raw = t.tobytes()
-            f.write(raw)
-            swaps.append((v, t))
-            v.const_value = ir.ExternalTensor(
-                data, offset, len(raw), t.dtype, shape=t.shape, name=t.name, base_dir=path.parent
+                if own is None:
+                    own = stack.enter_context(open(path.parent / data, "wb"))
+                own.write(b"\0" * (-own.tell() % 64))
+                location, offset = data, own.tell()
+                raw = t.tobytes()
+                own.write(raw)
+                length = len(raw)
+                del raw
+            else:
+                continue
+            stubs[v] = ir.ExternalTensor(
+                location, offset, length, t.dtype, shape=t.shape, name=t.name, base_dir=path.parent
             )
-            offset += len(raw)
-            del raw
-    return swaps
+    interop.write(model, path, stubs)
 
 
 def _build_sh(plan: dict) -> str:

@@ -17,24 +17,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import NameFixPass, RemoveUnusedNodesPass
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from vlmc import graphs
 
 logger = logging.getLogger(__name__)
-
-
-class _IndexedNames:
-    """NameFixPass naming: an unnamed node is ``<op_type>_<its index in the graph>``."""
-
-    def __init__(self, graph: ir.Graph) -> None:
-        self._index = {node: i for i, node in enumerate(graph)}
-
-    def generate_node_name(self, node: ir.Node) -> str:
-        return node.name or f"{node.op_type}_{self._index.get(node, 0)}"
-
-    def generate_value_name(self, value: ir.Value) -> str:
-        return value.name or "v"
 
 
 class Graph:
@@ -50,13 +37,8 @@ class Graph:
         self.model = model
         self.g = model.graph
         self.store = store
-        # Rules identify nodes by name in messages and in the quantize pass's facts, so every node
-        # gets a unique name. NameFixPass also names unnamed values; an omitted optional output
-        # ("") must stay omitted, so those keep their empty name.
-        omitted = [o for n in self.g.all_nodes() for o in n.outputs if not o.name]
-        NameFixPass(_IndexedNames(self.g))(model)
-        for o in omitted:
-            o.name = ""
+        # Rules identify nodes by name in messages and in the quantize pass's facts.
+        graphs.name_nodes(model)
         self._names = self._live_names()
 
     def _live_names(self) -> set[str]:
@@ -78,14 +60,8 @@ class Graph:
 
     def const(self, value: ir.Value | None) -> np.ndarray | None:
         """The value's constant (an initializer, memory-mapped, or a Constant node's tensor)."""
-        if value is None:
-            return None
-        if value.const_value is not None:
-            return value.const_value.numpy()
-        p = value.producer()
-        if p is not None and p.op_type == "Constant" and p.domain == "" and "value" in p.attributes:
-            return p.attributes["value"].as_tensor().numpy()
-        return None
+        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        return None if tensor is None else tensor.numpy()
 
     def add_init(self, base: str, array: np.ndarray) -> ir.Value:
         """A new initializer; a large one is written to the store at once and read back memory-mapped."""
@@ -159,17 +135,15 @@ class Graph:
         """Put ``new`` where ``old`` was, take ``drop`` out, and let each new value take over an old one.
 
         A new value that takes over keeps the old one's name (and its place among the graph outputs),
-        so the rewritten graph reads the same to everything around it.
+        so the rewritten graph reads the same to everything around it (onnx-ir's
+        ``replace_nodes_and_values``, which also gives it what was known of the old one's type and shape).
         """
-        self.g.insert_before(old, new)
-        for before, after in takes_over:
-            name = before.name
-            before.replace_all_uses_with(after, replace_graph_outputs=True)
-            before.name = None
-            after.name = name
-            # what was known of the old value (its value_info, or its graph output type) is the new one's
-            after.type, after.shape = before.type, before.shape
-        self._remove([old, *drop])
+        for n in (old, *drop):
+            self._names.discard(n.name)
+            self._names.difference_update(o.name for o in n.outputs if o.name)
+        ir.convenience.replace_nodes_and_values(
+            self.g, old, [old, *drop], new, [b for b, _ in takes_over], [a for _, a in takes_over]
+        )
 
     def replace_inputs(self, old: ir.Node, inputs: list[ir.Value | None]) -> ir.Node:
         """``old`` with other inputs (same op, attributes, name and outputs)."""
@@ -184,12 +158,6 @@ class Graph:
         )
         self.replace(old, [new], [], list(zip(old.outputs, outs)))
         return new
-
-    def _remove(self, nodes: list[ir.Node]) -> None:
-        for n in nodes:
-            self._names.discard(n.name)
-            self._names.difference_update(o.name for o in n.outputs if o.name)
-        self.g.remove(nodes, safe=True)
 
     def dce(self) -> None:
         """Remove nodes whose outputs nobody uses, then unused initializers (onnx-ir's pass)."""
