@@ -91,7 +91,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                 if result is None or not hasattr(result, "modified"):
                     raise PassFailed(f"{label} did not return a PassResult{after_txt}")
                 for name, (model, fingerprint) in before.held.items():
-                    if graphs.fingerprint(model) != fingerprint:
+                    if interop.fingerprint(model) != fingerprint:
                         raise PassFailed(
                             f"{label} declares changes_input = False but edited graph {name!r} in place; "
                             "build on a clone (Model.clone()) and hand it to set_graph, or declare "
@@ -202,7 +202,7 @@ def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, ke
         package=pkg.snapshot() if keep_package else None,
         # A graph not loaded yet is read fresh from its file by whoever asks, so only held objects count.
         held={
-            name: (pkg.model(name), graphs.fingerprint(pkg.model(name)))
+            name: (pkg.model(name), interop.fingerprint(pkg.model(name)))
             for name in pkg.graph_names
             if keep_held and pkg.is_loaded(name)
         },
