@@ -15,26 +15,39 @@ from pathlib import Path
 
 import click
 
-from vlmc import __version__, limits, ui
+from vlmc import __version__, interrupts, limits, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that every atomic write removes its temporary directory."""
+_Terminated = interrupts.Terminated
 
 
 def _raise_on_sigterm(ctx: click.Context) -> None:
+    """SIGTERM and SIGINT raise (Terminated, KeyboardInterrupt) and are recorded for interrupts.check."""
     # The default SIGTERM action kills the process without unwinding, leaving .tmp-* directories behind.
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum, frame):
-        raise _Terminated()
+        interrupts.record(signum)  # raised again at the next block of work if this one is swallowed
+        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    interrupts.clear()
+    # SIGINT only where Python's own handler is in place: a process started with it ignored (nohup, a
+    # background job) keeps ignoring it.
+    sigs = [signal.SIGTERM] + [signal.SIGINT] * (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        interrupts.clear()
+
+    ctx.call_on_close(restore)
 
 
 class _FiniteFloat(click.ParamType):
