@@ -249,6 +249,7 @@ class Gloo(Collective):
         self.all_reduce(np.zeros(1, np.float32))
 
     def backend_in_use(self) -> str:
+        """What the rank's process group runs (gloo's own name for itself)."""
         return str(self._group.name())
 
     def close(self) -> None:

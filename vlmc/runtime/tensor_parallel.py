@@ -597,7 +597,7 @@ class RankGroup:
         if fatal or errors or lost:
             for rank in sorted(lost):
                 logger.debug("%s", lost[rank])
-            self.close(kill=bool(fatal or lost))
+            self.close(kill=bool(fatal or lost or pending))  # a rank still inside a collective: no wait
             if fatal:
                 raise VlmcError(
                     f"tensor-parallel {what} failed: {'; '.join(fatal[r] for r in sorted(fatal))}"
