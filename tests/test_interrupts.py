@@ -13,11 +13,14 @@ import pytest
 
 RECIPE = "model: tiny-llava\npasses:\n  - fold_constants\n  - simplify\n"
 
-# Runs the real CLI with one step made to pause: the step writes a marker file, then sleeps, so the
-# test signals the process at a known point (inside the export of the first stage, or while the
-# package is being written) instead of racing a build that may finish first.
+# As at a terminal: a test runner started in the background (`make test &`) hands its children SIGINT
+# ignored (POSIX shells do that without job control), and vlmc, like Python, keeps an inherited SIG_IGN.
+# Hence the harness's first lines. It runs the real CLI with one step made to pause: the step writes a
+# marker file, then sleeps, so the test signals the process at a known point (inside the export of the
+# first stage, or while the package is being written) instead of racing a build that may finish first.
 PAUSED = """\
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from vlmc import graphs
 from vlmc.exporters import base
 marker, phase = os.environ["VLMC_TEST_MARKER"], os.environ["VLMC_TEST_PHASE"]

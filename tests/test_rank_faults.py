@@ -59,7 +59,11 @@ elif phase == "generate":
     tp.RankDecoder.run = pausing(tp.RankDecoder.run)
 """
 
+# As at a terminal: a test runner started in the background (`make test &`) hands its children SIGINT
+# ignored (POSIX shells do that without job control), and vlmc, like Python, keeps an inherited SIG_IGN.
 PARENT = """\
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from multiprocessing import context
 real = context.ForkServerContext.set_forkserver_preload
 context.ForkServerContext.set_forkserver_preload = lambda self, names: real(self, [*names, "vlmc_test_ranks"])

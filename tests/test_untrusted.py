@@ -807,8 +807,11 @@ def test_any_mutated_value_exits_0_or_2(base_manifest, tiny_llava, tmp_path_fact
 
 
 # ---- long loops react to signals ------------------------------------------------------------------
+# As at a terminal: a test runner started in the background (`make test &`) hands its children SIGINT
+# ignored (POSIX shells do that without job control), and vlmc, like Python, keeps an inherited SIG_IGN.
 MARKED = """\
-import os
+import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from vlmc.runtime import pipeline
 real = pipeline.Pipeline.prepare
 def prepare(self, *args, **kwargs):
