@@ -191,6 +191,7 @@ class _Target:
                     f"unknown executor {self.executor!r}; choose one of {', '.join(runner.EXECUTORS)}"
                 )
             self.manifest = pkg.manifest
+            self.root = Path(pkg.root)  # where the manifest's graph files are (the build's runtime package)
             self.plan = (summary.get("tensor_parallel") or {}).get("plan")
             if facts(self.manifest) is not None and self.plan is None:
                 raise VlmcError(
@@ -201,6 +202,7 @@ class _Target:
                 raise VlmcError(f"--executor applies to a compile output; {path} is a package")
             self.executor = "ort"
             self.manifest = Package.load(self.path).manifest
+            self.root = Path(self.path)
             self.plan = None
         tp = facts(self.manifest)
         if tp is None:
@@ -462,7 +464,7 @@ class RankGroup:
         import multiprocessing as mp
 
         target = self.preflight(package, executor)
-        check_resources(target.size, _rank_weight_bytes(Path(target.path), target.manifest, target.size))
+        check_resources(target.size, _rank_weight_bytes(target.root, target.manifest, target.size))
         self.collective = collective_mod.for_executor(target.executor)
         self.path, self.size, self.executor = target.path, target.size, target.executor
         if threads is None:  # the ranks share the machine's cores
