@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import statistics
 import sys
 import tempfile
@@ -118,24 +119,16 @@ class _Timed:
         return dict(zip([o.name for o in s.get_outputs()], out))
 
 
-def _rank(path: str, rank: int, size: int, port: int, threads: int, context: int, rounds: int, conn) -> None:
+def _rank(path: str, rank: int, size: int, rendezvous, threads: int, context: int, rounds: int, conn) -> None:
     """One rank: join gloo, then per round wait at a barrier and time one decode step."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     from vlmc.package import Package
-    from vlmc.runtime.ranks import RankDecoder, gloo_all_reduce
+    from vlmc.runtime.collective import Gloo
+    from vlmc.runtime.ranks import RankDecoder
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=size,
-        timeout=timedelta(seconds=600),
-    )
+    gloo = Gloo()
+    gloo.join(rank, size, rendezvous, None)
     pkg = Package.load(path)
-    reduce = gloo_all_reduce(dist)
+    reduce = gloo.all_reduce
     reduce_s = [0.0]
 
     def timed_reduce(x):
@@ -150,14 +143,14 @@ def _rank(path: str, rank: int, size: int, port: int, threads: int, context: int
     rows = []
     for _ in range(rounds + 1):  # the first round warms up
         conn.recv()  # the parent's go: the unsharded step is not running now
-        dist.barrier()
+        gloo.barrier()
         pipe.seconds, reduce_s[0] = 0.0, 0.0
         t = time.perf_counter()
         out = dec.run(pipe, feeds)
         rows.append((time.perf_counter() - t, pipe.seconds, reduce_s[0]))
         conn.send(out["logits"].shape)
     conn.send({"rows": rows[1:], "collectives": dec.collectives})
-    dist.destroy_process_group()
+    gloo.close()
 
 
 def measure(cfg: dict, tmp: Path, threads: int) -> dict:
@@ -165,7 +158,7 @@ def measure(cfg: dict, tmp: Path, threads: int) -> dict:
 
     from vlmc import ortsession
     from vlmc.package import Package
-    from vlmc.runtime.ranks import _free_port
+    from vlmc.runtime.collective import Rendezvous
 
     base = _export(cfg, tmp)
     tp = _shard(base, 2, tmp)
@@ -175,11 +168,14 @@ def measure(cfg: dict, tmp: Path, threads: int) -> dict:
     feeds = _feeds(m, cfg["context"], int(m["kv"]["kv_heads"]))
     ins = [i.name for i in sess.get_inputs()]
     ctx = mp.get_context("forkserver")
-    port = _free_port()
+    # 600 s per all-reduce: the parent times the unsharded step between rounds while the ranks wait.
+    rendezvous = Rendezvous(store=str(tmp / "rendezvous"), secret=secrets.token_hex(16), timeout=600)
     conns, procs = [], []
     for r in range(2):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_rank, args=(str(tp), r, 2, port, threads, cfg["context"], cfg["rounds"], b))
+        p = ctx.Process(
+            target=_rank, args=(str(tp), r, 2, rendezvous, threads, cfg["context"], cfg["rounds"], b)
+        )
         p.start()
         conns.append(a)
         procs.append(p)

@@ -13,11 +13,14 @@ import pytest
 
 RECIPE = "model: tiny-llava\npasses:\n  - fold_constants\n  - simplify\n"
 
-# Runs the real CLI with one step made to pause: the step writes a marker file, then sleeps, so the
-# test signals the process at a known point (inside the export of the first stage, or while the
-# package is being written) instead of racing a build that may finish first.
+# As at a terminal: a test runner started in the background (`make test &`) hands its children SIGINT
+# ignored (POSIX shells do that without job control), and vlmc, like Python, keeps an inherited SIG_IGN.
+# Hence the harness's first lines. It runs the real CLI with one step made to pause: the step writes a
+# marker file, then sleeps, so the test signals the process at a known point (inside the export of the
+# first stage, or while the package is being written) instead of racing a build that may finish first.
 PAUSED = """\
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from vlmc import graphs, interop
 from vlmc.exporters import base
 marker, phase = os.environ["VLMC_TEST_MARKER"], os.environ["VLMC_TEST_PHASE"]
@@ -122,3 +125,29 @@ def test_signal_during_build_leaves_nothing(phase: str, sig: signal.Signals, tmp
     assert _leftovers(work, "out") == []
     assert sorted(p.name for p in work.iterdir()) == ["recipe.yaml"]
     assert {p.name for p in tmpdir.iterdir()} <= library_caches  # no temporary directories of ours
+
+
+def test_a_recorded_signal_stops_the_export_writer_between_blocks_and_in_its_thread(tmp_path):
+    """What the CLI's handler records is raised again before the next block of work: in the thread that
+    queues blocks, and in the writer thread (through the block's future), as KeyboardInterrupt or, for
+    SIGTERM, Terminated (exit 143)."""
+    from vlmc import interrupts
+    from vlmc.exporters import base
+
+    with open(tmp_path / "data", "wb") as f, base._DataWriter(f) as writer:
+        try:
+            writer._submit(memoryview(b"a" * 64), None, None)  # nothing recorded: written
+            writer.drain()
+            assert writer.offset == 64
+            interrupts.record(signal.SIGINT)
+            with pytest.raises(KeyboardInterrupt):
+                writer._submit(memoryview(b"b" * 64), None, None)
+            with pytest.raises(KeyboardInterrupt):  # in the writer thread itself
+                writer._writer.submit(writer._write, memoryview(b"c" * 64)).result()
+            interrupts.record(signal.SIGTERM)
+            with pytest.raises(interrupts.Terminated):
+                interrupts.check()
+        finally:
+            interrupts.clear()
+        interrupts.check()  # cleared: no-op
+    assert (tmp_path / "data").read_bytes() == b"a" * 64

@@ -277,7 +277,9 @@ def test_single_process_runtime_refuses_a_sharded_package(built):
 
 
 def test_missing_torch_is_one_line(built, monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch.distributed", None)  # what an install without torch gives
+    monkeypatch.setitem(
+        sys.modules, "torch", None
+    )  # what an install without torch gives (found, not imported)
     res = CliRunner().invoke(
         main, ["run", str(built["gqa-tp2"][0]), "--prompt", "Hi", "--max-new-tokens", "2"]
     )

@@ -807,8 +807,11 @@ def test_any_mutated_value_exits_0_or_2(base_manifest, tiny_llava, tmp_path_fact
 
 
 # ---- long loops react to signals ------------------------------------------------------------------
+# As at a terminal: a test runner started in the background (`make test &`) hands its children SIGINT
+# ignored (POSIX shells do that without job control), and vlmc, like Python, keeps an inherited SIG_IGN.
 MARKED = """\
-import os
+import os, signal
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from vlmc.runtime import pipeline
 real = pipeline.Pipeline.prepare
 def prepare(self, *args, **kwargs):
@@ -847,11 +850,10 @@ def test_calibration_loop_stops_on_a_signal(tiny_llava, tmp_path, sig, code):
         env=dict(os.environ, VLMC_TEST_MARKER=str(marker)),
     )
     deadline = time.monotonic() + 180
-    while not marker.exists():
+    while not marker.exists():  # the phase: the first calibration sample is being prepared
         assert proc.poll() is None, proc.stderr.read().decode()
         assert time.monotonic() < deadline, "calibration never started"
         time.sleep(0.02)
-    time.sleep(0.5)
     assert proc.poll() is None, "the calibration finished before the signal"
     t0 = time.monotonic()
     proc.send_signal(sig)
@@ -859,8 +861,10 @@ def test_calibration_loop_stops_on_a_signal(tiny_llava, tmp_path, sig, code):
     elapsed = time.monotonic() - t0
     assert proc.returncode == code, err.decode()
     assert "interrupted; nothing was written" in err.decode()
-    # Well under a second of reaction on an idle machine (plus interpreter teardown); the bound only
-    # proves the loop stopped instead of finishing its 4096 samples (minutes) on a loaded machine.
-    assert elapsed < 20.0, f"took {elapsed:.2f}s to stop"
+    assert not (tmp_path / "out").exists()
+    # The signal is raised where it lands, and again before the next sample if it landed where it was
+    # swallowed (vlmc.interrupts); the interpreter's teardown is skipped (vlmc.cli). 4096 samples take
+    # minutes: the bound shows the loop stopped, with room for a machine with every core busy.
+    assert elapsed < 5.0, f"took {elapsed:.2f}s to stop"
     print(f"stopped {elapsed:.2f}s after the signal")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrating", "r.yaml"]

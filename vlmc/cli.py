@@ -5,6 +5,7 @@ User errors print one line on stderr and exit 2 (a failed check exits 1); ``-v``
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -14,26 +15,39 @@ from pathlib import Path
 
 import click
 
-from vlmc import __version__, limits, ui
+from vlmc import __version__, interrupts, limits, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that every atomic write removes its temporary directory."""
+_Terminated = interrupts.Terminated
 
 
 def _raise_on_sigterm(ctx: click.Context) -> None:
+    """SIGTERM and SIGINT raise (Terminated, KeyboardInterrupt) and are recorded for interrupts.check."""
     # The default SIGTERM action kills the process without unwinding, leaving .tmp-* directories behind.
     if threading.current_thread() is not threading.main_thread():
         return
 
     def handler(signum, frame):
-        raise _Terminated()
+        interrupts.record(signum)  # raised again at the next block of work if this one is swallowed
+        raise _Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    ctx.call_on_close(lambda: signal.signal(signal.SIGTERM, previous))
+    interrupts.clear()
+    # SIGINT only where Python's own handler is in place: a process started with it ignored (nohup, a
+    # background job) keeps ignoring it.
+    sigs = [signal.SIGTERM] + [signal.SIGINT] * (
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+        interrupts.clear()
+
+    ctx.call_on_close(restore)
 
 
 class _FiniteFloat(click.ParamType):
@@ -53,8 +67,46 @@ class _FiniteFloat(click.ParamType):
         return f
 
 
+def _interrupt_behind(exc: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt an exception was raised from, if any: a Ctrl-C inside a C extension's import
+    comes out as ``ImportError: initialization failed`` (pybind11), raised while handling it."""
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt):
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 class _Group(click.Group):
     """Turns VlmcError (and interrupts) into one-line messages with the right exit code."""
+
+    def __call__(self, *args, **kwargs):
+        # Called as the program (the console script, `python -m vlmc`), not through click's CliRunner,
+        # which calls .main(): only then may an interrupt end the process itself (_interrupted).
+        self._whole_process = True
+        return super().__call__(*args, **kwargs)
+
+    def _interrupted(self, ctx, exc: KeyboardInterrupt):
+        click.echo("vlmc: interrupted; nothing was written", err=True)
+        code = 143 if isinstance(exc, _Terminated) else 130
+        if getattr(self, "_whole_process", False):
+            # Every write has unwound and removed its temporary files by now. The exit handlers run
+            # (logging, multiprocessing, finalizers), then the process ends without the interpreter's
+            # module teardown: freeing sympy's caches (onnx_ir imports it) alone takes 1-2 s on a busy
+            # 2-core machine, and an interrupted run must answer within a second.
+            import atexit
+            import os
+            import sys
+
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(code)
+        ctx.exit(code)
 
     def invoke(self, ctx):
         try:
@@ -65,9 +117,10 @@ class _Group(click.Group):
             click.echo(f"vlmc: error: {exc}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
-            click.echo("vlmc: interrupted; nothing was written", err=True)
-            ctx.exit(143 if isinstance(exc, _Terminated) else 130)
+            self._interrupted(ctx, exc)
         except OSError as exc:
+            if (interrupt := _interrupt_behind(exc)) is not None:
+                self._interrupted(ctx, interrupt)
             if ui.is_verbose():
                 logger.exception("error")
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
@@ -86,6 +139,8 @@ class _Group(click.Group):
         except (click.exceptions.Exit, click.ClickException, SystemExit):
             raise
         except Exception as exc:  # a vlmc bug: still one line unless -v
+            if (interrupt := _interrupt_behind(exc)) is not None:
+                self._interrupted(ctx, interrupt)
             if ui.is_verbose():
                 raise
             first = (str(exc).strip().splitlines() or [""])[0]

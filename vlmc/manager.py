@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmc import interop, manifest, memory, ortsession, samples, ui
+from vlmc import interop, interrupts, manifest, memory, ortsession, samples, ui
 from vlmc.errors import CheckFailed, PassFailed, PassRefused, VlmcError
 from vlmc.package import Package
 from vlmc.pass_api import check_requirements, contract_violations
@@ -71,6 +71,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
     ran: list[str] = []
     with ui.progress("running passes", total=len(steps)) as bar, tempfile.TemporaryDirectory() as tmp:
         for step, p in zip(steps, instances):
+            interrupts.check()  # between two passes
             bar.describe(f"pass {step.index}/{len(steps)}: {step.name}")
             label = f"pass #{step.index} {step.name!r}"
             after_txt = f" (ran before it: {', '.join(ran)})" if ran else " (it was the first pass)"

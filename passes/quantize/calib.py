@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from vlmc import samples
+from vlmc import interrupts, samples
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
@@ -114,6 +114,7 @@ def record(
         executor = _FeedsOnly(pkg, feeds_only & runnable, recorder) if feeds_only & runnable else None
         pipe = Pipeline(pkg, on_graph=recorder, executor=executor)
         for i, ref in enumerate(images):
+            interrupts.check()  # a Ctrl-C swallowed inside a sample's run stops the loop here
             keep = i < eval_samples
             recorder.seen.clear()
             recorder.keep_outputs = keep

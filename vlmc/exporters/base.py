@@ -24,7 +24,7 @@ import onnx
 import onnx_ir as ir
 import torch
 
-from vlmc import graphs, interop, samples
+from vlmc import graphs, interop, interrupts, samples
 from vlmc.exporters import streaming
 from vlmc.package import Package
 
@@ -421,8 +421,13 @@ class _DataWriter:
         while self._pending:
             self._retire()
 
+    def _write(self, data: memoryview) -> None:
+        interrupts.check()  # in the writer thread: a recorded Ctrl-C fails this block's future
+        self._f.write(data)
+
     def _submit(self, data: memoryview, h, buf: torch.Tensor | None) -> None:
-        write = self._writer.submit(self._f.write, data)
+        interrupts.check()  # between two blocks of a weight
+        write = self._writer.submit(self._write, data)
         digest = self._hasher.submit(h.update, data) if h is not None else None
         self._pending.append((write, digest, buf))
         self.offset += len(data)

@@ -5,7 +5,7 @@ the next segment (the host plan, docs/tensor_parallel.md). Which library does th
 only on where the segments run:
 
 - ``ort`` (a package on onnxruntime) and ``reference`` (a compile output's lowered graphs on CPU):
-  torch.distributed with the **gloo** backend, over TCP on this host. Verified here.
+  torch.distributed with the **gloo** backend, over TCP on this host's loopback address. Verified here.
 - ``acl`` (the ``.om`` files on 910B cards): torch.distributed with torch_npu's **hccl** backend, which
   calls ``HcclAllReduce`` (hicann/hccl ``include/hccl.h``: ``HcclAllReduce(void *sendBuf, void *recvBuf,
   uint64_t count, HcclDataType dataType, HcclReduceOp op, HcclComm comm, aclrtStream stream)``; A2 takes
@@ -35,6 +35,16 @@ What the hccl path relies on, read in Ascend/pytorch (torch_npu) at commit 9e73e
 - ``HCCL_EXEC_TIMEOUT`` / ``HCCL_CONNECT_TIMEOUT`` are read by torch_npu (OptionsManager.cpp) from the
   environment the ranks inherit.
 
+Where the ranks meet (:class:`Rendezvous`, docs/security.md "Tensor-parallel ranks"): a torch.distributed
+``FileStore`` in a directory only this user can open (``tempfile.mkdtemp``, mode 0700), under a
+``PrefixStore`` whose prefix is a per-run secret the parent hands each rank over its pipe. Nothing listens
+for the rendezvous, so no one can join it over the network; gloo's own sockets are bound to one address,
+127.0.0.1 unless ``VLMC_TP_ADDRESS`` names another (a gloo device made with
+``ProcessGroupGloo.create_device(hostname=...)``, not the default device, which binds the address the
+machine's host name resolves to). Every all-reduce has a timeout (``VLMC_TP_TIMEOUT`` seconds, default
+:data:`COLLECTIVE_TIMEOUT_S`): a rank whose peer died or stopped raises :class:`PeerLost` instead of
+waiting for ever. Stores and options: https://pytorch.org/docs/stable/distributed.html
+
 This module imports no torch at import time: the seam's choice (:func:`for_executor`) and its
 one-line refusals work without it.
 """
@@ -42,20 +52,95 @@ one-line refusals work without it.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib.util
+import ipaddress
+import logging
+import os
+import socket
 from datetime import timedelta
 
 import numpy as np
 
 from vlmc.errors import VlmcError
 
-# A rank waits this long in a collective for the others before it gives up (a crashed peer).
-COLLECTIVE_TIMEOUT_S = 300
+logger = logging.getLogger(__name__)
+
+# A rank waits this long in one all-reduce for the others before it gives up (a dead or stopped peer).
+# The ranks run in lockstep, so the wait is the skew between them, not a segment's compute time.
+COLLECTIVE_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "VLMC_TP_TIMEOUT"
+# How long forming the group may take (every rank opening the store and connecting to the others).
+START_TIMEOUT_S = 300.0
+# The address gloo's sockets bind; another than loopback only when the user names it (docs/security.md).
+ADDRESS_ENV = "VLMC_TP_ADDRESS"
+LOOPBACK = "127.0.0.1"
 
 NEEDS_TORCH = (
     "running a tensor-parallel package on CPU needs torch (torch.distributed with the gloo backend joins "
     "the ranks); install the export extra: pip install 'vlmc[export]'"
 )
+
+
+class PeerLost(VlmcError):
+    """A collective failed because another rank went away (closed its connection) or stopped answering."""
+
+
+def collective_timeout() -> float:
+    """Seconds one all-reduce may wait: ``VLMC_TP_TIMEOUT``, or :data:`COLLECTIVE_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return COLLECTIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 24 * 3600:  # also refuses nan
+        raise VlmcError(f"{TIMEOUT_ENV}={raw[:40]!r}: give the all-reduce timeout in seconds, above 0")
+    return value
+
+
+def bind_address() -> str:
+    """The address the ranks' sockets bind: 127.0.0.1, or ``VLMC_TP_ADDRESS`` checked to be this machine's."""
+    raw = os.environ.get(ADDRESS_ENV, "").strip() or LOOPBACK
+    try:
+        address = ipaddress.ip_address(raw)
+    except ValueError:
+        raise VlmcError(f"{ADDRESS_ENV}={raw[:64]!r} is not an IP address") from None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((str(address), 0))
+    except OSError as exc:
+        raise VlmcError(f"{ADDRESS_ENV}={address}: cannot bind it here ({exc.strerror or exc})") from None
+    if not address.is_loopback:
+        logger.warning(
+            "%s=%s: the ranks' gloo sockets listen on %s; anyone who can reach it can open a connection "
+            "to them, and the tensors between ranks cross it unencrypted",
+            ADDRESS_ENV,
+            address,
+            address,
+        )
+    return str(address)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendezvous:
+    """Where the ranks of one run meet (see the module docstring); made by the parent, sent to every rank."""
+
+    store: str  # the FileStore's file, inside a directory only this user can open
+    secret: str  # the PrefixStore prefix every key of this run carries
+    address: str = LOOPBACK  # what gloo's sockets bind
+    timeout: float = COLLECTIVE_TIMEOUT_S  # seconds one all-reduce may wait
+    start_timeout: float = START_TIMEOUT_S  # seconds forming the group may take
+
+    def open_store(self, size: int):
+        """The run's store, in a rank's process."""
+        import torch.distributed as dist
+
+        store = dist.FileStore(self.store, size)
+        store.set_timeout(timedelta(seconds=self.start_timeout))
+        return dist.PrefixStore(self.secret, store)
 
 
 class Collective(abc.ABC):
@@ -86,7 +171,7 @@ class Collective(abc.ABC):
         """See the class docstring."""
 
     @abc.abstractmethod
-    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+    def join(self, rank: int, size: int, rendezvous: Rendezvous, device_id: int | None) -> None:
         """See the class docstring."""
 
     @abc.abstractmethod
@@ -127,26 +212,48 @@ class Gloo(Collective):
     modules = ("torch",)
 
     def check(self) -> None:
-        require_torch()
+        # Found, not imported: the parent never imports torch (seconds, and a Ctrl-C inside a C extension's
+        # import aborts the interpreter). Each rank imports it and checks for gloo when it joins.
+        if self.missing():
+            raise VlmcError(NEEDS_TORCH)
 
-    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+    def join(self, rank: int, size: int, rendezvous: Rendezvous, device_id: int | None) -> None:
         dist = require_torch()
         import torch
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        self._dist, self._torch = dist, torch
+        options = dist.ProcessGroupGloo._Options()
+        # One device on the named address: gloo's default device binds whatever the host name resolves to.
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=rendezvous.address)]
+        options._timeout = timedelta(seconds=rendezvous.start_timeout)
+        self._group = dist.ProcessGroupGloo(rendezvous.open_store(size), rank, size, options)
+        self._reduce = dist.AllreduceOptions()
+        self._reduce.reduceOp = dist.ReduceOp.SUM
+        self._reduce.timeout = timedelta(seconds=rendezvous.timeout)  # every all-reduce, not only the start
+        self._timeout = rendezvous.timeout
+        self._torch = torch
 
     def all_reduce(self, x: np.ndarray) -> np.ndarray:
         t = self._torch.from_numpy(np.ascontiguousarray(x).copy())
-        self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
+        try:
+            self._group.allreduce([t], self._reduce).wait()
+        except RuntimeError as exc:  # gloo's C++ text: kept for -v, replaced by what it means
+            logger.debug("gloo all-reduce: %s", exc)
+            if "Timed out" in str(exc):
+                raise PeerLost(f"an all-reduce waited {self._timeout:g} s for the other ranks") from None
+            raise PeerLost("another rank closed its connection during an all-reduce") from None
         return t.numpy()
+
+    def barrier(self) -> None:
+        """Wait for every rank (an all-reduce of one number, under the same timeout)."""
+        self.all_reduce(np.zeros(1, np.float32))
+
+    def backend_in_use(self) -> str:
+        """What the rank's process group runs (gloo's own name for itself)."""
+        return str(self._group.name())
+
+    def close(self) -> None:
+        self._group = None
 
 
 # The dtypes torch_npu's ProcessGroupHCCL all-reduces (checkSupportedDataType) that a segment can output.
@@ -173,7 +280,7 @@ class Hccl(Collective):
                 "or run --executor reference (gloo on CPU)"
             )
 
-    def join(self, rank: int, size: int, port: int, device_id: int | None) -> None:
+    def join(self, rank: int, size: int, rendezvous: Rendezvous, device_id: int | None) -> None:
         self.check()
         import torch
         import torch.distributed as dist
@@ -183,10 +290,10 @@ class Hccl(Collective):
         torch.npu.set_device(self.device_id)
         dist.init_process_group(
             "hccl",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=rendezvous.open_store(size),
             rank=rank,
             world_size=size,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+            timeout=timedelta(seconds=rendezvous.timeout),
         )
         self._dist, self._torch = dist, torch
 
