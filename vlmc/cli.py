@@ -337,6 +337,133 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         )
 
 
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (anything but "
+    "loopback exposes the model to the network; there is no authentication).",
+)
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one)."
+)
+@click.option(
+    "--max-batch",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, limits.MAX_BATCH),
+    help="Sequences decoded together at most (a build's largest batch gear at most).",
+)
+@click.option(
+    "--num-blocks",
+    default=None,
+    type=click.IntRange(2, 1 << 24),
+    help="KV pool blocks for a package whose pool size is symbolic (default 1024).",
+)
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 1 << 16),
+    help="Requests waiting at most; more get HTTP 429.",
+)
+@click.option(
+    "--max-tokens",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(1, 1 << 20),
+    help="Largest max_tokens a request may ask for.",
+)
+@click.option(
+    "--image-root",
+    type=click.Path(path_type=Path, file_okay=False, exists=True),
+    default=None,
+    help="Directory whose files requests may name as image_url (default: data: URLs only).",
+)
+@click.option(
+    "--no-prefix-cache", is_flag=True, help="Do not share prompt-prefix KV blocks between requests."
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["acl", "reference"]),
+    default=None,
+    help="For a compile output: acl or reference (as for `vlmc run`).",
+)
+@click.option(
+    "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
+)
+def serve(
+    package,
+    host,
+    port,
+    max_batch,
+    num_blocks,
+    max_queue,
+    max_tokens,
+    image_root,
+    no_prefix_cache,
+    executor,
+    device_id,
+):
+    """Serve a paged package or compile output over an OpenAI-compatible API (/v1/chat/completions).
+
+    Requests are batched continuously over the paged KV pool; prompt prefixes and image features are
+    reused across requests (docs/serving.md). Needs the `serve` extra (FastAPI, uvicorn).
+
+    Example:
+
+        vlmc serve out/tiny-llava-paged --port 8000
+    """
+    from vlmc import serve as serving
+
+    pipe, name = _open_for_serving(Path(package), executor, device_id)
+    if hasattr(pipe.executor, "largest"):  # a compile output: its batch gears bound the batch
+        most = pipe.executor.largest(pipe.m["pipeline"]["decoder"][0], "batch")
+        if most is not None and most < max_batch:
+            ui.info(f"the build's largest batch gear is {most}: decoding at most {most} sequences together")
+            max_batch = most
+    try:
+        serving.serve(
+            pipe,
+            host,
+            port,
+            name,
+            serving.Limits(max_queue=max_queue, max_tokens=max_tokens),
+            image_root,
+            max_batch=max_batch,
+            num_blocks=num_blocks,
+            prefix_cache=not no_prefix_cache,
+        )
+    finally:
+        pipe.close()
+
+
+def _open_for_serving(path: Path, executor: str | None, device_id: int):
+    """A Pipeline over a package or a compile output, and the model name the API reports."""
+    import importlib.util
+
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise VlmcError("vlmc serve needs FastAPI and uvicorn: pip install 'vlmc[serve]'")
+    from vlmc.backends.ascend import runner
+
+    if runner.is_build_dir(path):
+        pkg, build_exec = runner.open_build(path, executor or runner.default_executor(), device_id)
+        pipe = Pipeline(pkg, executor=build_exec)
+    else:
+        if executor is not None:
+            raise VlmcError(f"--executor applies to a compile output; {path} is a package")
+        pkg = Package.load(path)
+        pipe = Pipeline(pkg)
+    if pkg.manifest.get("tensor_parallel"):
+        raise VlmcError("vlmc serve runs one process: a tensor-parallel package runs with `vlmc run` for now")
+    return pipe, str(pkg.manifest["model"].get("source") or pkg.manifest["model"]["family"])
+
+
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:
     """Give each prompt as many images as it has placeholders (one each if it has none; a single plain
     prompt takes them all, the chat template places them)."""

@@ -179,6 +179,8 @@ class Pipeline:
         t = self.m["text"]
         marker = t.get("image_marker", "<image>")
         add = bool(t.get("add_bos", True))
+        if isinstance(prompt, list):
+            return self._render_conversation(prompt, marker, add)
         if marker in prompt:
             return prompt, add
         template = (
@@ -195,7 +197,42 @@ class Pipeline:
             template = template.replace(marker, "")
         return template.replace("{prompt}", prompt), add
 
-    def prompt_ids(self, prompt: str, counts: list[int]) -> list[int]:
+    def _render_conversation(self, messages: list[dict], marker: str, add: bool) -> tuple[str, bool]:
+        """A conversation (transformers' message format): one user turn is the plain prompt it holds;
+        more go through the chat template, or, for a package without one, become ``role: text`` lines
+        with the image marker where each image is."""
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            parts = messages[0]["content"]
+            if isinstance(parts, str):
+                return self.render(parts, 0)
+            texts = [p["text"] for p in parts if p["type"] == "text"]
+            images = [i for i, p in enumerate(parts) if p["type"] == "image"]
+            if len(texts) == 1 and images == list(range(len(images))):  # images first: a plain prompt
+                return self.render(texts[0], len(images))
+        t = self.m["text"]
+        n_images = sum(
+            1
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image"
+        )
+        if t.get("chat_template") and self.tokenizer.source:
+            template = tokmod.package_text(self.pkg, t["chat_template"], "text.chat_template")
+            text = chat.render(template, messages, n_images, t.get("special_tokens"))
+            bos = (t.get("special_tokens") or {}).get("bos_token")
+            return text, add and not (bos and text.startswith(bos))
+        lines = []
+        for m in messages:
+            parts = (
+                m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            )
+            lines.append(
+                f"{m['role']}: " + "".join(marker if p["type"] == "image" else p["text"] for p in parts)
+            )
+        return "\n".join(lines) + "\nassistant:", add
+
+    def prompt_ids(self, prompt: str | list[dict], counts: list[int]) -> list[int]:
         """Token ids of one prompt whose images give ``counts`` placeholders each.
 
         Like the processors, each marker is expanded into its placeholder run in the text *before*
@@ -245,6 +282,8 @@ class Pipeline:
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list):  # a conversation (the server's messages): its texts are checked
+                continue
             if not isinstance(prompt, str):
                 raise VlmcError(f"prompt #{i + 1} must be text, got {type(prompt).__name__}")
             try:
