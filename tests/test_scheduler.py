@@ -140,3 +140,59 @@ def test_sampling_is_seeded_and_greedy_at_zero(exported, tmp_path):
 def test_a_contiguous_package_is_refused_in_one_line(exported):
     with pytest.raises(VlmcError, match="needs a paged package"):
         Scheduler(Pipeline(Package.load(exported("tiny-llava"))))
+
+
+def test_a_reference_build_serves_batches_on_its_gears(exported, tmp_path):
+    from vlmc.backends import ascend
+    from vlmc.backends.ascend import runner
+
+    pkg = _paged(exported("tiny-llava"), tmp_path)
+    target = {"soc": "Ascend910B2", "sequence_buckets": [64, 256], "batch_sizes": [1, 2, 4]}
+    ascend.compile(pkg, tmp_path / "build", target)
+    run_pkg, executor = runner.open_build(tmp_path / "build", "reference")
+    assert executor.largest("decoder", "batch") == 4
+    pipe = Pipeline(run_pkg, executor=executor)
+    expected = [pipe.generate([p], [im], n).tokens[0] for p, im, n in REQUESTS]
+    sched = Scheduler(pipe, max_batch=4)
+    assert sched.allocator.num_blocks == run_pkg.manifest["kv"]["num_blocks"]
+    assert [r.tokens for r in sched.run([Request(p, im, n) for p, im, n in REQUESTS])] == expected
+    assert sched.steps < sum(len(t) - 1 for t in expected)
+
+
+def test_vlmc_run_chat_reuses_the_history_and_answers_as_without_reuse(exported, tmp_path):
+    import subprocess
+    import sys
+
+    pkg = _paged(exported("tiny-llava"), tmp_path)
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "vlmc"), "run", str(pkg.root), "--chat", "--max-new-tokens", "6"],
+        input="/image demo:1\nDescribe the image.\nAnd then?\n/quit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    stats = [ln for ln in run.stderr.splitlines() if "prompt tokens reused" in ln]
+    assert (
+        len(stats) == 2
+        and stats[0].startswith("6 tokens; 0 of")
+        and not stats[1].split("; ")[1].startswith("0 ")
+    )
+    # In process: the second turn's tokens equal the whole conversation recomputed without any reuse.
+    from vlmc.runtime.conversation import Conversation
+
+    conv = Conversation(Pipeline(pkg), 6)
+    t1 = conv.ask("Describe the image.", ["demo:1"])
+    t2 = conv.ask("And then?")
+    assert t1.cached_tokens == 0 and t2.cached_tokens >= BLOCK
+    history = [
+        _user("Describe the image.", 1),
+        {"role": "assistant", "content": [{"type": "text", "text": t1.text}]},
+    ]
+    plain = Pipeline(pkg).generate([[*history, _user("And then?", 0)]], [["demo:1"]], 6)
+    assert t2.tokens == plain.tokens[0]
+    conv.close()
+
+
+def _user(text: str, images: int) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}

@@ -221,7 +221,7 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 @click.option(
     "--image", "images", multiple=True, help="Image file (repeatable), or 'demo' for a built-in picture."
 )
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable: a batch).")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable: a batch).")
 @click.option(
     "--max-new-tokens",
     default=20,
@@ -251,7 +251,13 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     help="For a compile output: also run this package on onnxruntime and report how far the build's tokens "
     "and logits are from it.",
 )
-def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against):
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="A conversation on standard input: one user turn per line, `/image PATH` attaches an image to the "
+    "next turn, `/quit` ends. On a paged package the history's KV and images are reused between turns.",
+)
+def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against, chat):
     """Generate text for prompts (and images) with a package on onnxruntime CPU, or with a compile output.
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
@@ -268,6 +274,8 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         vlmc run out/demo-910b --executor reference --image demo --prompt "Describe the image."
 
         vlmc run out/demo-910b --against out/demo/package --prompt "Describe the image."
+
+        vlmc run out/tiny-llava-paged --chat --image demo
     """
     from vlmc.backends.ascend import runner
     from vlmc.package import Package
@@ -295,6 +303,18 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
         pkg = Package.load(path)
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
+    if chat:
+        if pipe is None:
+            raise VlmcError("--chat runs one process: a tensor-parallel package or build cannot chat yet")
+        if against is not None or len(prompts) > 1:
+            raise VlmcError("--chat takes at most one --prompt (the first turn) and no --against")
+        try:
+            _chat(pipe, list(prompts), list(images), max_new_tokens)
+        finally:
+            pipe.close()
+        return
+    if not prompts:
+        raise click.UsageError("run needs --prompt (or --chat)")
     per_prompt = _distribute(list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>"))
     if pipe is None:
         # One process per rank, joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
@@ -462,6 +482,43 @@ def _open_for_serving(path: Path, executor: str | None, device_id: int):
     if pkg.manifest.get("tensor_parallel"):
         raise VlmcError("vlmc serve runs one process: a tensor-parallel package runs with `vlmc run` for now")
     return pipe, str(pkg.manifest["model"].get("source") or pkg.manifest["model"]["family"])
+
+
+def _chat(pipe, prompts: list[str], images: list[str], max_new_tokens: int) -> None:
+    """The `run --chat` loop: turns from standard input (or --prompt for the first), answers on stdout."""
+    from vlmc.runtime.conversation import Conversation
+
+    conv = Conversation(pipe, max_new_tokens)
+    if conv.scheduler is None:
+        ui.info(
+            "a contiguous package: each turn recomputes the whole conversation (paged_kv lets turns reuse it)"
+        )
+    stdin = click.get_text_stream("stdin")
+    pending = list(images)
+    lines = iter(prompts) if prompts else iter(())
+    while True:
+        line = next(lines, None)
+        if line is None:
+            line = stdin.readline()
+            if not line:
+                break
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/quit":
+            break
+        if line.startswith("/image "):
+            pending.append(line[len("/image ") :].strip())
+            continue
+        turn = conv.ask(line, pending)
+        pending = []
+        ui.stdout.print(turn.text, markup=False, highlight=False)
+        if turn.prompt_tokens:
+            ui.info(
+                f"{len(turn.tokens)} tokens; {turn.cached_tokens} of {turn.prompt_tokens} prompt tokens reused; "
+                f"first token after {turn.time_to_first_token:.3f} s"
+            )
+    conv.close()
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:

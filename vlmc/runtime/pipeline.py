@@ -199,8 +199,8 @@ class Pipeline:
 
     def _render_conversation(self, messages: list[dict], marker: str, add: bool) -> tuple[str, bool]:
         """A conversation (transformers' message format): one user turn is the plain prompt it holds;
-        more go through the chat template, or, for a package without one, become ``role: text`` lines
-        with the image marker where each image is."""
+        more go through the chat template, or, for a package without one, each user turn becomes what
+        its plain prompt would, followed by the other turns' text."""
         if len(messages) == 1 and messages[0]["role"] == "user":
             parts = messages[0]["content"]
             if isinstance(parts, str):
@@ -222,15 +222,23 @@ class Pipeline:
             text = chat.render(template, messages, n_images, t.get("special_tokens"))
             bos = (t.get("special_tokens") or {}).get("bos_token")
             return text, add and not (bos and text.startswith(bos))
-        lines = []
+        # Without a template each user turn is laid out as a plain prompt is (text.prompt_template, its
+        # images at the marker) and the other turns' text follows as it is, so a conversation's text
+        # starts with the text of every earlier turn: the prefix its KV blocks are reused by.
+        template = t.get("prompt_template", "{prompt}")
+        out = []
         for m in messages:
             parts = (
                 m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
             )
-            lines.append(
-                f"{m['role']}: " + "".join(marker if p["type"] == "image" else p["text"] for p in parts)
-            )
-        return "\n".join(lines) + "\nassistant:", add
+            text = "".join(p["text"] for p in parts if p["type"] == "text")
+            if m["role"] != "user":
+                out.append(text)
+                continue
+            n = sum(1 for p in parts if p["type"] == "image")
+            turn = template.replace(marker, marker * n) if marker in template else marker * n + template
+            out.append(turn.replace("{prompt}", text))
+        return "".join(out), add
 
     def prompt_ids(self, prompt: str | list[dict], counts: list[int]) -> list[int]:
         """Token ids of one prompt whose images give ``counts`` placeholders each.

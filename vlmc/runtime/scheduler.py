@@ -12,9 +12,9 @@ no empty pool could hold is refused with one line.
 
 Reuse across requests (docs/serving.md):
 
-- **prefix blocks.** Every whole block of a prompt is keyed by its tokens, the images whose
-  placeholders it holds, and the key of the block before it, and stays in the pool after its sequence
-  finishes (held by the cache, given back least recently used first when blocks run out). A new prompt
+- **prefix blocks.** Every whole block of a prompt (and, when the sequence ends, of its answer) is
+  keyed by its tokens, the images whose placeholders it holds, and the key of the block before it, and
+  stays in the pool after its sequence finishes (held by the cache, given back least recently used first when blocks run out). A new prompt
   that starts with cached blocks shares them by reference and prefills only the rest. Only whole
   blocks are shared, and a shared block is never written again (a sequence writes only to blocks it
   allocated itself), so no copy is ever needed.
@@ -92,6 +92,8 @@ class _Sequence:
     reserved: int = 0  # blocks admission set aside for it (prompt + max_new_tokens)
     next_pos: np.ndarray | None = None  # position ids of its next token ([1, 1] or [axes, 1, 1])
     rng: np.random.Generator | None = None
+    prompt: list[int] = field(default_factory=list)  # prompt token ids
+    image_keys: list[str] = field(default_factory=list)
 
 
 class _LRU:
@@ -311,8 +313,9 @@ class Scheduler:
 
     def _prefill(self, seq: _Sequence) -> None:
         pipe, inp = self.pipe, seq.inputs
-        ids = inp.input_ids[0].tolist()
-        keys = block_keys(ids, self.image_id, self._image_keys(inp), self.block_size) if self.prefix else []
+        ids = seq.prompt = inp.input_ids[0].tolist()
+        seq.image_keys = self._image_keys(inp)
+        keys = block_keys(ids, self.image_id, seq.image_keys, self.block_size) if self.prefix else []
         # at least the prompt's last token is computed: its logits give the first new token
         shared = self.prefix.lookup(keys[: (len(ids) - 1) // self.block_size]) if keys else []
         merged, embeds, pos, extra = pipe.start(inp)
@@ -337,10 +340,7 @@ class Scheduler:
             available, chain = pipe.decoder_inputs(embeds, mask, pos, {**extra, **ds})
         logits = pipe.step(available, chain, state)
         seq.request.cached_tokens = cached
-        if self.prefix is not None:
-            table = self.allocator.table(seq.key)
-            for key, block in zip(keys, table):
-                self.prefix.insert(key, block)
+        self._remember(seq, ids)
         seq.next_pos = positions.next_positions(pos)
         self._emit(seq, logits[0])
 
@@ -393,9 +393,20 @@ class Scheduler:
         elif len(r.tokens) >= r.max_new_tokens:
             self._finish(seq, "length")
 
+    def _remember(self, seq: _Sequence, ids: list[int]) -> None:
+        """Keep the whole blocks holding ``ids`` (the sequence's stored tokens) in the prefix cache."""
+        if self.prefix is not None:
+            keys = block_keys(ids, self.image_id, seq.image_keys, self.block_size)
+            for key, block in zip(keys, self.allocator.table(seq.key)):
+                self.prefix.insert(key, block)
+
     def _finish(self, seq: _Sequence, reason: str) -> None:
         seq.request.finish_reason = reason
         seq.request.finished_at = time.perf_counter()
+        # The answer's blocks too: a next turn's prompt starts with this prompt and this answer. Every
+        # generated token but the last was fed back, so that is what the pool holds.
+        stored = self.allocator.length(seq.key)
+        self._remember(seq, seq.prompt + seq.request.tokens[: stored - len(seq.prompt)])
         self.allocator.release(seq.key)
         self.running.remove(seq)
 
