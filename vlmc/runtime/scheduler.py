@@ -231,6 +231,8 @@ class Scheduler:
         self._ids = itertools.count(1)
         self.eos = pipeline.eos_ids()
         self.steps = 0  # decoder runs of batched decode steps
+        # Where the time goes (benchmarks and the server's stats): seconds and tokens of each phase.
+        self.stats = {"prefill_seconds": 0.0, "prefills": 0, "decode_seconds": 0.0, "decode_tokens": 0}
         self.image_id = int(m["vision"]["image_token_id"])
         self.limit = int(m["text"].get("max_positions", 1 << 30))
 
@@ -288,11 +290,17 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_batch and self._fits(self.waiting[0]):
             seq = self.waiting.popleft()
             self.running.append(seq)
+            t0 = time.perf_counter()
             self._prefill(seq)
+            self.stats["prefill_seconds"] += time.perf_counter() - t0
+            self.stats["prefills"] += 1
             if seq.request.done:
                 finished.append(seq.request)
         if self.running:
+            t0, n = time.perf_counter(), len(self.running)
             finished += self._decode()
+            self.stats["decode_seconds"] += time.perf_counter() - t0
+            self.stats["decode_tokens"] += n
         return finished
 
     def run(self, requests: list[Request]) -> list[Request]:
