@@ -15,7 +15,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[export,dev]'
+	$(PIP) -e '.[export,serve,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

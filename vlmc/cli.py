@@ -276,7 +276,7 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
 @click.option(
     "--image", "images", multiple=True, help="Image file (repeatable), or 'demo' for a built-in picture."
 )
-@click.option("--prompt", "prompts", multiple=True, required=True, help="Prompt text (repeatable: a batch).")
+@click.option("--prompt", "prompts", multiple=True, help="Prompt text (repeatable: a batch).")
 @click.option(
     "--max-new-tokens",
     default=20,
@@ -306,7 +306,13 @@ def build(recipe_path, output, check, force, trust_remote_code, allow_pickle):
     help="For a compile output: also run this package on onnxruntime and report how far the build's tokens "
     "and logits are from it.",
 )
-def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against):
+@click.option(
+    "--chat",
+    is_flag=True,
+    help="A conversation on standard input: one user turn per line, `/image PATH` attaches an image to the "
+    "next turn, `/quit` ends. On a paged package the history's KV and images are reused between turns.",
+)
+def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, against, chat):
     """Generate text for prompts (and images) with a package on onnxruntime CPU, or with a compile output.
 
     PACKAGE is a package directory, or a directory `vlmc compile --target ascend` wrote: its builds run
@@ -323,6 +329,8 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         vlmc run out/demo-910b --executor reference --image demo --prompt "Describe the image."
 
         vlmc run out/demo-910b --against out/demo/package --prompt "Describe the image."
+
+        vlmc run out/tiny-llava-paged --chat --image demo
     """
     from vlmc.backends.ascend import runner
     from vlmc.package import Package
@@ -354,6 +362,18 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
             raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
         pkg = Package.load(path)
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
+    if chat:
+        if pipe is None:
+            raise VlmcError("--chat runs one process: a tensor-parallel package or build cannot chat yet")
+        if against is not None or len(prompts) > 1:
+            raise VlmcError("--chat takes at most one --prompt (the first turn) and no --against")
+        try:
+            _chat(pipe, list(prompts), list(images), max_new_tokens)
+        finally:
+            pipe.close()
+        return
+    if not prompts:
+        raise click.UsageError("run needs --prompt (or --chat)")
     try:
         per_prompt = _distribute(
             list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>")
@@ -423,6 +443,170 @@ def _fitted_images(manifest: dict, per_prompt: list[list]) -> tuple[list[list], 
         out.append(fitted[k : k + len(per)])
         k += len(per)
     return out, notes
+
+
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (anything but "
+    "loopback exposes the model to the network; there is no authentication).",
+)
+@click.option(
+    "--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one)."
+)
+@click.option(
+    "--max-batch",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1, limits.MAX_BATCH),
+    help="Sequences decoded together at most (a build's largest batch gear at most).",
+)
+@click.option(
+    "--num-blocks",
+    default=None,
+    type=click.IntRange(2, 1 << 24),
+    help="KV pool blocks for a package whose pool size is symbolic (default 1024).",
+)
+@click.option(
+    "--max-queue",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 1 << 16),
+    help="Requests waiting at most; more get HTTP 429.",
+)
+@click.option(
+    "--max-tokens",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(1, 1 << 20),
+    help="Largest max_tokens a request may ask for.",
+)
+@click.option(
+    "--image-root",
+    type=click.Path(path_type=Path, file_okay=False, exists=True),
+    default=None,
+    help="Directory whose files requests may name as image_url (default: data: URLs only).",
+)
+@click.option(
+    "--no-prefix-cache", is_flag=True, help="Do not share prompt-prefix KV blocks between requests."
+)
+@click.option(
+    "--executor",
+    type=click.Choice(["acl", "reference"]),
+    default=None,
+    help="For a compile output: acl or reference (as for `vlmc run`).",
+)
+@click.option(
+    "--device-id", default=0, show_default=True, type=click.IntRange(0), help="NPU to run on (acl)."
+)
+def serve(
+    package,
+    host,
+    port,
+    max_batch,
+    num_blocks,
+    max_queue,
+    max_tokens,
+    image_root,
+    no_prefix_cache,
+    executor,
+    device_id,
+):
+    """Serve a paged package or compile output over an OpenAI-compatible API (/v1/chat/completions).
+
+    Requests are batched continuously over the paged KV pool; prompt prefixes and image features are
+    reused across requests (docs/serving.md). Needs the `serve` extra (FastAPI, uvicorn).
+
+    Example:
+
+        vlmc serve out/tiny-llava-paged --port 8000
+    """
+    from vlmc import serve as serving
+
+    pipe, name = _open_for_serving(Path(package), executor, device_id)
+    if hasattr(pipe.executor, "largest"):  # a compile output: its batch gears bound the batch
+        most = pipe.executor.largest(pipe.m["pipeline"]["decoder"][0], "batch")
+        if most is not None and most < max_batch:
+            ui.info(f"the build's largest batch gear is {most}: decoding at most {most} sequences together")
+            max_batch = most
+    try:
+        serving.serve(
+            pipe,
+            host,
+            port,
+            name,
+            serving.Limits(max_queue=max_queue, max_tokens=max_tokens),
+            image_root,
+            max_batch=max_batch,
+            num_blocks=num_blocks,
+            prefix_cache=not no_prefix_cache,
+        )
+    finally:
+        pipe.close()
+
+
+def _open_for_serving(path: Path, executor: str | None, device_id: int):
+    """A Pipeline over a package or a compile output, and the model name the API reports."""
+    import importlib.util
+
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
+        raise VlmcError("vlmc serve needs FastAPI and uvicorn: pip install 'vlmc[serve]'")
+    from vlmc.backends.ascend import runner
+
+    if runner.is_build_dir(path):
+        pkg, build_exec = runner.open_build(path, executor or runner.default_executor(), device_id)
+        pipe = Pipeline(pkg, executor=build_exec)
+    else:
+        if executor is not None:
+            raise VlmcError(f"--executor applies to a compile output; {path} is a package")
+        pkg = Package.load(path)
+        pipe = Pipeline(pkg)
+    if pkg.manifest.get("tensor_parallel"):
+        raise VlmcError("vlmc serve runs one process: a tensor-parallel package runs with `vlmc run` for now")
+    return pipe, str(pkg.manifest["model"].get("source") or pkg.manifest["model"]["family"])
+
+
+def _chat(pipe, prompts: list[str], images: list[str], max_new_tokens: int) -> None:
+    """The `run --chat` loop: turns from standard input (or --prompt for the first), answers on stdout."""
+    from vlmc.runtime.conversation import Conversation
+
+    conv = Conversation(pipe, max_new_tokens)
+    if conv.scheduler is None:
+        ui.info(
+            "a contiguous package: each turn recomputes the whole conversation (paged_kv lets turns reuse it)"
+        )
+    stdin = click.get_text_stream("stdin")
+    pending = list(images)
+    lines = iter(prompts) if prompts else iter(())
+    while True:
+        line = next(lines, None)
+        if line is None:
+            line = stdin.readline()
+            if not line:
+                break
+        line = line.strip()
+        if not line:
+            continue
+        if line == "/quit":
+            break
+        if line.startswith("/image "):
+            pending.append(line[len("/image ") :].strip())
+            continue
+        turn = conv.ask(line, pending)
+        pending = []
+        ui.stdout.print(turn.text, markup=False, highlight=False)
+        if turn.prompt_tokens:
+            ui.info(
+                f"{len(turn.tokens)} tokens; {turn.cached_tokens} of {turn.prompt_tokens} prompt tokens reused; "
+                f"first token after {turn.time_to_first_token:.3f} s"
+            )
+    conv.close()
 
 
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:

@@ -193,8 +193,11 @@ def _alarm(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
-def render(template: str, prompt: str, n_images: int, special_tokens: dict | None = None) -> str:
+def render(template: str, prompt: str | list[dict], n_images: int, special_tokens: dict | None = None) -> str:
     """The text transformers' apply_chat_template(..., add_generation_prompt=True, tokenize=False) gives.
+
+    ``prompt`` is a plain prompt (one user turn, :func:`user_message`) or a whole conversation in
+    transformers' message format (content parts ``{"type": "text", "text": ...}`` / ``{"type": "image"}``).
 
     The render is bounded (vlmc/limits.py): total loop steps and calls, seconds, and output characters;
     past a bound it is refused with one line instead of running on.
@@ -208,7 +211,7 @@ def render(template: str, prompt: str, n_images: int, special_tokens: dict | Non
     try:
         with _alarm(limits.MAX_TEMPLATE_SECONDS + 0.5):
             for chunk in compiled.generate(
-                messages=user_message(prompt, n_images),
+                messages=prompt if isinstance(prompt, list) else user_message(prompt, n_images),
                 tools=None,
                 documents=None,
                 add_generation_prompt=True,

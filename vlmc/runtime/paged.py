@@ -48,6 +48,12 @@ class BlockAllocator:
         self._free: list[int] = self._ordered(range(NULL_BLOCK + 1, self.num_blocks))
         self._tables: dict[object, list[int]] = {}
         self._lengths: dict[object, int] = {}
+        # Holders of each handed-out block: its sequences (several when a prefix is shared) and any
+        # extra holder such as the prefix cache (vlmc/runtime/scheduler.py). Free at zero.
+        self._refs: dict[int, int] = {}
+        # Called with the number of blocks wanted before the free list is declared too short: a
+        # prefix cache gives back blocks only it still holds.
+        self.reclaim = None
 
     def _ordered(self, blocks) -> list[int]:
         blocks = list(blocks)
@@ -97,7 +103,9 @@ class BlockAllocator:
         self._ensure_free(need, f"sequence {seq!r} needs {need} more block(s)")
         table = self._tables.setdefault(seq, [])
         for _ in range(need):
-            table.append(self._free.pop())
+            block = self._free.pop()
+            self._refs[block] = 1
+            table.append(block)
         start = self._lengths.get(seq, 0)
         pos = np.arange(start, start + n_tokens)
         self._lengths[seq] = start + n_tokens
@@ -105,12 +113,44 @@ class BlockAllocator:
         return blocks * self.block_size + pos % self.block_size
 
     def release(self, seq) -> None:
-        """Return a finished sequence's blocks to the free list."""
+        """Drop a finished sequence's hold on its blocks; a block no one else holds is free again."""
         blocks = self._tables.pop(seq, [])
         self._lengths.pop(seq, None)
-        self._free.extend(reversed(blocks))
+        for block in reversed(blocks):
+            self.drop(block)
+
+    def share(self, seq, blocks: list[int], n_tokens: int) -> None:
+        """Start a new sequence on blocks another holds (a shared prefix of ``n_tokens`` tokens, which
+        fill the blocks): the sequence reads them, and writes only to blocks it allocates after them."""
+        if seq in self._tables:
+            raise VlmcError("paged KV: a shared prefix can only start a new sequence")
+        if n_tokens != len(blocks) * self.block_size:
+            raise VlmcError("paged KV: only whole blocks are shared")
+        for block in blocks:
+            self.hold(block)
+        self._tables[seq] = list(blocks)
+        self._lengths[seq] = n_tokens
+
+    def hold(self, block: int) -> None:
+        """One more holder of a handed-out block (it stays out of the free list until every holder drops it)."""
+        if block not in self._refs:
+            raise VlmcError(f"paged KV: block {block} is not in use")
+        self._refs[block] += 1
+
+    def drop(self, block: int) -> None:
+        left = self._refs[block] - 1
+        if left:
+            self._refs[block] = left
+        else:
+            del self._refs[block]
+            self._free.append(block)
+
+    def holders(self, block: int) -> int:
+        return self._refs.get(block, 0)
 
     def _ensure_free(self, need: int, what: str) -> None:
+        if need > len(self._free) and self.reclaim is not None:
+            self.reclaim(need - len(self._free))
         if need <= len(self._free):
             return
         if not self.growable:
@@ -153,6 +193,84 @@ def write_rows(pool: np.ndarray, rows: np.ndarray, slot_mapping: np.ndarray) -> 
     flat[target] = src
 
 
+class PagedPool:
+    """The K/V pools of every layer and the allocator that shares them out: one per device pool.
+
+    A :class:`PagedKV` state makes its own for one batch; the request scheduler
+    (vlmc/runtime/scheduler.py) keeps one for its whole life and hands it to the state of every step,
+    so sequences that join and leave a running batch all live in the same blocks.
+    """
+
+    def __init__(self, kv: dict, allocator: BlockAllocator, dtype, new_pool=None) -> None:
+        self.layers = int(kv["layers"])
+        self.kv_heads, self.head_dim = int(kv["kv_heads"]), int(kv["head_dim"])
+        self.block_size = int(kv["block_size"])
+        if allocator.block_size != self.block_size:
+            raise VlmcError(
+                f"allocator block_size {allocator.block_size} != package kv.block_size {self.block_size}"
+            )
+        fixed = kv.get("num_blocks")
+        if isinstance(fixed, int) and allocator.num_blocks != fixed:
+            raise VlmcError(
+                f"the package's pool has {fixed} blocks but the allocator has {allocator.num_blocks}"
+            )
+        if new_pool is not None and allocator.growable:
+            raise VlmcError(
+                "paged KV: an executor that holds the pools needs a fixed pool size (kv.num_blocks)"
+            )
+        self.allocator = allocator
+        self.dtype = np.dtype(dtype)
+        self._new_pool = new_pool
+        names = [f"{k}_cache.{i}" for i in range(self.layers) for k in ("key", "value")]
+        self.arrays = {name: self._pool(name, allocator.num_blocks) for name in names}
+
+    def _zeros(self, n: int) -> np.ndarray:
+        return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
+
+    def _pool(self, name: str, n: int):
+        if self._new_pool is not None:
+            return self._new_pool(name, (n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
+        return self._zeros(n)
+
+    def resize(self) -> None:
+        """Grow the numpy pools to the allocator's size (a growable allocator added blocks)."""
+        grow = self.allocator.num_blocks - next(iter(self.arrays.values())).shape[0]
+        if grow > 0:
+            for name, pool in self.arrays.items():
+                self.arrays[name] = np.concatenate([pool, self._zeros(grow)])
+
+    def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
+        """Write a step's ``new_key.{i}``/``new_value.{i}`` rows into the pools at ``slots``.
+
+        Raises:
+            VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
+                ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
+        """
+        written = 0
+        for name, rows in outputs.items():
+            m = _ROWS_RE.match(name)
+            if m:
+                pool = self.arrays[f"{m[1]}_cache.{m[2]}"]
+                if isinstance(pool, np.ndarray):
+                    write_rows(pool, rows, slots)
+                else:
+                    pool.write(rows, slots)
+                written += 1
+        if written != 2 * self.layers:
+            old = any(_OLD_RE.match(name) for name in outputs)
+            raise VlmcError(
+                f"paged KV: the decoder returned {written} of {2 * self.layers} new_key/new_value outputs"
+                + (
+                    "; it has the earlier key_cache_out interface: re-run the paged_kv pass on the contiguous package"
+                    if old
+                    else ""
+                )
+            )
+
+    def clear(self) -> None:
+        self.arrays.clear()
+
+
 class PagedKV:
     """KV state for paged decoder graphs (manifest kv.layout == "paged", interface v2).
 
@@ -161,6 +279,9 @@ class PagedKV:
     them where they are), ``block_tables``, ``slot_mapping`` and ``context_lens``; the step's
     attention mask (left padding) says which new positions are real tokens. The graph returns
     ``new_key.{i}``/``new_value.{i}``, which :meth:`update` writes into the pools in place.
+
+    Given a ``pool`` (and the rows' ``seqs``), the state feeds that shared pool and leaves its
+    sequences to whoever owns the pool: :meth:`release` then frees nothing.
     """
 
     def __init__(
@@ -171,54 +292,39 @@ class PagedKV:
         attention_mask: np.ndarray | None = None,
         allocator: BlockAllocator | None = None,
         pipeline: object | None = None,
+        pool: PagedPool | None = None,
+        seqs: list | None = None,
         **_: object,
     ) -> None:
         self.layers = int(kv["layers"])
-        self.kv_heads, self.head_dim = int(kv["kv_heads"]), int(kv["head_dim"])
         self.block_size = int(kv["block_size"])
         self.batch = batch
-        fixed = kv.get("num_blocks")
-        if allocator is None:
-            if isinstance(fixed, int):
-                allocator = BlockAllocator(fixed, self.block_size)
-            else:
-                tokens = int(attention_mask.sum()) if attention_mask is not None else 0
-                # The prompts plus one spare block per sequence; grows (doubling) while decoding.
-                guess = 1 + -(-tokens // self.block_size) + batch
-                allocator = BlockAllocator(guess, self.block_size, growable=True)
-        if allocator.block_size != self.block_size:
-            raise VlmcError(
-                f"allocator block_size {allocator.block_size} != package kv.block_size {self.block_size}"
-            )
-        if isinstance(fixed, int) and allocator.num_blocks != fixed:
-            raise VlmcError(
-                f"the package's pool has {fixed} blocks but the allocator has {allocator.num_blocks}"
-            )
-        self.allocator = allocator
-        self.seqs = [object() for _ in range(batch)]  # private ids: several states can share one allocator
-        # The pools take the decoder's own cache dtype (float16 for a graph whose IO was converted):
-        # a pool of another dtype would be cast, i.e. copied whole, by every step's feed.
-        self.dtype = np.dtype(_cache_dtype(pipeline) or dtype)
-        # An executor that keeps the pools itself (device memory on an NPU) hands them out; its pools
-        # are written by their own write(rows, slots). Otherwise they are numpy arrays written here.
-        self._new_pool = getattr(getattr(pipeline, "executor", None), "new_pool", None)
-        if self._new_pool is not None and not isinstance(fixed, int):
-            raise VlmcError(
-                "paged KV: an executor that holds the pools needs a fixed pool size (kv.num_blocks)"
-            )
-        self.pools = {name: self._pool(name, allocator.num_blocks) for name in self._pool_names()}
+        self._owns = pool is None
+        if pool is None:
+            fixed = kv.get("num_blocks")
+            if allocator is None:
+                if isinstance(fixed, int):
+                    allocator = BlockAllocator(fixed, self.block_size)
+                else:
+                    tokens = int(attention_mask.sum()) if attention_mask is not None else 0
+                    # The prompts plus one spare block per sequence; grows (doubling) while decoding.
+                    guess = 1 + -(-tokens // self.block_size) + batch
+                    allocator = BlockAllocator(guess, self.block_size, growable=True)
+            # The pools take the decoder's own cache dtype (float16 for a graph whose IO was converted):
+            # a pool of another dtype would be cast, i.e. copied whole, by every step's feed. An
+            # executor that keeps the pools itself (device memory on an NPU) hands them out; its pools
+            # are written by their own write(rows, slots). Otherwise they are numpy arrays.
+            pool = PagedPool(kv, allocator, _cache_dtype(pipeline) or dtype, pool_factory(pipeline))
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.dtype = pool.dtype
+        # private ids: several states can share one allocator
+        self.seqs = list(seqs) if seqs is not None else [object() for _ in range(batch)]
         self._slots: np.ndarray | None = None  # the last step's slot_mapping, for update()
 
-    def _pool_names(self) -> list[str]:
-        return [f"{k}_cache.{i}" for i in range(self.layers) for k in ("key", "value")]
-
-    def _zeros(self, n: int) -> np.ndarray:
-        return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
-
-    def _pool(self, name: str, n: int):
-        if self._new_pool is not None:
-            return self._new_pool(name, (n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
-        return self._zeros(n)
+    @property
+    def pools(self) -> dict:
+        return self.pool.arrays
 
     def feeds(self, step: dict) -> dict[str, np.ndarray]:
         """Allocate slots for this step's real tokens and return the paged inputs (padding slots are -1)."""
@@ -234,7 +340,7 @@ class PagedKV:
                 f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask "
                 f"{mask.sum(axis=1).tolist()}"
             )
-        self._resize()
+        self.pool.resize()
         self._slots = slots.astype(np.int32)
         out = dict(self.pools)
         out.update(
@@ -246,44 +352,21 @@ class PagedKV:
         )
         return out
 
-    def _resize(self) -> None:
-        grow = self.allocator.num_blocks - next(iter(self.pools.values())).shape[0]
-        if grow > 0:
-            for name, pool in self.pools.items():
-                self.pools[name] = np.concatenate([pool, self._zeros(grow)])
-
     def update(self, outputs: dict[str, np.ndarray]) -> None:
-        """Write the step's ``new_key.{i}``/``new_value.{i}`` rows into the pools at its slots.
-
-        Raises:
-            VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
-                ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
-        """
-        written = 0
-        for name, rows in outputs.items():
-            m = _ROWS_RE.match(name)
-            if m:
-                pool = self.pools[f"{m[1]}_cache.{m[2]}"]
-                if isinstance(pool, np.ndarray):
-                    write_rows(pool, rows, self._slots)
-                else:
-                    pool.write(rows, self._slots)
-                written += 1
-        if written != 2 * self.layers:
-            old = any(_OLD_RE.match(name) for name in outputs)
-            raise VlmcError(
-                f"paged KV: the decoder returned {written} of {2 * self.layers} new_key/new_value outputs"
-                + (
-                    "; it has the earlier key_cache_out interface: re-run the paged_kv pass on the contiguous package"
-                    if old
-                    else ""
-                )
-            )
+        """Write the step's ``new_key.{i}``/``new_value.{i}`` rows into the pools at its slots."""
+        self.pool.write(outputs, self._slots)
 
     def release(self) -> None:
+        if not self._owns:
+            return
         for s in self.seqs:
             self.allocator.release(s)
-        self.pools.clear()
+        self.pool.clear()
+
+
+def pool_factory(pipeline: object | None):
+    """The executor's ``new_pool`` (device-held pools), or None for numpy pools."""
+    return getattr(getattr(pipeline, "executor", None), "new_pool", None)
 
 
 def _cache_dtype(pipeline: object | None) -> str | None:

@@ -8,6 +8,8 @@ families (preprocessing kind, position kind, tokens per image, the graph chain) 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 
@@ -84,6 +86,9 @@ class Pipeline:
         self.executor = executor if executor is not None else OrtExecutor(pkg, threads)
         self._sessions: dict[str, object] = getattr(self.executor, "sessions", {})
         self._tokenizer = None
+        # An image-feature cache (the request scheduler's: get(key) / put(key, outputs)), keyed by the
+        # preprocessed pixels and the preprocessing facts; None runs the image chain every time.
+        self.image_cache = None
 
     def close(self) -> None:
         """Free what the executor holds (onnxruntime sessions hold a copy of their graph's weights)."""
@@ -174,6 +179,8 @@ class Pipeline:
         t = self.m["text"]
         marker = t.get("image_marker", "<image>")
         add = bool(t.get("add_bos", True))
+        if isinstance(prompt, list):
+            return self._render_conversation(prompt, marker, add)
         if marker in prompt:
             return prompt, add
         template = (
@@ -190,7 +197,50 @@ class Pipeline:
             template = template.replace(marker, "")
         return template.replace("{prompt}", prompt), add
 
-    def prompt_ids(self, prompt: str, counts: list[int]) -> list[int]:
+    def _render_conversation(self, messages: list[dict], marker: str, add: bool) -> tuple[str, bool]:
+        """A conversation (transformers' message format): one user turn is the plain prompt it holds;
+        more go through the chat template, or, for a package without one, each user turn becomes what
+        its plain prompt would, followed by the other turns' text."""
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            parts = messages[0]["content"]
+            if isinstance(parts, str):
+                return self.render(parts, 0)
+            texts = [p["text"] for p in parts if p["type"] == "text"]
+            images = [i for i, p in enumerate(parts) if p["type"] == "image"]
+            if len(texts) == 1 and images == list(range(len(images))):  # images first: a plain prompt
+                return self.render(texts[0], len(images))
+        t = self.m["text"]
+        n_images = sum(
+            1
+            for m in messages
+            if isinstance(m["content"], list)
+            for p in m["content"]
+            if p["type"] == "image"
+        )
+        if t.get("chat_template") and self.tokenizer.source:
+            template = tokmod.package_text(self.pkg, t["chat_template"], "text.chat_template")
+            text = chat.render(template, messages, n_images, t.get("special_tokens"))
+            bos = (t.get("special_tokens") or {}).get("bos_token")
+            return text, add and not (bos and text.startswith(bos))
+        # Without a template each user turn is laid out as a plain prompt is (text.prompt_template, its
+        # images at the marker) and the other turns' text follows as it is, so a conversation's text
+        # starts with the text of every earlier turn: the prefix its KV blocks are reused by.
+        template = t.get("prompt_template", "{prompt}")
+        out = []
+        for m in messages:
+            parts = (
+                m["content"] if isinstance(m["content"], list) else [{"type": "text", "text": m["content"]}]
+            )
+            text = "".join(p["text"] for p in parts if p["type"] == "text")
+            if m["role"] != "user":
+                out.append(text)
+                continue
+            n = sum(1 for p in parts if p["type"] == "image")
+            turn = template.replace(marker, marker * n) if marker in template else marker * n + template
+            out.append(turn.replace("{prompt}", text))
+        return "".join(out), add
+
+    def prompt_ids(self, prompt: str | list[dict], counts: list[int]) -> list[int]:
         """Token ids of one prompt whose images give ``counts`` placeholders each.
 
         Like the processors, each marker is expanded into its placeholder run in the text *before*
@@ -240,6 +290,8 @@ class Pipeline:
         if len(prompts) != len(images):
             raise VlmcError(f"got {len(prompts)} prompts but {len(images)} image lists")
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list):  # a conversation (the server's messages): its texts are checked
+                continue
             if not isinstance(prompt, str):
                 raise VlmcError(f"prompt #{i + 1} must be text, got {type(prompt).__name__}")
             try:
@@ -291,7 +343,14 @@ class Pipeline:
 
     def image_outputs(self, vision: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the image chain; all its outputs (image_features, plus e.g. image_token_indices)."""
-        return self.run_chain(self.m["pipeline"]["image"], self.vision_feeds(vision))
+        if self.image_cache is None:
+            return self.run_chain(self.m["pipeline"]["image"], self.vision_feeds(vision))
+        key = pixels_key(vision, self.m["vision"]["preprocess"])
+        outputs = self.image_cache.get(key)
+        if outputs is None:
+            outputs = self.run_chain(self.m["pipeline"]["image"], self.vision_feeds(vision))
+            self.image_cache.put(key, outputs)
+        return outputs
 
     def image_features(self, vision: dict[str, np.ndarray]) -> np.ndarray:
         """Run the image chain; returns features flattened to [total_image_tokens, hidden]."""
@@ -326,20 +385,32 @@ class Pipeline:
         if n_slots != expected:
             raise VlmcError(f"{n_slots} image placeholders but the images give {expected} features")
 
-    def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20) -> GenerationResult:
-        return self.generate_from(self.prepare(prompts, images), max_new_tokens)
+    # ---- one step, shared by generate_from and the request scheduler (vlmc/runtime/scheduler.py) ----
+    def eos_ids(self) -> set[int]:
+        eos = self.m["text"].get("eos_token_id")
+        return set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
 
-    def generate_from(self, inp: Inputs, max_new_tokens: int = 20) -> GenerationResult:
-        if max_new_tokens < 1:
-            raise VlmcError("max_new_tokens must be at least 1")
-        t = self.m["text"]
-        batch = inp.input_ids.shape[0]
-        eos = t.get("eos_token_id")
-        eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        pad = int(t.get("pad_token_id") or 0)
-        # A merged package (pipeline.vlm) prefills prompts that have images in one graph run: embedding,
-        # placeholder scatter and decoder all happen inside it. Text-only prefill and every decode step
-        # use the embed + decoder chain, which merged packages keep beside it.
+    def kv_facts(self) -> dict:
+        """The KV facts this process's cache holds (one rank's share of the heads under tensor parallelism).
+
+        Raises:
+            VlmcError: a tensor-parallel package run without its ranks.
+        """
+        tp = self.m.get("tensor_parallel")
+        if tp and self.decoder is None:
+            raise VlmcError(
+                f"the package is split over {tp['size']} ranks (tensor_parallel); run it with `vlmc run`, "
+                "which starts the ranks, or vlmc.runtime.ranks.RankGroup"
+            )
+        return self.decoder.kv_facts(self.m["kv"]) if self.decoder is not None else self.m["kv"]
+
+    def start(self, inp: Inputs):
+        """What prefill needs: ``(merged graph or None, prompt embeds or None, position ids, extra inputs)``.
+
+        A merged package (pipeline.vlm) prefills prompts that have images in one graph run: embedding,
+        placeholder scatter and decoder all happen inside it (embeds is then None). Text-only prefill
+        and every decode step use the embed + decoder chain, which merged packages keep beside it.
+        """
         merged = self.m["pipeline"].get("vlm") if inp.vision else None
         embeds = self._check_merged_slots(inp) if merged else self.prefill_embeds(inp)
         ctx = {
@@ -348,46 +419,62 @@ class Pipeline:
             "image_counts": inp.image_counts,
             "image_outputs": inp.image_outputs,
         }
-        pos = positions.prefill(t.get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
-        extra = extras.prefill(self.m, inp.input_ids)
+        pos = positions.prefill(self.m["text"].get("position", "1d"), inp.input_ids, inp.attention_mask, ctx)
+        return merged, embeds, pos, extras.prefill(self.m, inp.input_ids)
+
+    def merged_inputs(self, inp: Inputs, merged: str, mask, pos, extra: dict) -> tuple[dict, list[str]]:
+        available = {"attention_mask": mask, "position_ids": pos, **extra}
+        available.update(self.vision_feeds(inp.vision), input_ids=inp.input_ids)
+        return available, [merged]
+
+    def decoder_inputs(self, embeds: np.ndarray, mask, pos, extra: dict) -> tuple[dict, list[str]]:
+        available = {"attention_mask": mask, "position_ids": pos, "inputs_embeds": embeds, **extra}
+        return available, self.m["pipeline"]["decoder"]
+
+    def step(self, available: dict, chain: list[str], state) -> np.ndarray:
+        """Run one prefill or decode step over ``state``'s KV; the last position's logits [batch, vocab]."""
+        fed = available["inputs_embeds"] if "inputs_embeds" in available else available["input_ids"]
+        available.update(
+            state.feeds({"attention_mask": available["attention_mask"], "new_tokens": fed.shape[1]})
+        )
+        if self.decoder is not None and "inputs_embeds" in available:
+            out = self.decoder.run(self, available)
+        else:
+            out = self.run_chain(chain, available)
+        state.update(out)
+        # a copy, not a view: a view kept the whole prefill logits ([batch, prompt, vocab]:
+        # 77 MB at a 600-token LLaVA prompt) alive in step_logits for the result's life
+        return out["logits"][:, -1, :].copy()
+
+    def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20) -> GenerationResult:
+        return self.generate_from(self.prepare(prompts, images), max_new_tokens)
+
+    def generate_from(self, inp: Inputs, max_new_tokens: int = 20) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise VlmcError("max_new_tokens must be at least 1")
+        t = self.m["text"]
+        batch = inp.input_ids.shape[0]
+        eos_ids = self.eos_ids()
+        pad = int(t.get("pad_token_id") or 0)
+        merged, embeds, pos, extra = self.start(inp)
         mask = inp.attention_mask
-        tp = self.m.get("tensor_parallel")
-        if tp and self.decoder is None:
-            raise VlmcError(
-                f"the package is split over {tp['size']} ranks (tensor_parallel); run it with `vlmc run`, "
-                "which starts the ranks, or vlmc.runtime.ranks.RankGroup"
-            )
         dtype = self.m["kv"].get("dtype", "float32")
-        kv_facts = self.decoder.kv_facts(self.m["kv"]) if self.decoder is not None else self.m["kv"]
-        state = kvmod.make(kv_facts, batch, dtype, attention_mask=mask, pipeline=self)
+        state = kvmod.make(self.kv_facts(), batch, dtype, attention_mask=mask, pipeline=self)
         tokens: list[list[int]] = [[] for _ in range(batch)]
         done = np.zeros(batch, bool)
         step_logits = []
         prefill_logits = None
         try:
             for step in range(max_new_tokens):
-                available = {"attention_mask": mask, "position_ids": pos, **extra}
                 if embeds is None:
-                    available.update(self.vision_feeds(inp.vision), input_ids=inp.input_ids)
-                    chain, new_tokens = [merged], inp.input_ids.shape[1]
+                    available, chain = self.merged_inputs(inp, merged, mask, pos, extra)
                 else:
-                    available["inputs_embeds"] = embeds
-                    chain, new_tokens = self.m["pipeline"]["decoder"], embeds.shape[1]
                     # text.deepstack (Qwen3-VL): vision-layer features for the image positions
-                    available.update(
-                        deepstack.feeds(
-                            self.m, inp.input_ids, inp.image_outputs, embeds.shape[-1], prefill=step == 0
-                        )
+                    ds = deepstack.feeds(
+                        self.m, inp.input_ids, inp.image_outputs, embeds.shape[-1], step == 0
                     )
-                available.update(state.feeds({"attention_mask": mask, "new_tokens": new_tokens}))
-                if self.decoder is not None and embeds is not None:
-                    out = self.decoder.run(self, available)
-                else:
-                    out = self.run_chain(chain, available)
-                state.update(out)
-                # a copy, not a view: a view kept the whole prefill logits ([batch, prompt, vocab]:
-                # 77 MB at a 600-token LLaVA prompt) alive in step_logits for the result's life
-                logits = out["logits"][:, -1, :].copy()
+                    available, chain = self.decoder_inputs(embeds, mask, pos, {**extra, **ds})
+                logits = self.step(available, chain, state)
                 if prefill_logits is None:
                     prefill_logits = logits.copy()
                 step_logits.append(logits)
@@ -414,3 +501,14 @@ class Pipeline:
             step_logits,
             image_tokens=int((inp.input_ids == int(self.m["vision"]["image_token_id"])).sum()),
         )
+
+
+def pixels_key(vision: dict[str, np.ndarray], preprocess_facts: dict) -> str:
+    """The images' identity for feature reuse: every preprocessed array (pixels, grids, tiles) and the
+    preprocessing facts that made them."""
+    digest = hashlib.sha256(json.dumps(preprocess_facts, sort_keys=True, default=str).encode())
+    for name in sorted(vision):
+        arr = np.ascontiguousarray(vision[name])
+        digest.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
+        digest.update(arr.data)
+    return digest.hexdigest()

@@ -31,9 +31,13 @@ def demo_image(size: int = 96, seed: int = 0) -> np.ndarray:
 
 
 def load_image(ref) -> np.ndarray:
-    """An image as uint8 HWC RGB from a path, a numpy array, or the name 'demo' / 'demo:SEED'."""
+    """An image as uint8 HWC RGB from a path, encoded bytes, a numpy array, or the name 'demo' / 'demo:SEED'."""
     if isinstance(ref, np.ndarray):
         return ref
+    if isinstance(ref, (bytes, bytearray)):
+        import io
+
+        return _decode(io.BytesIO(ref), "the image data")
     ref = str(ref)
     if ref == DEMO_IMAGE or ref.startswith(DEMO_IMAGE + ":"):
         seed = int(ref.split(":", 1)[1]) if ":" in ref else 0
@@ -42,6 +46,10 @@ def load_image(ref) -> np.ndarray:
     if not path.is_file():
         what = "is not a file" if path.exists() else "does not exist"
         raise VlmcError(f"image {ref} {what}; pass an image file (PNG, JPEG, ...) or 'demo'")
+    return _decode(path, f"image {ref}")
+
+
+def _decode(source, what: str) -> np.ndarray:
     try:
         from PIL import Image, UnidentifiedImageError
     except ModuleNotFoundError as exc:
@@ -52,21 +60,21 @@ def load_image(ref) -> np.ndarray:
     # check below refuses anything past the bound itself, from the header, before decoding).
     Image.MAX_IMAGE_PIXELS = limits.MAX_IMAGE_PIXELS
     try:
-        with Image.open(path) as im:
+        with Image.open(source) as im:
             w, h = im.size
             if w * h > limits.MAX_IMAGE_PIXELS:
                 raise VlmcError(
-                    f"image {ref} is {w}x{h} = {w * h} pixels, above the {limits.MAX_IMAGE_PIXELS}-pixel "
+                    f"{what} is {w}x{h} = {w * h} pixels, above the {limits.MAX_IMAGE_PIXELS}-pixel "
                     "limit (raise it with VLMC_MAX_IMAGE_PIXELS); it was not decoded"
                 )
             return np.asarray(im.convert("RGB"))
     except Image.DecompressionBombError as exc:
         raise VlmcError(
-            f"image {ref} is refused as a decompression bomb ({exc}); raise VLMC_MAX_IMAGE_PIXELS if you trust it"
+            f"{what} is refused as a decompression bomb ({exc}); raise VLMC_MAX_IMAGE_PIXELS if you trust it"
         ) from None
     except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as exc:
         raise VlmcError(
-            f"{ref} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file"
+            f"{what} is not a readable image ({type(exc).__name__}); pass a PNG or JPEG file"
         ) from exc
 
 

@@ -344,6 +344,11 @@ class BuildExecutor:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def largest(self, graph: str, symbol: str) -> int | None:
+        """The largest value any build of ``graph`` takes for a gear symbol (e.g. ``batch``); None if none binds it."""
+        values = [v[symbol] for b in self._builds(graph) for _, v in b.points() if symbol in v]
+        return max(values) if values else None
+
     # ---- gear choice and padding --------------------------------------------------------------
     def _builds(self, graph: str) -> list[BuildSpec]:
         if graph not in self.builds:

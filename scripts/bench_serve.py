@@ -1,0 +1,209 @@
+"""Serving many requests on one package: aggregate decode throughput and time to first token at 1, 4
+and 8 concurrent requests against one at a time, and a chat's second turn with and without reuse.
+
+    python scripts/bench_serve.py                      # the 512 M real-width LLaVA-1.5, paged, onnxruntime CPU
+    python scripts/bench_serve.py --package PKG_DIR    # any paged package
+    python scripts/bench_serve.py --quick              # the tiny built-in (a smoke run)
+
+Every request's tokens are checked against the same request run alone; a mismatch fails the run.
+Rounds alternate between the concurrency levels so a noisy machine moves them alike; medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Describe the image.",
+    "What is in this picture?",
+    "List the colours you see.",
+    "Is there a person here?",
+    "Write one sentence about it.",
+    "What could this be used for?",
+    "Where might this be?",
+    "Give it a title.",
+]
+
+
+def _package(args, tmp: Path) -> Path:
+    if args.package:
+        return args.package
+    vlmc = str(Path(sys.executable).parent / "vlmc")
+    recipe = tmp / "paged.yaml"
+    if args.quick:
+        recipe.write_text("model: tiny-llava\npasses:\n  - paged_kv: {block_size: 16}\n")
+    else:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import bench
+
+        model_dir, _ = bench.make_model_dir("llava-1.5", tmp)
+        recipe.write_text(f"model: {model_dir}\npasses:\n  - paged_kv: {{block_size: 16}}\n")
+    subprocess.run([vlmc, "-q", "build", "--recipe", str(recipe), "-o", str(tmp / "out")], check=True)
+    return tmp / "out" / "package"
+
+
+def _requests(n: int, new_tokens: int):
+    from vlmc.runtime.scheduler import Request
+
+    return [Request(PROMPTS[i % len(PROMPTS)], [f"demo:{i}"], new_tokens) for i in range(n)]
+
+
+def _workload(pipe, concurrency: int, n: int, new_tokens: int) -> dict:
+    from vlmc.runtime.scheduler import Scheduler
+
+    sched = Scheduler(pipe, max_batch=concurrency, num_blocks=4096, prefix_cache=False, image_cache=0)
+    reqs = _requests(n, new_tokens)
+    t0 = time.perf_counter()
+    sched.run(reqs)
+    wall = time.perf_counter() - t0
+    st = sched.stats
+    sched.close()
+    return {
+        "tokens": [r.tokens for r in reqs],
+        "wall_seconds": wall,
+        "decode_tok_s": st["decode_tokens"] / st["decode_seconds"] if st["decode_seconds"] else 0.0,
+        "total_tok_s": sum(len(r.tokens) for r in reqs) / wall,
+        "ttft_median": statistics.median(r.time_to_first_token for r in reqs),
+    }
+
+
+def _second_turn(pipe, reuse: bool, new_tokens: int) -> tuple[float, float]:
+    from vlmc.runtime.conversation import Conversation
+    from vlmc.runtime.scheduler import Scheduler
+
+    sched = Scheduler(pipe, max_batch=1, num_blocks=4096, prefix_cache=reuse, image_cache=16 if reuse else 0)
+    conv = Conversation(pipe, new_tokens, scheduler=sched)
+    first = conv.ask("Describe the image.", ["demo:1"]).time_to_first_token
+    second = conv.ask("And what colour is it?").time_to_first_token
+    sched.close()
+    return first, second
+
+
+def measure(pipe, rounds: int, requests: int, new_tokens: int) -> tuple[dict, dict]:
+    """Medians per concurrency level, and the chat turns' times to first token (reuse, no reuse)."""
+    levels = [1, 4, 8]
+    runs: dict[int, list[dict]] = {c: [] for c in levels}
+    for _ in range(rounds):
+        for c in levels:  # alternating, so drift on a shared machine moves every level alike
+            runs[c].append(_workload(pipe, c, requests, new_tokens))
+    alone = runs[1][0]["tokens"]
+    for c in levels:
+        if any(r["tokens"] != alone for r in runs[c]):
+            raise SystemExit(f"bench_serve: at concurrency {c} a request's tokens differ from it run alone")
+    turns: dict[str, list] = {"reuse": [], "no reuse": []}
+    for _ in range(rounds):
+        for name in turns:
+            turns[name].append(_second_turn(pipe, name == "reuse", new_tokens))
+    keys = ("decode_tok_s", "total_tok_s", "ttft_median", "wall_seconds")
+    med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in keys} for c in levels}
+    return med, turns
+
+
+def table(med: dict, turns: dict) -> list[str]:
+    rows = [
+        "| concurrent requests | decode tok/s (aggregate) | vs one at a time | tok/s incl. prefill | "
+        "median time to first token | workload s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for c, m in med.items():
+        rows.append(
+            f"| {c} | {m['decode_tok_s']:.1f} | **{m['decode_tok_s'] / med[1]['decode_tok_s']:.2f}×** | "
+            f"{m['total_tok_s']:.1f} | {m['ttft_median']:.3f} s | {m['wall_seconds']:.1f} |"
+        )
+    first, second, plain = _turn_medians(turns)
+    return rows + [
+        "",
+        "| chat turn | time to first token | vs first turn |",
+        "|---|---|---|",
+        f"| first turn (image + prompt) | {first:.3f} s | 1.00× |",
+        f"| second turn, prefix and image reused | {second:.3f} s | **{second / first:.2f}×** |",
+        f"| second turn, nothing reused | {plain:.3f} s | {plain / first:.2f}× |",
+    ]
+
+
+def _turn_medians(turns: dict) -> tuple[float, float, float]:
+    return (
+        statistics.median(t[0] for t in turns["reuse"]),
+        statistics.median(t[1] for t in turns["reuse"]),
+        statistics.median(t[1] for t in turns["no reuse"]),
+    )
+
+
+def run(rows: list[dict], quick: bool) -> None:
+    """`make bench` rows (scripts/bench.py runs every bench_*.py's run): the tiny built-in when quick."""
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    args = argparse.Namespace(package=None, quick=quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe = Pipeline(Package.load(_package(args, Path(tmp))), threads=2)
+        med, turns = measure(pipe, 1 if quick else 3, 8, 16)
+        pipe.close()
+    model = "tiny-llava" if quick else "llava-1.5 512 M"
+    for c, m in med.items():
+        rows.append(
+            {
+                "benchmark": "serve",
+                "setting": f"{model}, paged, {c} concurrent",
+                "metric": "aggregate decode tok/s",
+                "value": f"{m['decode_tok_s']:.1f}",
+                "ratio": f"{m['decode_tok_s'] / med[1]['decode_tok_s']:.2f}× one at a time",
+                "notes": f"median TTFT {m['ttft_median']:.3f} s; every request's tokens = it alone",
+            }
+        )
+    first, second, plain = _turn_medians(turns)
+    rows.append(
+        {
+            "benchmark": "serve",
+            "setting": f"{model}, chat second turn",
+            "metric": "time to first token",
+            "value": f"{second:.3f} s",
+            "ratio": f"{second / first:.2f}× the first turn",
+            "notes": f"without reuse {plain:.3f} s ({plain / first:.2f}×)",
+        }
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--package", type=Path, help="a paged package (default: build the 512 M LLaVA-1.5)")
+    ap.add_argument("--quick", action="store_true", help="the tiny built-in, 1 round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds = 1
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pipe = Pipeline(Package.load(_package(args, Path(tmp))), threads=args.threads)
+        med, turns = measure(pipe, args.rounds, args.requests, args.new_tokens)
+        pipe.close()
+    print("\n".join(table(med, turns)))
+    load = os.getloadavg()
+    print(
+        f"\n{args.requests} requests x {args.new_tokens} new tokens, {args.rounds} rounds, {args.threads} threads; "
+        f"load average at the end {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps({"levels": {str(c): m for c, m in med.items()}, "turns": turns}, indent=2)
+        )
+
+
+if __name__ == "__main__":
+    main()
