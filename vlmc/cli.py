@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from vlmc import __version__, limits, ui
+from vlmc import __version__, errors, limits, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class _Group(click.Group):
         except VlmcError as exc:
             if ui.is_verbose():
                 logger.exception("error")
-            click.echo(f"vlmc: error: {exc}", err=True)
+            click.echo(f"vlmc: error: {errors.one_line(exc)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
             click.echo("vlmc: interrupted; nothing was written", err=True)
