@@ -31,6 +31,7 @@ from vlmc.manifest_schema import (
     Req,
     SchemaError,
     Str,
+    Tagged,
     _show,
 )
 
@@ -119,7 +120,7 @@ ALL_REDUCE = Obj(
 TENSOR_PARALLEL = Obj(
     {
         "size": Req(Int(2, limits.MAX_HEADS, doc="ranks; the runtime package's tensor_parallel.size")),
-        "plan": Req(List(OneOf((SEGMENT, ALL_REDUCE)), 1, 1 << 16)),
+        "plan": Req(List(Tagged("step", {"segment": SEGMENT, "all_reduce": ALL_REDUCE}), 1, 1 << 16)),
         "ranks": Map(List(BUILD_NAME, 0, 65536), key=r"[0-9]{1,6}", max_items=limits.MAX_HEADS),
         "replicated_builds": List(BUILD_NAME, 0, 65536),
         "rank_table": Req(REL_PATH),
@@ -231,6 +232,9 @@ def _check_plan(tp: dict, by_name: dict[str, dict], manifest: dict | None, where
                     b = by_name.get(name)
                     if b is None or b["graph"] != graph or b.get("rank", r) != r:
                         raise VlmcError(f"{at}: {_show(name)} is not a build of {graph} for rank {r}")
+    for s, step in enumerate(plan):  # every segment's builds exist (above); now what flows between them
+        at = f"{where}: tensor_parallel.plan[{s}]"
+        if step["step"] == "segment":
             continue
         before = next((p for p in reversed(plan[:s]) if p["step"] == "segment"), None)
         after = next((p for p in plan[s + 1 :] if p["step"] == "segment"), None)

@@ -203,7 +203,8 @@ def _replace(tmp: Path, out: Path, before: tuple[int, int] | None) -> None:
     - a vlmc output was there (--force): renameat2(RENAME_EXCHANGE) swaps the two in one step, and
       what came out must be the very directory (device, inode) that was checked, else it is swapped
       back. Without renameat2 the old output is renamed aside, checked the same way, and put back if
-      it is not the checked one.
+      it is not the checked one. (A directory deleted and made again in between under the same
+      inode number is not told apart; a writer that replaces by rename, as vlmc does, is.)
     """
     if before is None:
         try:

@@ -466,7 +466,10 @@ def _check_files(root: Path, builds: list[dict], executor: str) -> None:
             if rel in seen:
                 continue
             seen.add(rel)
-            path = paths.regular_file(root, rel, f"build {b['name']} {kind} file", where)
+            key = f"build {b['name']} {kind} file"
+            if kind == "om" and not os.path.lexists(paths.inside(root, rel, key, where)):
+                continue  # not built yet: the device says to run build.sh (acl_device.AclDevice.load)
+            path = paths.regular_file(root, rel, key, where)
             if kind != "graph":
                 continue
             try:
@@ -501,8 +504,6 @@ def open_build(
         if not 0 <= rank < size:
             raise VlmcError(f"{root}: rank {rank} is not one of the build's {size} tensor-parallel ranks")
         summary = {**summary, "builds": [b for b in summary["builds"] if b.get("rank", rank) == rank]}
-    if executor in EXECUTORS:
-        _check_files(root, summary["builds"], executor)
     if executor == "reference":
         device: Device = ReferenceDevice()
     elif executor == "acl":
@@ -511,6 +512,11 @@ def open_build(
         device = acl_device.AclDevice(device_id)
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
+    try:
+        _check_files(root, summary["builds"], executor)
+    except BaseException:
+        device.close()
+        raise
     pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
     return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
 
