@@ -9,7 +9,6 @@ directory, and never show the contents of a file outside the build.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -24,6 +23,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_untrusted import tree
 
 from vlmc import compile_schema, manager, outdir, recipe
 from vlmc.backends import ascend
@@ -53,20 +53,6 @@ def builds(tiny_llava, tmp_path_factory) -> dict[str, Path]:
     ).save(tp)
     ascend.compile(Package.load(tp), root / "tp", dict(TARGET))
     return {"paged": root / "paged", "tp": root / "tp"}
-
-
-def tree(root: Path) -> dict[str, str]:
-    """Every entry under root with a content hash (links by target; FIFOs without opening them)."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_symlink():
-            out[rel] = "link:" + os.readlink(p)
-        elif p.is_file():
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-        else:
-            out[rel] = "dir" if p.is_dir() else "other"
-    return out
 
 
 def cli(*args: str, timeout: float = BOUND_S, env: dict | None = None) -> tuple[int, str, str, float]:
@@ -781,4 +767,23 @@ def test_directory_created_during_export_is_kept_and_the_export_exits_2(tmp_path
     assert proc.returncode == 2, err[-2000:]
     assert len(lines) == 1 and "appeared while vlmc was writing it" in lines[0], err[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["theirs.txt"]
+    assert _leftovers(tmp_path, "X") == []
+
+
+def test_two_concurrent_exports_one_exits_0_and_the_other_2(tmp_path):
+    """Whichever order the two land in, exactly one writes X; the other refuses in one line (at the
+    check if X already exists, at the swap if it appeared meanwhile) and leaves no temporary behind."""
+    out = tmp_path / "X"
+    argv = [*VLMC, "-q", "export", "tiny-llava", "-o", str(out)]
+    procs = [
+        subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    results = [(p.wait(timeout=BOUND_S * 5), p.communicate()[1]) for p in procs]
+    assert sorted(rc for rc, _ in results) == [0, 2], results
+    err = next(e for rc, e in results if rc == 2).splitlines()
+    assert len(err) == 1 and ("appeared while vlmc was writing it" in err[0] or "already exists" in err[0]), (
+        err
+    )
+    assert Package.load(out).manifest["model"]["family"] == "llava"
     assert _leftovers(tmp_path, "X") == []

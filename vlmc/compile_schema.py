@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from vlmc import limits, tensor_names
+import numpy as np
+
+from vlmc import limits, memory, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.manifest_schema import (
+    DTYPES,
     NAME,
     REL_PATH,
     SCALAR_FACTS,
@@ -41,23 +44,8 @@ logger = logging.getLogger(__name__)
 MAX_PROFILES = 100
 # One dimension of a build input at a gear (sequence, batch, patches, pool blocks).
 MAX_DIM = 1 << 31
-# Dtypes a build's IO may have: the ones numpy (the host side) holds.
-IO_DTYPES = (
-    "float32",
-    "float16",
-    "float64",
-    "int64",
-    "int32",
-    "int16",
-    "int8",
-    "uint64",
-    "uint32",
-    "uint16",
-    "uint8",
-    "bool",
-)
-_ITEMSIZE = {"float64": 8, "int64": 8, "uint64": 8, "float32": 4, "int32": 4, "uint32": 4}
-_ITEMSIZE.update({"float16": 2, "int16": 2, "uint16": 2, "int8": 1, "uint8": 1, "bool": 1})
+# Dtypes a build's IO may have: the manifest's that numpy (the host side) holds.
+IO_DTYPES = tuple(d for d in DTYPES if d not in ("bfloat16", "int4", "uint4", "float8_e4m3fn", "float8_e5m2"))
 
 BUILD_NAME = Str(128, pattern=NAME, doc="a build name (also its om/ and builds/ entry)")
 GRAPH_NAME = Str(128, pattern=NAME, doc="a graph of the runtime package's vlmc.json")
@@ -261,28 +249,11 @@ def _check_plan(tp: dict, by_name: dict[str, dict], manifest: dict | None, where
         )
 
 
-def available_memory() -> int:
-    """Bytes this machine can still give (MemAvailable of /proc/meminfo; all physical memory elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    import os
-
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62
-
-
 def _feed_bytes(build: dict, gear: list[int] | None) -> int:
     values = iter(gear or [])
     total = 0
     for spec in build["inputs"]:
-        n = _ITEMSIZE[spec["dtype"]]
+        n = np.dtype(spec["dtype"]).itemsize
         for d in spec["shape"]:
             n *= next(values) if d == -1 else d
         total += n
@@ -322,7 +293,7 @@ def check_memory(summary: dict, manifest: dict, where: str, rank: int | None = N
                         f"package's kv.num_blocks is {kv['num_blocks']}; re-run `vlmc compile`"
                     )
     need = feeds + pools
-    have = available_memory()
+    have = memory.available()
     if need > have:
         what = f"build {widest[0]} at gear {widest[1]}" if widest and widest[1] else "the builds"
         raise VlmcError(

@@ -454,8 +454,6 @@ def read_build(build_dir: str | Path) -> tuple[dict, Package]:
 def _check_files(root: Path, builds: list[dict], executor: str) -> None:
     """Every graph (and, for acl, .om) file the builds name: a regular file inside the build, and each
     graph's external data confined to the build and present (vlmc's own check, as for package graphs)."""
-    import onnx
-
     from vlmc import graphs
 
     where = f"{root}/compile.json"
@@ -470,15 +468,8 @@ def _check_files(root: Path, builds: list[dict], executor: str) -> None:
             if kind == "om" and not os.path.lexists(paths.inside(root, rel, key, where)):
                 continue  # not built yet: the device says to run build.sh (acl_device.AclDevice.load)
             path = paths.regular_file(root, rel, key, where)
-            if kind != "graph":
-                continue
-            try:
-                proto = onnx.load(str(path), load_external_data=False)
-            except Exception as exc:  # protobuf raises several types for a truncated or foreign file
-                raise VlmcError(
-                    f"{path} is not a readable ONNX file ({type(exc).__name__}); re-run `vlmc compile`"
-                ) from None
-            graphs.check_external_data(proto, path.parent)
+            if kind == "graph":  # opened without its weights; the device loads it afterwards
+                graphs.open_checked(path)
 
 
 def open_build(
@@ -535,7 +526,10 @@ def rank_devices(build_dir: str | Path, size: int) -> list[int]:
             f"{root} is not a tensor-parallel build (compile.json has no tensor_parallel.rank_table)"
         )
     path = root / name
-    table = _build_json(root, name, "tensor_parallel.rank_table", f"{root}/compile.json")
+    blob = paths.read_bytes(
+        root, name, "tensor_parallel.rank_table", f"{root}/compile.json", limits.MAX_BUILD_JSON_BYTES
+    )
+    table = parsing.load_json(blob, f"{path} is not a rank table")
     try:
         entries = [d for server in table["server_list"] for d in server["device"]]
         devices = {int(d["rank_id"]): int(d["device_id"]) for d in entries}
