@@ -132,8 +132,9 @@ _BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct
 
 def load_yaml(text: str, where: str) -> Any:
     """One YAML document through the bounded safe loader; VlmcError ``"{where}: YAML error..."`` otherwise."""
-    loader = _BoundedLoader(text)
+    loader = None
     try:
+        loader = _BoundedLoader(text)  # the reader checks the characters here already
         return loader.get_single_data()
     except _Refused as exc:
         raise VlmcError(f"{where}: YAML refused: {exc}") from None
@@ -142,9 +143,12 @@ def load_yaml(text: str, where: str) -> Any:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
+        problem = getattr(exc, "problem", None) or getattr(exc, "reason", None) or "invalid YAML"
+        if isinstance(exc, yaml.reader.ReaderError):
+            at = f" at character {exc.position}"
         raise VlmcError(f"{where}: YAML error{at}: {problem}") from None
     except ValueError as exc:  # a float or timestamp YAML's resolver accepted but Python cannot convert
         raise VlmcError(f"{where}: YAML error: {exc}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
