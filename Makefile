@@ -39,6 +39,7 @@ bench: $(STAMP)
 schema: $(STAMP)
 	$(BIN)/vlmc passes --schema > docs/recipe.schema.json
 	$(BIN)/vlmc schema manifest > docs/manifest.schema.json
+	$(BIN)/vlmc schema compile > docs/compile.schema.json
 
 clean:
 	rm -rf out .pytest_cache build *.egg-info

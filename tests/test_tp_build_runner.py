@@ -292,7 +292,16 @@ def test_a_rank_that_fails_mid_step_stops_the_group_in_one_line(built, tmp_path)
     shutil.copytree(built["plain"]["tp"][1], build)
     summary = json.loads((build / "compile.json").read_text())
     broken = next(b for b in summary["builds"] if b["name"] == "decoder.rank1.2_prefill")
-    (build / broken["file"]).write_bytes(b"not an onnx file")
+    # A well-formed ONNX file (open_build checks every build's file before the ranks start) that the
+    # device cannot load: an op no runtime knows, so rank 1 fails when it reaches the segment.
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    node = helper.make_node("NoSuchOp", ["x"], ["y"], domain="vlmc.test.unknown")
+    graph = helper.make_graph(
+        [node], "broken", [x], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])]
+    )
+    (build / broken["file"]).write_bytes(helper.make_model(graph).SerializeToString())
     group = RankGroup(build, executor="reference")
     try:
         start = time.monotonic()
@@ -316,5 +325,8 @@ def test_a_plan_naming_other_builds_than_the_build_list_is_refused(built, tmp_pa
     summary = json.loads((build / "compile.json").read_text())
     summary["tensor_parallel"]["plan"][0]["builds"][1] = {"prefill": "decoder.rank0.0_prefill"}
     (build / "compile.json").write_text(json.dumps(summary))
-    with pytest.raises(VlmcError, match=r"names builds \['decoder.rank0.0_prefill'\] for decoder.rank1.0"):
+    # compile.json's own check (vlmc/compile_schema.py) refuses it before any rank opens a build
+    with pytest.raises(
+        VlmcError, match=r"'decoder.rank0.0_prefill' is not a build of decoder.rank1.0 for rank 1"
+    ):
         _Target(build, "reference").open(1, None, None)

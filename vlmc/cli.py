@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from vlmc import __version__, interrupts, limits, ui
+from vlmc import __version__, errors, interrupts, limits, ui
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ class _Group(click.Group):
         except VlmcError as exc:
             if ui.is_verbose():
                 logger.exception("error")
-            click.echo(f"vlmc: error: {exc}", err=True)
+            click.echo(f"vlmc: error: {errors.one_line(exc)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt as exc:
             self._interrupted(ctx, exc)
@@ -957,22 +957,25 @@ def passes(schema):
 
 
 @main.command()
-@click.argument("which", type=click.Choice(["recipe", "manifest"]))
+@click.argument("which", type=click.Choice(["recipe", "manifest", "compile"]))
 def schema(which):
-    """Print a JSON Schema: of recipes, or of the package manifest (vlmc.json).
+    """Print a JSON Schema: of recipes, of the package manifest (vlmc.json), or of compile.json.
 
     Example:
 
         vlmc schema manifest > docs/manifest.schema.json
+
+        vlmc schema compile > docs/compile.schema.json
     """
     if which == "recipe":
         from vlmc import recipe
 
         click.echo(json.dumps(recipe.json_schema(), indent=2, sort_keys=True))
     else:
-        from vlmc import manifest_schema
+        from vlmc import compile_schema, manifest_schema
 
-        click.echo(json.dumps(manifest_schema.json_schema(), indent=2, sort_keys=True, ensure_ascii=False))
+        module = manifest_schema if which == "manifest" else compile_schema
+        click.echo(json.dumps(module.json_schema(), indent=2, sort_keys=True, ensure_ascii=False))
 
 
 @main.command(name="compile")

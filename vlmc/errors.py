@@ -29,3 +29,19 @@ class PassRefused(PassFailed):
     """
 
     exit_code = 2
+
+
+def one_line(message: object, limit: int | None = None) -> str:
+    """A user-facing message as one readable line: line breaks escaped, the middle of a long one cut.
+
+    Values inside messages come from untrusted inputs (a pass name, a key, a path 100 kB long); both
+    ends are kept, since the start says what failed and the end often says what to do.
+    """
+    from vlmc import limits
+
+    limit = limits.MAX_ERROR_CHARS if limit is None else limit
+    text = str(message).replace("\r", "\\r").replace("\n", "\\n")
+    if len(text) <= limit:
+        return text
+    keep = (limit - 30) // 2
+    return f"{text[:keep]} ...[{len(text) - 2 * keep} characters cut]... {text[-keep:]}"

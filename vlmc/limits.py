@@ -39,6 +39,15 @@ MAX_TOKENS_PER_IMAGE = _env_int("VLMC_MAX_TOKENS_PER_IMAGE", 1 << 16)
 # vlmc.json size on disk, and the nesting depth of any JSON value in it.
 MAX_MANIFEST_BYTES = _env_int("VLMC_MAX_MANIFEST_BYTES", 64 * 1024 * 1024)
 MAX_JSON_DEPTH = 32
+# Nesting depth, integer digits and alias-expanded nodes of any JSON or YAML input (vlmc/parsing.py).
+MAX_INT_DIGITS = 40
+MAX_YAML_NODES = _env_int("VLMC_MAX_YAML_NODES", 100_000)
+# A recipe file on disk.
+MAX_RECIPE_BYTES = _env_int("VLMC_MAX_RECIPE_BYTES", 4 * 1024 * 1024)
+# compile.json, vlmc-build.json and the rank table of a build directory on disk.
+MAX_BUILD_JSON_BYTES = _env_int("VLMC_MAX_BUILD_JSON_BYTES", 64 * 1024 * 1024)
+# An error line: longer ones (a 100 kB pass name echoed back) are cut, keeping both ends.
+MAX_ERROR_CHARS = 1000
 # Calibration / evaluation samples a recipe may ask for (each is one full FP32 pipeline run).
 MAX_CALIBRATION_SAMPLES = _env_int("VLMC_MAX_CALIBRATION_SAMPLES", 4096)
 # Batch-size / image-count gears and plan sizes a recipe or the command line may ask for.

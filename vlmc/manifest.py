@@ -180,36 +180,10 @@ def dumps(m: dict) -> str:
     return json.dumps(m, indent=2, sort_keys=True) + "\n"
 
 
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def loads(text: str, where: str = "vlmc.json") -> dict:
-    from vlmc import limits
+    from vlmc import limits, parsing
 
     if len(text) > limits.MAX_MANIFEST_BYTES:
         raise VlmcError(f"{where}: {len(text)} characters, above the {limits.MAX_MANIFEST_BYTES} limit")
-    try:
-        m = json.loads(text, parse_constant=_no_constant)
-    except json.JSONDecodeError as exc:
-        raise VlmcError(f"{where}: not valid JSON (line {exc.lineno}: {exc.msg})") from exc
-    except RecursionError:
-        raise VlmcError(f"{where}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # NaN/Infinity, or an integer with thousands of digits
-        raise VlmcError(f"{where}: not valid JSON ({exc})") from None
-    if _depth(m) > limits.MAX_JSON_DEPTH:
-        raise VlmcError(
-            f"{where}: not valid JSON (nested too deeply: more than {limits.MAX_JSON_DEPTH} levels)"
-        )
+    m = parsing.load_json(text, where)  # depth, integer digits, NaN (vlmc/parsing.py)
     return validate(m, where)
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON value, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest

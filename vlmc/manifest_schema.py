@@ -367,6 +367,36 @@ class ByKind(T):
         )
 
 
+@dataclass(frozen=True)
+class Tagged(T):
+    """An object whose ``key`` (a required tag) selects one of several object types; other tags are refused."""
+
+    key: str
+    variants: dict[str, Obj]
+    doc: str = ""
+
+    def check(self, value, path):
+        if not isinstance(value, dict):
+            raise SchemaError(f"{path} must be an object, got {_kind(value)} {_show(value)}")
+        tag = value.get(self.key)
+        if not isinstance(tag, str) or tag not in self.variants:
+            raise SchemaError(
+                f"{_join(path, self.key)}={_show(tag)} is not one of {', '.join(self.variants)}"
+            )
+        self.variants[tag].check(value, path)
+
+    def json(self):
+        return _doc(
+            {
+                "oneOf": [
+                    {**o.json(), "required": sorted({self.key, *o.json().get("required", [])})}
+                    for o in self.variants.values()
+                ]
+            },
+            self.doc,
+        )
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 
@@ -456,6 +486,53 @@ GRAPH = Obj(
         "pipeline": Facts(depth=12, max_items=1 << 20),
     },
     Facts(depth=4, max_items=4096),
+)
+
+# The tensor_parallel pass's section (passes/tensor_parallel.py, docs/tensor_parallel.md).
+_GRAPH_NAME = Str(128, pattern=NAME)
+TP_PLAN_STEP = Tagged(
+    "step",
+    {
+        "segment": Obj(
+            {
+                "step": Req(Str(choices=("segment",))),
+                "graphs": Req(List(_GRAPH_NAME, 2, limits.MAX_HEADS, doc="the segment's graph on each rank")),
+                "index": Int(0, 1 << 20),
+                "kind": Str(64),
+                "layer": Int(0, limits.MAX_LAYERS),
+            },
+            SCALAR_FACTS,
+        ),
+        "all_reduce": Obj(
+            {
+                "step": Req(Str(choices=("all_reduce",))),
+                "op": Req(Str(choices=("sum",))),
+                "input": Req(Str(1024, min_len=1, doc="an output of the segment before")),
+                "output": Req(Str(1024, min_len=1, doc="an input of the segment after")),
+                "after": Str(256),
+            },
+            SCALAR_FACTS,
+        ),
+    },
+)
+TENSOR_PARALLEL = Obj(
+    {
+        "size": Req(Int(2, limits.MAX_HEADS, doc="ranks: an integer ≥ 2 that divides the attention heads")),
+        "heads": Req(Int(1, limits.MAX_HEADS)),
+        "heads_per_rank": Req(Int(1, limits.MAX_HEADS)),
+        "kv_heads": Req(Int(1, limits.MAX_HEADS)),
+        "kv_heads_per_rank": Req(Int(1, limits.MAX_HEADS)),
+        "kv": Req(Str(choices=("split", "replicated"))),
+        "kv_heads_of_rank": List(
+            List(Int(0, limits.MAX_HEADS - 1), 1, limits.MAX_HEADS), 2, limits.MAX_HEADS
+        ),
+        "intermediate_per_rank": Int(1, 4 * limits.MAX_HIDDEN),
+        "replicated": List(Str(256), 0, 64),
+        "source_graph": _GRAPH_NAME,
+        "collective": Facts(depth=2),
+        "plan": Req(List(TP_PLAN_STEP, 1, 1 << 16)),
+    },
+    Facts(depth=4),
 )
 
 MANIFEST = Obj(
@@ -554,6 +631,7 @@ MANIFEST = Obj(
                 Facts(depth=2),
             )
         ),
+        "tensor_parallel": Nullable(TENSOR_PARALLEL),
         "history": List(
             Obj(
                 {
@@ -592,12 +670,69 @@ def cross_check(m: dict, where: str) -> None:
                     )
 
 
+def _tp_cross_check(m: dict, where: str) -> None:
+    """The tensor-parallel split against the heads, and the host plan against the graphs it names."""
+    tp = m["tensor_parallel"]
+    size, heads, kv_heads = tp["size"], tp["heads"], tp["kv_heads"]
+    at = f"{where}: tensor_parallel"
+    if heads % size:
+        raise VlmcError(
+            f"{at}.size {size} does not divide the {heads} attention heads (tensor_parallel.heads)"
+        )
+    if tp["heads_per_rank"] * size != heads:
+        raise VlmcError(f"{at}.heads_per_rank {tp['heads_per_rank']} is not {heads} heads over {size} ranks")
+    if kv_heads != m["kv"]["kv_heads"]:
+        raise VlmcError(f"{at}.kv_heads {kv_heads} is not kv.kv_heads {m['kv']['kv_heads']}")
+    per_rank = kv_heads // size if tp["kv"] == "split" else 1
+    if tp["kv"] == "split" and kv_heads % size or tp["kv_heads_per_rank"] != per_rank:
+        raise VlmcError(
+            f"{at}.kv_heads_per_rank {tp['kv_heads_per_rank']} does not split {kv_heads} KV heads "
+            f"over {size} ranks ({tp['kv']})"
+        )
+    if "kv_heads_of_rank" in tp and len(tp["kv_heads_of_rank"]) != size:
+        raise VlmcError(f"{at}.kv_heads_of_rank has {len(tp['kv_heads_of_rank'])} entries for {size} ranks")
+    graphs, plan = m["graphs"], tp["plan"]
+
+    def names(graph: str, io: str) -> set:
+        return {e["name"] for e in graphs[graph][io]}
+
+    for s, step in enumerate(plan):
+        here = f"{at}.plan[{s}]"
+        if step["step"] == "segment":
+            if len(step["graphs"]) != size:
+                raise VlmcError(f"{here}.graphs names {len(step['graphs'])} graphs for {size} ranks")
+            for r, g in enumerate(step["graphs"]):
+                if g not in graphs:
+                    raise VlmcError(
+                        f"{here}.graphs[{r}] names graph {_show(g)}, which the manifest does not list"
+                    )
+                if graphs[g].get("rank", r) != r:
+                    raise VlmcError(f"{here}.graphs[{r}] names {g}, a graph of rank {graphs[g]['rank']}")
+            continue
+        before = next((p for p in reversed(plan[:s]) if p["step"] == "segment"), None)
+        after = next((p for p in plan[s + 1 :] if p["step"] == "segment"), None)
+        if before is None or after is None:
+            raise VlmcError(f"{here}: an all_reduce must sit between two segments")
+        if step["input"] not in names(before["graphs"][0], "outputs"):
+            raise VlmcError(
+                f"{here}.input {_show(step['input'])} is not an output of {before['graphs'][0]}, the segment before it"
+            )
+        if step["output"] not in names(after["graphs"][0], "inputs"):
+            raise VlmcError(
+                f"{here}.output {_show(step['output'])} is not an input of {after['graphs'][0]}, the segment after it"
+            )
+    if plan[-1]["step"] != "segment":
+        raise VlmcError(f"{at}.plan ends with an all_reduce; the last step must be a segment")
+
+
 def check(m: Any, where: str) -> None:
     try:
         MANIFEST.check(m, "")
     except SchemaError as exc:
         raise VlmcError(f"{where}: {exc}") from None
     cross_check(m, where)
+    if m.get("tensor_parallel") is not None:
+        _tp_cross_check(m, where)
 
 
 def json_schema() -> dict:

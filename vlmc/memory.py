@@ -34,6 +34,21 @@ def high_water() -> int | None:
     return None
 
 
+def available() -> int:
+    """Bytes this machine can still give a process (MemAvailable), or all physical memory where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * _PAGE
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
 def release_free() -> None:
     """Give the memory the C allocator holds freed back to the system (glibc ``malloc_trim``).
 

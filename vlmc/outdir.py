@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
+import functools
 import logging
 import os
 import shutil
@@ -75,12 +78,13 @@ def atomic(
     """
     check(Path(out), force, source, inputs)
     out = _resolved(Path(out))
+    before = _identity(out)  # what --force was allowed to replace (None: nothing was there)
     made = _mkdirs(out.parent)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
         yield tmp
-        _replace(tmp, out)
+        _replace(tmp, out, before)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         for d in reversed(made):
@@ -138,13 +142,98 @@ def write_file(root: str | Path, rel: str, data: bytes | str) -> Path:
     return target
 
 
-def _replace(tmp: Path, out: Path) -> None:
-    """Move tmp into place; an existing (vlmc) directory is swapped out and removed after."""
-    if not out.exists():
-        os.rename(tmp, out)
+# renameat2(2) flags (include/uapi/linux/fs.h); https://man7.org/linux/man-pages/man2/rename.2.html
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _identity(p: Path) -> tuple[int, int] | None:
+    """(device, inode) of what is at ``p`` (links not followed), or None when nothing is."""
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+@functools.cache
+def _renameat2_fn():
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)  # glibc >= 2.28
+    except OSError:
+        return None
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """renameat2(src, dst, flags): True when done, False where the kernel, filesystem or libc lacks it.
+
+    Raises OSError for any other failure (EEXIST: ``dst`` exists under RENAME_NOREPLACE).
+    """
+    fn = _renameat2_fn()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _lost(out: Path, what: str) -> VlmcError:
+    return VlmcError(
+        f"output {out} {what} while vlmc was writing it (another writer?); it is left as it is and "
+        "this run's output was discarded; run again"
+    )
+
+
+def _replace(tmp: Path, out: Path, before: tuple[int, int] | None) -> None:
+    """Move tmp into place, replacing only what :func:`check` allowed: nothing, or the vlmc output ``before``.
+
+    The target is checked again at the swap, and the swap itself is atomic so that nothing another
+    process puts at ``out`` meanwhile is replaced: a concurrent writer loses cleanly (VlmcError; the
+    caller removes its temporary directory). A plain rename(2) is not enough: it silently replaces an
+    empty directory, and a check followed by a rename leaves a window between the two. So:
+
+    - nothing was there: renameat2(RENAME_NOREPLACE) fails with EEXIST if anything appeared. Where
+      renameat2 is missing (another OS, an old kernel or a filesystem without it), mkdir(out) claims
+      the name exclusively first (it fails if anything is there) and rename(2) then replaces only
+      that empty directory of ours (it fails with ENOTEMPTY if someone wrote into it);
+    - a vlmc output was there (--force): renameat2(RENAME_EXCHANGE) swaps the two in one step, and
+      what came out must be the very directory (device, inode) that was checked, else it is swapped
+      back. Without renameat2 the old output is renamed aside, checked the same way, and put back if
+      it is not the checked one. (A directory deleted and made again in between under the same
+      inode number is not told apart; a writer that replaces by rename, as vlmc does, is.)
+    """
+    if before is None:
+        try:
+            if _renameat2(tmp, out, _RENAME_NOREPLACE):
+                return
+        except FileExistsError:
+            raise _lost(out, "appeared") from None
+        try:
+            os.mkdir(out)
+        except FileExistsError:
+            raise _lost(out, "appeared") from None
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            raise _lost(out, "was written into") from None
+        return
+    if _identity(out) != before or not (_is_marker(out / PACKAGE_MARKER) or _is_marker(out / BUILD_MARKER)):
+        raise _lost(out, "changed")
+    if _renameat2(tmp, out, _RENAME_EXCHANGE):
+        if _identity(tmp) != before:  # replaced between the check and the exchange: undo the exchange
+            _renameat2(tmp, out, _RENAME_EXCHANGE)
+            raise _lost(out, "changed")
+        shutil.rmtree(tmp, ignore_errors=True)  # the old output, now at tmp's name
         return
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     os.rename(out, old)
+    if _identity(old) != before:
+        os.rename(old, out)
+        raise _lost(out, "changed")
     try:
         os.rename(tmp, out)
     except BaseException:

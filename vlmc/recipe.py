@@ -7,13 +7,12 @@ list the valid names; wrong types and out-of-range values name the key.
 from __future__ import annotations
 
 import logging
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from vlmc import pass_api
+from vlmc import errors, limits, parsing, pass_api
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -52,26 +51,31 @@ class Recipe:
 
 
 def load(path: str | Path) -> Recipe:
-    """Read and validate a recipe file."""
+    """Read and validate a recipe file: a regular file (never a FIFO or a device), size-bounded."""
     p = Path(path)
-    if not p.is_file():
-        raise VlmcError(f"recipe {p} does not exist")
     try:
-        text = p.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise VlmcError(f"recipe {p} cannot be read: {exc}") from exc
+        info = p.stat()
+    except OSError:
+        raise VlmcError(f"recipe {p} does not exist") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise VlmcError(f"recipe {p} is not a regular file")
+    if info.st_size > limits.MAX_RECIPE_BYTES:
+        raise VlmcError(
+            f"recipe {p} is {info.st_size} bytes, above the {limits.MAX_RECIPE_BYTES}-byte limit "
+            "(VLMC_MAX_RECIPE_BYTES)"
+        )
+    try:
+        text = p.read_bytes()[: limits.MAX_RECIPE_BYTES + 1].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise VlmcError(f"recipe {p} is not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise VlmcError(f"recipe {p} cannot be read: {exc.strerror}") from None
     return parse(text, source=str(p))
 
 
 def parse(text: str, source: str = "<recipe>") -> Recipe:
-    """Parse recipe YAML (safe loader only) and validate it."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise VlmcError(f"{source}: YAML error{where}: {problem}") from exc
+    """Parse recipe YAML (the bounded safe loader: vlmc/parsing.py) and validate it."""
+    data = parsing.load_yaml(text, source)
     return from_dict(data if data is not None else {}, source)
 
 
@@ -80,7 +84,7 @@ def from_dict(data: Any, source: str = "<recipe>") -> Recipe:
         raise VlmcError(f"{source}: a recipe must be a mapping with keys {', '.join(TOP_KEYS)}")
     for k in data:
         if k not in TOP_KEYS:
-            raise VlmcError(f"{source}: unknown key {k!r}; valid keys: {', '.join(TOP_KEYS)}")
+            raise VlmcError(f"{source}: unknown key {_show(k)}; valid keys: {', '.join(TOP_KEYS)}")
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise VlmcError(f"{source}: model must be a string (hub id, local directory or built-in name)")
@@ -89,7 +93,7 @@ def from_dict(data: Any, source: str = "<recipe>") -> Recipe:
         raise VlmcError(f"{source}: export must be a mapping")
     for k, v in export.items():
         if k not in EXPORT_KEYS:
-            raise VlmcError(f"{source}: export: unknown key {k!r}; valid keys: {', '.join(EXPORT_KEYS)}")
+            raise VlmcError(f"{source}: export: unknown key {_show(k)}; valid keys: {', '.join(EXPORT_KEYS)}")
         if k in ("trust_remote_code", "allow_pickle") and not isinstance(v, bool):
             raise VlmcError(f"{source}: export.{k} must be true or false")
     raw_passes = data.get("passes") or []
@@ -117,12 +121,20 @@ def _step(entry: Any, index: int, source: str) -> Step:
         raise VlmcError(f"{where}: pass name must be a string")
     try:
         cls = pass_api.get(name)
-    except VlmcError as exc:  # unknown pass: the message lists the valid ones
-        raise VlmcError(f"{where}: {exc}") from None
+    except (
+        VlmcError
+    ) as exc:  # unknown pass: the message lists the valid ones (the name cut to a readable length)
+        shown = str(exc).replace(repr(name), _show(name))
+        raise VlmcError(f"{where}: {shown}") from None
     if not isinstance(opts, dict):
         raise VlmcError(f"{where} ({name}): options must be a mapping")
     validated = cls.validate_options(opts, where=f"{where} ({name})")
     return Step(name=name, options=validated, index=index)
+
+
+def _show(value: Any) -> str:
+    """A recipe value inside an error line: its repr, cut to 80 characters (names can be any length)."""
+    return errors.one_line(repr(value), 80)
 
 
 def json_schema() -> dict:

@@ -24,14 +24,15 @@ fits images to the resolution gears first (vlmc.runtime.preprocess.fit_to_gears)
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import stat
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
-from vlmc import paths, tensor_names
+from vlmc import compile_schema, interop, limits, parsing, paths, tensor_names
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc
 from vlmc.errors import VlmcError
@@ -476,14 +477,34 @@ def agreement(reference, got) -> dict:
 
 
 def is_build_dir(path: Path) -> bool:
-    """True for a `vlmc compile` output of the ascend backend."""
+    """True for a `vlmc compile` output of the ascend backend, or a directory that claims to be one.
+
+    A marker that is anything but a small regular file (a symlink out, a FIFO, a device) still makes
+    the directory a build here, so that :func:`read_build` refuses it in one line rather than the
+    caller taking it for a package; nothing but ``lstat`` touches it until then.
+    """
     marker = Path(path) / BUILD_MARKER
-    if not marker.is_file():
-        return False
     try:
-        return json.loads(marker.read_text()).get("backend") == "ascend"
-    except (OSError, json.JSONDecodeError):
+        info = os.lstat(marker)
+    except OSError:
         return False
+    if not stat.S_ISREG(info.st_mode) or info.st_size > _MAX_MARKER_BYTES:
+        return True
+    try:
+        claimed = parsing.load_json(marker.read_bytes(), str(marker))
+    except (OSError, VlmcError):
+        return True
+    return not isinstance(claimed, dict) or claimed.get("backend") in ("ascend", None)
+
+
+# The build marker is a few dozen bytes (vlmc/backends/__init__.py writes it).
+_MAX_MARKER_BYTES = 4096
+
+
+def _build_json(root: Path, rel: str, key: str, where: str) -> object:
+    """A JSON file of a build directory: inside it (symlinks followed), a regular file, size-bounded, bounded JSON."""
+    blob = paths.read_bytes(root, rel, key, where, limit=limits.MAX_BUILD_JSON_BYTES)
+    return parsing.load_json(blob, f"{root}/{rel}")
 
 
 def default_executor() -> str:
@@ -496,28 +517,59 @@ def default_executor() -> str:
 def read_build(build_dir: str | Path) -> tuple[dict, Package]:
     """compile.json and the runtime package (manifest and tokenizer, no graphs) of a compile output.
 
+    A build directory is untrusted input (docs/security.md): the marker, compile.json and
+    ``runtime/vlmc.json`` must be regular files inside the build, each read only after its size is
+    checked; compile.json is checked against its schema (vlmc/compile_schema.py) and the runtime
+    package, and the memory its largest gear and paged pools need against this machine's, before
+    anything else is read or allocated.
+
     Raises:
-        VlmcError: not an ascend compile output, or from an older vlmc.
+        VlmcError: not an ascend compile output, from an older vlmc, or any of the above broken.
     """
     root = Path(build_dir)
-    if not is_build_dir(root):
+    where = f"{root}/compile.json"
+    marker = _build_json(root, BUILD_MARKER, "the build marker", f"{root}/{BUILD_MARKER}")
+    if not isinstance(marker, dict) or marker.get("backend") != "ascend":
         raise VlmcError(f"{root} is not a `vlmc compile` output for ascend (no {BUILD_MARKER} naming it)")
-    try:
-        summary = json.loads((root / "compile.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise VlmcError(f"{root}/compile.json cannot be read: {exc}") from exc
-    runtime = (summary.get("runner") or {}).get("runtime_package")
-    if not runtime:
+    summary = _build_json(root, "compile.json", "compile.json", where)
+    if isinstance(summary, dict) and (
+        "runner" not in summary
+        or any(isinstance(b, dict) and "inputs" not in b for b in summary.get("builds") or [])
+    ):
         raise VlmcError(f"{root} was compiled by an older vlmc (no runner facts); re-run `vlmc compile`")
-    pkg_root = _inside(root, runtime)
+    compile_schema.check(summary, where)
+    pkg_root = _inside(root, summary["runner"]["runtime_package"])
+    if not pkg_root.is_dir():
+        raise VlmcError(
+            f"{where}: runner.runtime_package {summary['runner']['runtime_package']!r} is not a directory"
+        )
     from vlmc import manifest as manifest_io
 
-    where = pkg_root / manifest_io.MANIFEST_NAME
-    try:
-        manifest = manifest_io.loads(where.read_text(), where=str(where))
-    except OSError as exc:
-        raise VlmcError(f"{pkg_root} has no readable {manifest_io.MANIFEST_NAME}: {exc}") from exc
+    text = paths.read_text(pkg_root, manifest_io.MANIFEST_NAME, "the runtime manifest", str(pkg_root))
+    manifest = manifest_io.loads(text, where=str(pkg_root / manifest_io.MANIFEST_NAME))
+    compile_schema.cross_check(summary, manifest, where)
+    need = compile_schema.check_memory(summary, manifest, where)
+    logger.debug("%s: the largest gear and the pools need %d bytes", root, need)
     return summary, Package(manifest, pkg_root)
+
+
+def _check_files(root: Path, builds: list[dict], executor: str) -> None:
+    """Every graph (and, for acl, .om) file the builds name: a regular file inside the build, and each
+    graph's external data confined to the build and present (vlmc's own check, as for package graphs)."""
+    where = f"{root}/compile.json"
+    seen: set[str] = set()
+    for b in builds:
+        files = [(b["file"], "graph")] + ([(b["om"], "om")] if executor == "acl" else [])
+        for rel, kind in files:
+            if rel in seen:
+                continue
+            seen.add(rel)
+            key = f"build {b['name']} {kind} file"
+            if kind == "om" and not os.path.lexists(paths.inside(root, rel, key, where)):
+                continue  # not built yet: the device says to run build.sh (acl_device.AclDevice.load)
+            path = paths.regular_file(root, rel, key, where)
+            if kind == "graph":  # opened without its weights; the device loads it afterwards
+                interop.open_checked(path)
 
 
 def open_build(
@@ -552,6 +604,7 @@ def open_build(
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     try:
+        _check_files(root, summary["builds"], executor)
         pad = int(pkg.manifest["text"].get("pad_token_id") or 0)
         return pkg, BuildExecutor(root, summary, device, pad_token_id=pad)
     except BaseException:
@@ -572,12 +625,15 @@ def rank_devices(build_dir: str | Path, size: int) -> list[int]:
         raise VlmcError(
             f"{root} is not a tensor-parallel build (compile.json has no tensor_parallel.rank_table)"
         )
-    path = paths.regular_file(root, name, "the rank table", f"{root}/compile.json")
+    path = root / name
+    blob = paths.read_bytes(
+        root, name, "tensor_parallel.rank_table", f"{root}/compile.json", limits.MAX_BUILD_JSON_BYTES
+    )
+    table = parsing.load_json(blob, f"{path} is not a rank table")
     try:
-        table = json.loads(path.read_text())
         entries = [d for server in table["server_list"] for d in server["device"]]
         devices = {int(d["rank_id"]): int(d["device_id"]) for d in entries}
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise VlmcError(
             f"{path} is not a rank table (server_list[].device[].rank_id/device_id): {exc}"
         ) from None
