@@ -282,6 +282,7 @@ def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], 
             dtype="float32",
             attn_implementation="eager",
             output_loading_info=True,
+            trust_remote_code=False,  # load_source streams only models without their own code
         )
     checked.refuse_missing(path, info)
     # Weights the full model does not need from the checkpoint: tied to another, or ones transformers is told
