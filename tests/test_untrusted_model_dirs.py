@@ -239,7 +239,7 @@ def tokenizer_too_large(work, model):
 
 def chat_templates_dir_symlink_out(work, model):
     (work / "outside" / "templates").mkdir()
-    (work / "outside" / "templates" / "tool.jinja").write_text(CANARY)
+    (work / "outside" / "templates" / "tool.jinja").write_text("{{ messages }}")
     (model / "additional_chat_templates").symlink_to(work / "outside" / "templates")
     return export(work, model)
 
@@ -261,7 +261,7 @@ def vision_deeper_than_checkpoint(work, model):
 
 
 def weight_missing_from_checkpoint(work, model):
-    key = "model.multi_modal_projector.linear_1.weight"
+    key = "multi_modal_projector.linear_1.weight"  # the legacy names save_pretrained writes
     shard = shard_of(model, key)
     tensors = load_file(str(shard))
     del tensors[key]
@@ -273,19 +273,19 @@ def weight_missing_from_checkpoint(work, model):
 
 
 def stitched_weight_is_int16(work, model):
-    key = "model.language_model.layers.2.mlp.up_proj.weight"  # a layer the streaming export stitches
+    key = "language_model.model.layers.2.mlp.up_proj.weight"  # a layer the streaming export stitches
     retype(model, key, lambda t: t.view(torch.int16))
     return export(work, model)
 
 
 def traced_weight_is_int16(work, model):
-    key = "model.language_model.embed_tokens.weight"
+    key = "language_model.model.embed_tokens.weight"
     retype(model, key, lambda t: t.view(torch.int16))
     return export(work, model)
 
 
 def weight_shape_not_the_configs(work, model):
-    key = "model.language_model.layers.2.mlp.down_proj.weight"
+    key = "language_model.model.layers.2.mlp.down_proj.weight"
     retype(model, key, lambda t: t[:, :-1].contiguous())
     return export(work, model)
 
@@ -293,8 +293,8 @@ def weight_shape_not_the_configs(work, model):
 # ---- damaged safetensors headers ----------------------------------------------------------------
 def header_longer_than_file(work, model):
     shard = first_shard(model)
-    n, header, data = header_of(shard)
-    with_header(shard, header, data, length=shard.stat().st_size)
+    _, header, data = header_of(shard)
+    with_header(shard, header, data, length=len(json.dumps(header).encode()) + len(data) + 1)
     return export(work, model)
 
 
@@ -353,7 +353,7 @@ def recipe_turns_on_remote_code(work, model):
     (model / "configuration_my.py").write_text(f"open({str(work / 'PWNED')!r}, 'w').close()\n")
     recipe = work / "recipe.yaml"
     recipe.write_text(f"model: {model}\nexport: {{trust_remote_code: true}}\n")
-    return ["build", str(recipe), "-o", str(work / "out")]
+    return ["build", "-r", str(recipe), "-o", str(work / "out")]
 
 
 @dataclass
@@ -411,7 +411,7 @@ CASES = [
     Case("header-shape-not-offsets", edit_header(_shape_not_offsets), ("model-00001-of-", "span")),
     Case("header-unknown-dtype", edit_header(_unknown_dtype), ("model-00001-of-", "'Q7'")),
     Case("header-overlap", edit_header(_overlap), ("model-00001-of-", "gap or overlap")),
-    Case("shard-truncated", shard_truncated, ("model-00001-of-", "truncated")),
+    Case("shard-truncated", shard_truncated, ("model-00001-of-", "past the")),
     Case("shard-empty", shard_empty, ("model-00001-of-", "empty")),
     # configs: one line, not ZeroDivisionError / IndexError / validation tracebacks
     Case("config-zero-heads", set_config("text_config.num_attention_heads", 0), ("num_attention_heads=0",)),

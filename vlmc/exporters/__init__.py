@@ -323,7 +323,7 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
     if has_safetensors:
         held = checkpoint.tensors(path)
         try:
-            streaming.layout(path, mod.model_class(), config, held)
+            lay = streaming.layout(path, mod.model_class(), config, held, trust_remote_code)
         except VlmcError:
             raise
         except Exception as exc:  # transformers builds the model the config describes, or fails its own way
@@ -332,7 +332,7 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
                 f"({type(exc).__name__}: {_first_line(exc)})"
             ) from None
         if lazy and not trust_remote_code:
-            src = _load_reduced(path, mod, config, family, held)
+            src = _load_reduced(path, mod, config, family, lay)
             if src is not None:
                 return src
     try:
@@ -364,7 +364,7 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [""])[0][:200]
 
 
-def _load_reduced(path: Path, mod: ModuleType, config, family: str, held: dict) -> Source | None:
+def _load_reduced(path: Path, mod: ModuleType, config, family: str, lay) -> Source | None:
     """The family's cut of the model for a streaming export, or None where it has none."""
     from vlmc.exporters import streaming
 
@@ -372,7 +372,7 @@ def _load_reduced(path: Path, mod: ModuleType, config, family: str, held: dict) 
     if not depths:
         return None
     try:
-        loaded = streaming.load_reduced(path, mod.model_class(), config, depths, held)
+        loaded = streaming.load_reduced(path, mod.model_class(), config, depths, lay)
     except (OSError, ValueError, RuntimeError) as exc:
         raise VlmcError(f"{path}: cannot load weights ({_first_line(exc)})") from exc
     if loaded is None:

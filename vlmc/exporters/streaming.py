@@ -121,16 +121,20 @@ class Layout:
     converted: dict[str, list[str]]  # model key -> the checkpoint keys a WeightConverter combines into it
 
 
-def layout(path: Path, model_class, config, held: dict) -> Layout:
+def layout(path: Path, model_class, config, held: dict, trust_remote_code: bool = False) -> Layout:
     """The full model built on the meta device from ``config`` and the checkpoint's tensors ``held``
     (vlmc/exporters/checkpoint.py: headers checked) mapped onto it; refuses a tensor whose shape or dtype
     is not what the config implies (:func:`checkpoint.check_weights`)."""
     from vlmc.exporters import checkpoint
 
-    # a model class builds from a config with _from_config, an auto class with from_config
-    build = getattr(model_class, "_from_config", None) or model_class.from_config
+    # a model class builds from a config with _from_config, an auto class with from_config (which must be
+    # told whether the model's own code may run)
+    build = getattr(model_class, "_from_config", None)
     with torch.device("meta"):
-        full = build(copy.deepcopy(config))
+        if build is not None:
+            full = build(copy.deepcopy(config))
+        else:
+            full = model_class.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code)
     files, converted = _model_keys(full, {k: t.shard for k, t in held.items()})
     checkpoint.check_weights(path, full.state_dict(), files, converted, held)
     return Layout(full, files, converted)
@@ -259,10 +263,10 @@ def uniform_depth(
     return {(sub, fld): Cut(depth, kinds, fixed)}
 
 
-def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], Cut | int], held: dict):
+def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], Cut | int], lay: Layout):
     """The model with each stack in ``depths`` cut to its traced depth, loaded in FP32 from ``path``.
 
-    ``held``: the checkpoint's tensors (:func:`vlmc.exporters.checkpoint.tensors`). Returns
+    ``lay``: the checkpoint against the full model (:func:`layout`). Returns
     ``(model, full_config)``, or None when the checkpoint's layer weights cannot be streamed (the caller
     loads the whole model). Each cut ModuleList carries its :class:`Stack`. A weight the full model needs
     that the checkpoint does not hold refuses the export (VlmcError naming it), as in a whole load.
@@ -270,7 +274,6 @@ def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], 
     from vlmc.exporters import checkpoint as checked
 
     depths = {k: v if isinstance(v, Cut) else Cut(int(v)) for k, v in depths.items()}
-    lay = layout(path, model_class, config, held)
     full, converted = lay.meta, lay.converted
     checkpoint = Checkpoint(path, lay.files)
     reduced_cfg = reduce_config(config, depths)
