@@ -171,12 +171,9 @@ _CONFIG_SIZES = {
     "mm_tokens_per_image": "MAX_TOKENS_PER_IMAGE",
     "image_seq_length": "MAX_TOKENS_PER_IMAGE",
 }
-# (width, heads) pairs of one (sub-)config: without head_dim, the heads split the width evenly.
-_HEAD_SPLITS = (
-    ("hidden_size", "num_attention_heads"),
-    ("embed_dim", "num_heads"),
-    ("hidden_size", "num_heads"),
-)
+# (width, heads) pairs of one (sub-)config: without head_dim, the heads split the width evenly. (A Qwen2-VL
+# tower's hidden_size is its merger's output, not what its num_heads split: only embed_dim pairs with those.)
+_HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("embed_dim", "num_heads"))
 # Lists of layer indices into the stack of the same (sub-)config.
 _LAYER_INDEX_KEYS = ("deepstack_visual_indexes", "fullatt_block_indexes")
 _SELECT_STRATEGIES = ("default", "full")
