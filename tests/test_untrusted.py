@@ -591,7 +591,9 @@ CASES = [
         "tokenizer-ids-outside-vocab", "internal-error", tokenizer_ids_outside_vocab, ("100000", "vocab_size")
     ),
     Case("prompt-lone-surrogate", "internal-error", prompt_lone_surrogate, ("prompt #1", "surrogate")),
-    Case("safetensors-bad-header", "internal-error", safetensors_bad_header, ("cannot load weights",)),
+    Case(
+        "safetensors-bad-header", "internal-error", safetensors_bad_header, ("not a valid safetensors file",)
+    ),
     Case("config-negative-layers", "internal-error", config_negative_layers, ("num_hidden_layers=-1",)),
     Case(
         "kv-dtype-quaternion", "internal-error", set_key("kv.dtype", "quaternion"), ("kv.dtype", "quaternion")

@@ -52,7 +52,7 @@ def build(
     with _phase(phases, "load"), ui.progress(f"loading {recipe.model}"):
         source = exporters.load_source(
             recipe.model,
-            trust_remote_code=trust_remote_code or recipe.export.get("trust_remote_code", False),
+            trust_remote_code=trust_remote_code,  # the command line's only: a recipe cannot turn it on
             allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
             revision=recipe.export.get("revision"),
             lazy=True,

@@ -96,6 +96,12 @@ def from_dict(data: Any, source: str = "<recipe>") -> Recipe:
             raise VlmcError(f"{source}: export: unknown key {_show(k)}; valid keys: {', '.join(EXPORT_KEYS)}")
         if k in ("trust_remote_code", "allow_pickle") and not isinstance(v, bool):
             raise VlmcError(f"{source}: export.{k} must be true or false")
+        if k == "trust_remote_code" and v:
+            # A recipe is untrusted input (docs/security.md): running a model's code needs the command line.
+            raise VlmcError(
+                f"{source}: export.trust_remote_code cannot be turned on by a recipe; "
+                "pass --trust-remote-code on the command line to run the model's own code"
+            )
     raw_passes = data.get("passes") or []
     if not isinstance(raw_passes, list):
         raise VlmcError(f"{source}: passes must be a list")
@@ -167,7 +173,10 @@ def json_schema() -> dict:
                 "type": "object",
                 "additionalProperties": False,
                 "properties": {
-                    "trust_remote_code": {"type": "boolean"},
+                    "trust_remote_code": {
+                        "const": False,
+                        "description": "only false: remote code needs --trust-remote-code on the command line",
+                    },
                     "allow_pickle": {"type": "boolean"},
                     "revision": {"type": "string"},
                 },

@@ -64,6 +64,7 @@ class Source:
     builtin: bool = False
     extra: dict = field(default_factory=dict)
     streamed: bool = False  # model is the reduced-depth cut of a lazy load (see load_source)
+    trusted: bool = False  # loaded with --trust-remote-code: the processor's own code may run too
 
     @property
     def architecture(self) -> str:
@@ -160,7 +161,22 @@ _CONFIG_SIZES = {
     "image_size": "MAX_IMAGE_SIDE",
     "patch_size": "MAX_IMAGE_SIDE",
     "num_query_tokens": "MAX_TOKENS_PER_IMAGE",
+    # vision towers of the Qwen / GLM families name their sizes differently
+    "num_heads": "MAX_HEADS",
+    "depth": "MAX_LAYERS",
+    "embed_dim": "MAX_HIDDEN",
+    "out_hidden_size": "MAX_HIDDEN",
+    "spatial_merge_size": "MAX_IMAGE_SIDE",
+    "temporal_patch_size": "MAX_IMAGE_SIDE",
+    "mm_tokens_per_image": "MAX_TOKENS_PER_IMAGE",
+    "image_seq_length": "MAX_TOKENS_PER_IMAGE",
 }
+# (width, heads) pairs of one (sub-)config: without head_dim, the heads split the width evenly. (A Qwen2-VL
+# tower's hidden_size is its merger's output, not what its num_heads split: only embed_dim pairs with those.)
+_HEAD_SPLITS = (("hidden_size", "num_attention_heads"), ("embed_dim", "num_heads"))
+# Lists of layer indices into the stack of the same (sub-)config.
+_LAYER_INDEX_KEYS = ("deepstack_visual_indexes", "fullatt_block_indexes")
+_SELECT_STRATEGIES = ("default", "full")
 
 
 def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
@@ -184,20 +200,110 @@ def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
                 )
 
 
+def check_config(config: dict, where: str) -> None:
+    """Refuse a config.json the exporters would trip over, in one line naming the key (exit 2).
+
+    Run on the file as it is (before transformers reads it: its own validators fail with tracebacks or a
+    ZeroDivisionError) and again on the config transformers built (defaults filled in). Checked generically,
+    in every sub-config: the sizes (:func:`check_config_sizes`), heads that divide the width and the
+    key-value heads, ``layer_types`` (one known kind per layer), layer indices inside their stack,
+    ``vision_feature_layer`` inside the vision tower's hidden states, the feature select strategy.
+    """
+    check_config_sizes(config, where)
+    _check_structure(config, where, "")
+    f = config.get("vision_feature_layer")
+    if f is not None:
+        vision = config.get("vision_config")
+        depth = vision.get("num_hidden_layers") if isinstance(vision, dict) else None
+        for v in f if isinstance(f, list) else [f]:
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise VlmcError(f"{where}: vision_feature_layer={v!r} must be a layer index (an integer)")
+            if isinstance(depth, int) and not -(depth + 1) <= v <= depth:
+                raise VlmcError(
+                    f"{where}: vision_feature_layer={v} is past the vision tower's {depth} layers "
+                    f"(hidden states {-(depth + 1)} to {depth})"
+                )
+    strategy = config.get("vision_feature_select_strategy")
+    if strategy is not None and strategy not in _SELECT_STRATEGIES:
+        raise VlmcError(
+            f"{where}: vision_feature_select_strategy={str(strategy)[:40]!r} must be one of "
+            f"{', '.join(_SELECT_STRATEGIES)}"
+        )
+
+
+def _check_structure(config: dict, where: str, prefix: str) -> None:
+    for key, value in config.items():
+        if isinstance(value, dict) and len(prefix) < 200:
+            _check_structure(value, where, f"{prefix}{key}.")
+    ints = {k: v for k, v in config.items() if isinstance(v, int) and not isinstance(v, bool)}
+    for width, heads in _HEAD_SPLITS:
+        if width in ints and heads in ints and config.get("head_dim") is None and ints[width] % ints[heads]:
+            raise VlmcError(
+                f"{where}: {prefix}{width}={ints[width]} is not divisible by {prefix}{heads}={ints[heads]}"
+            )
+    heads, kv = ints.get("num_attention_heads"), ints.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise VlmcError(
+            f"{where}: {prefix}num_attention_heads={heads} is not a multiple of {prefix}num_key_value_heads={kv}"
+        )
+    depth = ints.get("num_hidden_layers", ints.get("depth"))
+    types = config.get("layer_types")
+    if types is not None:
+        allowed = _layer_kinds()
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise VlmcError(f"{where}: {prefix}layer_types must be a list of layer kinds (strings)")
+        bad = [t for t in types if allowed and t not in allowed]
+        if bad:
+            raise VlmcError(
+                f"{where}: {prefix}layer_types has {bad[0][:40]!r}; known kinds: {', '.join(sorted(allowed))}"
+            )
+        if depth is not None and len(types) != depth:
+            raise VlmcError(f"{where}: {prefix}layer_types lists {len(types)} layers, the stack has {depth}")
+    for key in _LAYER_INDEX_KEYS:
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise VlmcError(f"{where}: {prefix}{key} must be a list of layer indices")
+        if depth is not None and any(not 0 <= v < depth for v in value):
+            raise VlmcError(f"{where}: {prefix}{key}={value[:8]} has an index outside the {depth} layers")
+
+
+def _layer_kinds() -> set[str]:
+    """The attention layer kinds transformers knows (``layer_types`` values), with their legacy names."""
+    from transformers import configuration_utils
+
+    kinds = set(getattr(configuration_utils, "ALLOWED_ATTN_LAYER_TYPES", ()))
+    return kinds | set(getattr(configuration_utils, "_LEGACY_LAYER_TYPE_REMAP", {})) if kinds else set()
+
+
 def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: bool = False) -> Source:
+    """Load a local model directory, after checking it as untrusted input (docs/security.md): every file
+    transformers may open confined and bounded (vlmc/paths.py), config.json sane (:func:`check_config`),
+    safetensors headers and the weights against the config (vlmc/exporters/checkpoint.py)."""
     from transformers import AutoConfig
 
-    if not path.is_dir() or not (path / "config.json").is_file():
+    from vlmc import paths
+    from vlmc.exporters import checkpoint, streaming
+
+    if not path.is_dir() or not os.path.lexists(path / "config.json"):
         raise VlmcError(f"{path} is not a Hugging Face model directory (no config.json)")
+    paths.model_files(path)
+    check_config(paths.model_json(path, "config.json"), f"{path}/config.json")
     try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        with streaming.quiet_loading():
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise VlmcError(
-            f"{path}: cannot read config.json ({str(exc).splitlines()[0]}); "
+            f"{path}: cannot read config.json ({_first_line(exc)}); "
             f"if the model needs custom code, pass --trust-remote-code"
-        ) from exc
-    except (OSError, json.JSONDecodeError) as exc:
-        raise VlmcError(f"{path}: cannot read config.json ({str(exc).splitlines()[0]})") from exc
+        ) from None
+    except Exception as exc:  # transformers' config classes validate (and fail) in their own ways
+        # a strict-dataclass validation error says which validator on its first line and why on the next
+        why = " ".join(line.strip() for line in str(exc).strip().splitlines()[:2])[:300]
+        raise VlmcError(f"{path}: cannot read config.json ({type(exc).__name__}: {why})") from None
     family = _family_for_config(config, str(path))
     check_config_sizes(config.to_dict(), f"{path}/config.json")
     has_safetensors = any(path.glob("*.safetensors"))
@@ -211,27 +317,51 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
         if not has_pickle:
             raise VlmcError(f"{path} has no weights (*.safetensors)")
     mod = families()[family]
-    if lazy and has_safetensors and not trust_remote_code:
-        src = _load_reduced(path, mod, config, family)
-        if src is not None:
-            return src
+    if has_safetensors:
+        held = checkpoint.tensors(path)
+        try:
+            lay = streaming.layout(path, mod.model_class(), config, held, trust_remote_code)
+        except VlmcError:
+            raise
+        except Exception as exc:  # transformers builds the model the config describes, or fails its own way
+            raise VlmcError(
+                f"{path}: transformers cannot build the model config.json describes "
+                f"({type(exc).__name__}: {_first_line(exc)})"
+            ) from None
+        if lazy and not trust_remote_code:
+            src = _load_reduced(path, mod, config, family, lay)
+            if src is not None:
+                return src
     try:
-        model = mod.model_class().from_pretrained(
-            str(path),
-            use_safetensors=has_safetensors,
-            trust_remote_code=trust_remote_code,
-            dtype="float32",
-            attn_implementation="eager",
-        )
-    except Exception as exc:  # safetensors raises its own SafetensorError on a damaged header
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise VlmcError(f"{path}: cannot load weights ({type(exc).__name__}: {first})") from None
+        with streaming.quiet_loading():
+            model, info = mod.model_class().from_pretrained(
+                str(path),
+                use_safetensors=has_safetensors,
+                trust_remote_code=trust_remote_code,
+                dtype="float32",
+                attn_implementation="eager",
+                output_loading_info=True,
+            )
+    except Exception as exc:  # safetensors raises its own SafetensorError on a damaged file
+        raise VlmcError(f"{path}: cannot load weights ({type(exc).__name__}: {_first_line(exc)})") from None
+    checkpoint.refuse_missing(path, info)
     model.eval()
     _eager(model)
-    return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
+    return Source(
+        name=str(path),
+        model=model,
+        config=model.config,
+        family=family,
+        directory=path,
+        trusted=trust_remote_code,
+    )
 
 
-def _load_reduced(path: Path, mod: ModuleType, config, family: str) -> Source | None:
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [""])[0][:200]
+
+
+def _load_reduced(path: Path, mod: ModuleType, config, family: str, lay) -> Source | None:
     """The family's cut of the model for a streaming export, or None where it has none."""
     from vlmc.exporters import streaming
 
@@ -239,9 +369,9 @@ def _load_reduced(path: Path, mod: ModuleType, config, family: str) -> Source | 
     if not depths:
         return None
     try:
-        loaded = streaming.load_reduced(path, mod.model_class(), config, depths)
+        loaded = streaming.load_reduced(path, mod.model_class(), config, depths, lay)
     except (OSError, ValueError, RuntimeError) as exc:
-        raise VlmcError(f"{path}: cannot load weights ({str(exc).splitlines()[0]})") from exc
+        raise VlmcError(f"{path}: cannot load weights ({_first_line(exc)})") from exc
     if loaded is None:
         return None
     model, full_config = loaded
@@ -315,7 +445,7 @@ def export(source: Source, scratch: str | Path | None = None) -> Package:
             whole.name = source.name
             return export(whole, scratch)
     if source.directory is not None:
-        _attach_source_files(source.directory, pkg)
+        _attach_source_files(source.directory, pkg, source.trusted)
     manifest.validate(pkg.manifest, where="exported manifest")
     return pkg
 
@@ -336,18 +466,23 @@ _TOKENIZER_FILES = (
 )
 
 
-def _attach_source_files(directory: Path, pkg: Package) -> None:
-    """Copy tokenizer and processor files so the package runs without its source."""
+def _attach_source_files(directory: Path, pkg: Package, trusted: bool = False) -> None:
+    """Copy tokenizer and processor files so the package runs without its source.
+
+    Each is a regular file inside the model directory's fence, bounded (vlmc/paths.py: load_source checked
+    them already; they are read through the rule again here, where they are copied)."""
+    from vlmc import paths
+
     found = []
     for fname in _TOKENIZER_FILES:
-        p = directory / fname
-        if p.is_file():
-            pkg.files[f"source/{fname}"] = p.read_bytes()
+        data = paths.model_bytes(directory, fname)
+        if data is not None:
+            pkg.files[f"source/{fname}"] = data
             found.append(fname)
     has_tok = any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if has_tok:
         from vlmc.exporters import processor
 
-        processor.attach(directory, pkg)
+        processor.attach(directory, pkg, trusted)
     if "preprocessor_config.json" in found or "processor_config.json" in found:
         pkg.manifest["vision"]["processor"] = "source"

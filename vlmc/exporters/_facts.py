@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 
 logger = logging.getLogger(__name__)
@@ -61,11 +60,13 @@ def text_facts(config, text_config, **family) -> dict:
 def image_processor_config(directory) -> dict | None:
     """The source's image processor settings: preprocessor_config.json, or (transformers 5 saves processors
     that way) the ``image_processor`` entry of processor_config.json; None when it has neither."""
+    from vlmc import paths
+
     if directory is None:
         return None
-    if (directory / "preprocessor_config.json").is_file():
-        return json.loads((directory / "preprocessor_config.json").read_text())
-    if (directory / "processor_config.json").is_file():
-        nested = json.loads((directory / "processor_config.json").read_text()).get("image_processor")
-        return nested if isinstance(nested, dict) else None
-    return None
+    settings = paths.model_json(directory, "preprocessor_config.json")
+    if settings is not None:
+        return settings
+    processor = paths.model_json(directory, "processor_config.json")
+    nested = None if processor is None else processor.get("image_processor")
+    return nested if isinstance(nested, dict) else None

@@ -6,10 +6,10 @@ token) and by verify (whose reference inputs come from this processor, never fro
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -20,11 +20,9 @@ CHAT_TEMPLATE_FILE = "tokenizer/chat_template.jinja"
 
 def _declared_class(directory: Path) -> str | None:
     for name in ("processor_config.json", "preprocessor_config.json"):
-        p = directory / name
-        if p.is_file():
-            cls = json.loads(p.read_text()).get("processor_class")
-            if cls:
-                return cls
+        cls = (paths.model_json(directory, name) or {}).get("processor_class")
+        if isinstance(cls, str) and cls:
+            return cls
     return None
 
 
@@ -48,6 +46,13 @@ def load(directory, trust_remote_code: bool = False):
     from transformers import AutoProcessor
 
     directory = Path(directory)
+    paths.model_files(directory)  # regular files inside the directory (or its hub cache folder), bounded
+    declared = paths.custom_code(directory)
+    if declared and not trust_remote_code:
+        raise VlmcError(
+            f"{directory}: the processor or tokenizer needs the model's own code (auto_map in {declared}), "
+            "which runs only with --trust-remote-code; read that code first"
+        )
     try:
         return AutoProcessor.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     except (ImportError, ValueError) as exc:
@@ -88,14 +93,14 @@ def chat_template(proc) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def attach(directory, pkg) -> None:
+def attach(directory, pkg, trust_remote_code: bool = False) -> None:
     """Store the processor's tokenizer (as a `tokenizers` JSON), chat template and image token in ``pkg``.
 
     transformers may rebuild a tokenizer from tokenizer.json with its own class's pipeline (LlamaTokenizer's
     Metaspace settings come from its ``legacy`` flag, not from the file), so the file the runtime uses is the
     backend the processor actually tokenizes with, serialized.
     """
-    proc = load(directory)
+    proc = load(directory, trust_remote_code)
     tok = tokenizer_of(proc)
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:

@@ -27,9 +27,10 @@ back to loading the whole model (vlmc/exporters/__init__.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,21 +112,53 @@ def stack_of(module: torch.nn.Module) -> Stack | None:
 # ----------------------------------------------------------------------------------------- loading
 
 
-def checkpoint_index(directory: Path) -> dict[str, str]:
-    """Checkpoint key -> shard file name, from the index save_pretrained writes (or the single file)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    from safetensors import safe_open
+@dataclass
+class Layout:
+    """A checkpoint against the model its config describes: :func:`layout`."""
 
-    out = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(shard), framework="pt") as f:
-            out.update({k: shard.name for k in f.keys()})
-    return out
+    meta: torch.nn.Module  # the full model on the meta device (no storage)
+    files: dict[str, tuple[str, str]]  # model key -> (shard, checkpoint key), loaded as they are
+    converted: dict[str, list[str]]  # model key -> the checkpoint keys a WeightConverter combines into it
 
 
-def _model_keys(meta_model, ckpt: dict[str, str]) -> tuple[dict[str, tuple[str, str]], set[str]]:
+def layout(path: Path, model_class, config, held: dict, trust_remote_code: bool = False) -> Layout:
+    """The full model built on the meta device from ``config`` and the checkpoint's tensors ``held``
+    (vlmc/exporters/checkpoint.py: headers checked) mapped onto it; refuses a tensor whose shape or dtype
+    is not what the config implies (:func:`checkpoint.check_weights`)."""
+    from vlmc.exporters import checkpoint
+
+    # a model class builds from a config with _from_config, an auto class with from_config (which must be
+    # told whether the model's own code may run)
+    build = getattr(model_class, "_from_config", None)
+    with torch.device("meta"):
+        if build is not None:
+            full = build(copy.deepcopy(config))
+        else:
+            full = model_class.from_config(copy.deepcopy(config), trust_remote_code=trust_remote_code)
+    files, converted = _model_keys(full, {k: t.shard for k, t in held.items()})
+    checkpoint.check_weights(path, full.state_dict(), files, converted, held)
+    return Layout(full, files, converted)
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """transformers' load report and progress bars off while it loads: vlmc states what matters in one line
+    (a missing weight refuses the export, :func:`checkpoint.refuse_missing`)."""
+    import transformers
+
+    verbosity = transformers.logging.get_verbosity()
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+
+
+def _model_keys(meta_model, ckpt: dict[str, str]) -> tuple[dict[str, tuple[str, str]], dict[str, list[str]]]:
     """Map checkpoint keys to the model's parameter names with transformers' own renaming rules.
 
     Keys a WeightConverter (split, merge, permute) would produce are returned apart: their bytes
@@ -140,13 +173,13 @@ def _model_keys(meta_model, ckpt: dict[str, str]) -> tuple[dict[str, tuple[str, 
     meta_sd = meta_model.state_dict()
     prefix = meta_model.base_model_prefix
     files: dict[str, tuple[str, str]] = {}
-    converted: set[str] = set()
+    converted: dict[str, list[str]] = {}
     for key in sorted(ckpt):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_sd)
         if renamed not in meta_sd and key in meta_sd:
             renamed, pattern = key, None
         if pattern is not None:
-            converted.add(renamed)
+            converted.setdefault(renamed, []).append(key)
         elif renamed in meta_sd:
             files[renamed] = (ckpt[key], key)
     return files, converted
@@ -230,35 +263,35 @@ def uniform_depth(
     return {(sub, fld): Cut(depth, kinds, fixed)}
 
 
-def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], Cut | int]):
+def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], Cut | int], lay: Layout):
     """The model with each stack in ``depths`` cut to its traced depth, loaded in FP32 from ``path``.
 
-    Returns ``(model, full_config)``, or None when the checkpoint's layer weights cannot be streamed
-    (the caller loads the whole model). Each cut ModuleList carries its :class:`Stack`.
+    ``lay``: the checkpoint against the full model (:func:`layout`). Returns
+    ``(model, full_config)``, or None when the checkpoint's layer weights cannot be streamed (the caller
+    loads the whole model). Each cut ModuleList carries its :class:`Stack`. A weight the full model needs
+    that the checkpoint does not hold refuses the export (VlmcError naming it), as in a whole load.
     """
-    import transformers
+    from vlmc.exporters import checkpoint as checked
 
     depths = {k: v if isinstance(v, Cut) else Cut(int(v)) for k, v in depths.items()}
-    ckpt = checkpoint_index(path)
-    # a model class builds from a config with _from_config, an auto class with from_config
-    build = getattr(model_class, "_from_config", None) or model_class.from_config
-    with torch.device("meta"):
-        full = build(copy.deepcopy(config))
-    files, converted = _model_keys(full, ckpt)
-    checkpoint = Checkpoint(path, files)
+    full, converted = lay.meta, lay.converted
+    checkpoint = Checkpoint(path, lay.files)
     reduced_cfg = reduce_config(config, depths)
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # the cut layers' weights are "unexpected keys"
-    try:
-        model = model_class.from_pretrained(
+    with quiet_loading():  # the cut layers' weights are "unexpected keys"
+        model, info = model_class.from_pretrained(
             str(path),
             config=reduced_cfg,
             use_safetensors=True,
             dtype="float32",
             attn_implementation="eager",
+            output_loading_info=True,
+            trust_remote_code=False,  # load_source streams only models without their own code
         )
-    finally:
-        transformers.logging.set_verbosity(verbosity)
+    checked.refuse_missing(path, info)
+    # Weights the full model does not need from the checkpoint: tied to another, or ones transformers is told
+    # to leave to their initializer. A stitched layer with one of those is loaded whole instead.
+    optional = set(getattr(full, "all_tied_weights_keys", None) or ())
+    ignored = [re.compile(p) for p in getattr(full, "_keys_to_ignore_on_load_missing", None) or ()]
     model.eval()
     full_modules = dict(full.named_modules())
     full_params = dict(full.named_parameters())
@@ -283,6 +316,9 @@ def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], 
         for j in range(len(ml), len(ref)):
             for rel, p in ref[j].named_parameters():
                 key = stack.key(j, rel)
+                if key not in converted and key not in checkpoint and key not in optional:
+                    if not any(p.search(key) for p in ignored):
+                        checked.refuse_missing(path, {"missing_keys": [key]})
                 if key in converted or key not in checkpoint:
                     logger.info("streaming export: %s is not one checkpoint tensor; loading whole", key)
                     return None

@@ -102,7 +102,25 @@ class TransformersTokenizer:
             "this package was exported by an older vlmc: its tokenizer may not match the source processor's; "
             "re-export it (vlmc verify shows any difference)"
         )
-        self.tok = AutoTokenizer.from_pretrained(str(directory))
+        # The package's source/ is untrusted: its files are confined and bounded, and its own code never runs
+        # (trust_remote_code=False: transformers neither runs nor asks about it, with or without a stdin).
+        from vlmc import paths
+
+        paths.model_files(directory)
+        declared = paths.custom_code(directory)
+        if declared:
+            raise VlmcError(
+                f"this package's tokenizer needs remote code (auto_map in source/{declared}), which vlmc "
+                "does not run from a package; re-export it with this vlmc (the tokenizer is then a "
+                "tokenizers JSON)"
+            )
+        try:
+            self.tok = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        except Exception as exc:  # transformers fails in its own ways on a damaged tokenizer
+            first = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise VlmcError(
+                f"the package's source/ tokenizer cannot be loaded ({type(exc).__name__}: {first}); re-export it"
+            ) from None
         self.image_token_id = image_token_id
         self.marker = marker
 
