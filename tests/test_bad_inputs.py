@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from vlmc import graphs
+from vlmc import interop
 from vlmc.cli import main
 
 RECIPE = "passes:\n  - fold_constants\n  - simplify\n"
@@ -439,7 +439,7 @@ def _fill_disk_on_write(monkeypatch) -> None:
         Path(path).write_bytes(b"\0" * 100)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(graphs, "save", save)
+    monkeypatch.setattr(interop, "save", save)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -299,7 +299,9 @@ def test_ascend_compile_sizes_the_deepstack_rows_per_variant(exported, tmp_path)
     from vlmc.backends import ascend
 
     pkg = Package.load(exported("tiny-qwen3-vl"))
-    out = ascend.compile(pkg, tmp_path / "build", {"backend": "ascend", "soc": "Ascend910B3"})
+    # one exact patch count (dims), so the vision build and the prefill each have one static size
+    target = {"backend": "ascend", "soc": "Ascend910B3", "dims": {"patches": 48}}
+    out = ascend.compile(pkg, tmp_path / "build", target)
     shapes = {b["name"]: b["input_shape"] for b in out["builds"]}
     # prefill carries the vision build's tokens (48 patches / 2x2 = 12); a decode step one zero row
     assert "deepstack_visual_embeds:2,12,64" in shapes["decoder_prefill"]

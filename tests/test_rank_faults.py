@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -110,13 +111,15 @@ class Run:
         self.tmp = tmp
         (tmp / "mod").mkdir()
         (tmp / "mod" / "vlmc_test_ranks.py").write_text(RANK_MODULE)
-        (tmp / "tmp").mkdir()
+        # The run's TMPDIR: short, because multiprocessing's forkserver puts an AF_UNIX socket in it
+        # (108 bytes at most), and pytest-xdist's tmp_path can be longer than that alone.
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="vr-", dir="/tmp"))
         self.marker = tmp / "reached"
         self.err = tmp / "stderr.txt"
         self.env = dict(
             os.environ,
             PYTHONPATH=os.pathsep.join([str(tmp / "mod"), os.environ.get("PYTHONPATH", "")]),
-            TMPDIR=str(tmp / "tmp"),
+            TMPDIR=str(self.tmpdir),
             VLMC_TEST_MARKER=str(self.marker),
             VLMC_TEST_PHASE=phase,
             VLMC_TEST_PAUSE=str(pause),
@@ -179,7 +182,7 @@ class Run:
         if left:
             self.kill()
         assert left == [], f"processes of the run still alive {GONE_BOUND} s after it ended: {left}"
-        assert list((self.tmp / "tmp").glob("vlmc-ranks-*")) == [], "the rendezvous directory was left behind"
+        assert list(self.tmpdir.glob("vlmc-ranks-*")) == [], "the rendezvous directory was left behind"
 
     def stderr(self) -> str:
         return self.err.read_text()
@@ -198,6 +201,7 @@ def run(tp2, tmp_path):
     for r in started:
         if r.proc.poll() is None:
             r.kill()
+        shutil.rmtree(r.tmpdir, ignore_errors=True)
 
 
 @pytest.mark.slow
@@ -308,7 +312,7 @@ def test_ranks_listen_on_loopback_only_and_meet_in_a_private_directory(run):
                 with pytest.raises(OSError):
                     s.connect((outside, port))
     # The rendezvous: a FileStore in a directory only this user can open, nothing listening for it.
-    (store_dir,) = (r.tmp / "tmp").glob("vlmc-ranks-*")
+    (store_dir,) = r.tmpdir.glob("vlmc-ranks-*")
     assert store_dir.stat().st_mode & 0o777 == 0o700
     assert ranks and all(p in sockets for p in ranks)
     os.killpg(r.proc.pid, signal.SIGINT)

@@ -272,13 +272,13 @@ def write_error_leaves_no_parents(work, pkg):
 def disk_full(monkeypatch) -> None:
     import errno
 
-    from vlmc import graphs
+    from vlmc import interop
 
     def save(model, path, *args, **kwargs):
         Path(path).write_bytes(b"\0" * 100)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(graphs, "save", save)
+    monkeypatch.setattr(interop, "save", save)
 
 
 # ---- read outside the package -----------------------------------------------------------------------
@@ -554,7 +554,7 @@ CASES = [
     Case("fifo-in-package", "read-outside", fifo_in_package, ("pipe.npz", "not a regular file")),
     Case("dangling-link-in-package", "read-outside", dangling_link_in_package, ("notes.txt",)),
     # unbounded work
-    Case("calibration-count-huge", "unbounded", calibration_count_huge, ("calibration.count", "maximum")),
+    Case("calibration-count-huge", "unbounded", calibration_count_huge, ("calibration: count=", "maximum")),
     Case("eval-samples-huge", "unbounded", eval_samples_huge, ("eval_samples", "maximum")),
     Case("recipe-nan", "unbounded", recipe_nan, ("ratio", "finite")),
     Case("recipe-inf", "unbounded", recipe_inf, ("size_threshold_mb", "finite")),

@@ -71,7 +71,7 @@ TARGET_OPTIONS = (
         "patch_gears",
         list,
         None,
-        "resolution gears of packed-patch vision graphs (Qwen2-VL, GLM-4.1V ...): patches per image, each a "
+        "resolution gears of packed-patch vision graphs (vision.preprocess kind packed_patches): patches per image, each a "
         "multiple of merge_size² (default: from the preprocessor's min/max pixels)",
         items=int,
         min=1,
@@ -82,7 +82,7 @@ TARGET_OPTIONS = (
         "tile_gears",
         list,
         None,
-        "resolution gears of tiled vision graphs (InternVL tiles, LLaVA-NeXT anyres): tiles per image, "
+        "resolution gears of tiled vision graphs (preprocess kinds tiles and anyres): tiles per image, "
         "thumbnail or base tile included (default: from the preprocessor's max tiles or grid pinpoints)",
         items=int,
         min=1,
@@ -93,7 +93,7 @@ TARGET_OPTIONS = (
         "image_token_gears",
         list,
         None,
-        "resolution gears of anyres vision graphs (LLaVA-NeXT, LLaVA-OneVision): image tokens per image "
+        "resolution gears of anyres vision graphs (preprocess kind anyres): image tokens per image "
         "(default: powers of two up to the most an image gives)",
         items=int,
         min=1,
