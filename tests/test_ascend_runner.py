@@ -85,6 +85,25 @@ def test_reference_executor_gives_the_package_tokens(exported, tmp_path, name, l
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_merged_package_compiles_with_a_prefill_only_vlm_build(exported, tmp_path, layout):
+    """The merged graph (role vlm) only prefills; its build takes no past, so no gear or dim is 0."""
+    pkg = Package.load(exported("tiny-llava"))
+    pass_api.get("merge")().run(pkg)
+    if layout == "paged":
+        pass_api.get("paged_kv")(block_size=BLOCK).run(pkg)
+    pkg.save(tmp_path / "merged")
+    pkg = Package.load(tmp_path / "merged")
+    ref = Pipeline(pkg).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    summary = ascend.compile(pkg, tmp_path / "build", _target(pkg))
+    vlm = [b for b in summary["builds"] if b["graph"] == "vlm"]
+    assert [b["variant"] for b in vlm] == ["prefill" if layout == "contiguous" else "full"]
+    assert not any(i["name"].startswith("past_") for b in vlm for i in b["inputs"])
+    run_pkg, executor = runner.open_build(tmp_path / "build", "reference")
+    got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    assert got.tokens == ref.tokens and executor.runs[vlm[0]["name"]] == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_batch_and_images_are_padded_to_their_gears(exported, tmp_path, layout):
     # 3 prompts on batch gears [1, 4] (one copied row), 2 images on image gears [1, 2], a text-only prompt.
     pkg = _package(exported, "tiny-llava", layout, tmp_path)
