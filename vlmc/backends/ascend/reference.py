@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs, interop, ortsession
+from vlmc import ascend_limits, graphs, interop
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -290,6 +290,10 @@ class _Segment:
     def run(self, env: dict[str, np.ndarray]) -> None:
         feeds = {n: env[n] for n in self.inputs}
         if self._session is None:
+            # Imported here: the lowering rules import this module for its numerics, and compile
+            # should not load onnxruntime (tests/test_ascend_compile.py measures compile's peak RSS).
+            from vlmc import ortsession
+
             self._session = ortsession.from_model(self._model(feeds))
         env.update(zip(self.outputs, self._session.run(self.outputs, feeds)))
 
