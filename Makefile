@@ -7,7 +7,7 @@ PIP    := $(BIN)/pip install -q --disable-pip-version-check -c constraints.txt
 DEMO   := out/demo
 JOBS   ?= 2
 
-.PHONY: install demo test lint bench schema clean
+.PHONY: install demo test lint bench matrix schema clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3 $(if $(BENCH_7B),--7b) $(if $(BENCH_7B_DIR),--7b-dir $(BENCH_7B_DIR)) $(BENCH_ARGS)
+
+# Every built-in family x recipe x executor (scripts/matrix.py): writes docs/compatibility.md and .json.
+matrix: $(STAMP)
+	nice -n 10 $(BIN)/python scripts/matrix.py --jobs $(JOBS) --out docs/compatibility.md
 
 schema: $(STAMP)
 	$(BIN)/vlmc passes --schema > docs/recipe.schema.json

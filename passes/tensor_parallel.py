@@ -417,6 +417,7 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
     w = lay.intermediate // lay.size
     mlp_idx = np.arange(rank * w, (rank + 1) * w)
     seen: set[ir.Value] = set()
+    visited: dict[ir.Node, bool] = {}  # target-shape Concats already rewritten (simplify may share them)
     for cut in cuts:
         for c in cut.columns:
             idx = {"q": q_idx, "kv": kv_idx, "mlp": mlp_idx}[c.role]
@@ -430,8 +431,10 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
                 seen.add(v)
                 _sliced(v, axis, idx)
         _sliced(cut.row.inputs[1], 0, q_idx if cut.kind == "attention" else mlp_idx)
-        if lay.kv_mode == "replicated" and cut.kind == "attention":
-            _set_repeat(graph, cut, lay, dec)
+        if cut.kind == "attention":
+            folded = _set_head_counts(graph, cut, lay, visited)
+            if lay.kv_mode == "replicated":
+                _set_repeat(graph, cut, lay, dec, folded)
 
 
 def _int_const(v: ir.Value | None) -> np.ndarray | None:
@@ -441,11 +444,66 @@ def _int_const(v: ir.Value | None) -> np.ndarray | None:
     return None if t is None else np.asarray(t.numpy())
 
 
-def _set_repeat(graph: ir.Graph, cut: _Cut, lay: _Layout, dec: str) -> None:
+def _shape_concats(node: ir.Node) -> set[ir.Node]:
+    """The Concats that build a Reshape's or Expand's target shape."""
+    return {n for n in _backward([node.inputs[1]], set(), through_shape=False) if n.op_type == "Concat"}
+
+
+def _replace_const(graph: ir.Graph, node: ir.Node, i: int, c: np.ndarray, value: int) -> None:
+    new = ir.Value(name=f"{node.name}/tp_heads_{i}", const_value=ir.Tensor(np.full_like(c, value)))
+    new.shape, new.dtype = ir.Shape(c.shape), ir.DataType.from_numpy(c.dtype)
+    graph.register_initializer(new)
+    node.replace_input_with(i, new)
+
+
+def _set_head_counts(graph: ir.Graph, cut: _Cut, lay: _Layout, visited: dict[ir.Node, bool]) -> set[ir.Node]:
+    """Head counts an earlier pass folded into the attention's target shapes, made the rank's own.
+
+    The export computes them from the projections' shapes (Shape -> Gather), which shard by themselves;
+    fold_constants/simplify replace that with the model's constants: ``[b, kv, n_rep, s, d]`` for
+    repeat_kv's Expand and ``[b, heads, s, d]`` / ``[b, s, heads, d]`` for the head reshapes. Those are
+    rewritten to the rank's heads (and KV heads), each Concat once (``visited``: Concat -> whether it
+    held the query heads; simplify may share one Concat between layers). Returns the nodes whose target
+    shape had its query-head count rewritten.
+    """
+    outs = [c.node.outputs[0] for c in cut.columns]
+    block = _forward(outs) & _backward([cut.row.inputs[0]], set())
+    done: set[ir.Node] = set()
+    for node in (n for n in block if n.op_type in ("Reshape", "Expand")):
+        for concat in _shape_concats(node):
+            if concat not in visited:
+                visited[concat] = _rewrite_heads(graph, concat, node.op_type, lay)
+            if visited[concat]:
+                done.add(node)
+    return done
+
+
+def _rewrite_heads(graph: ir.Graph, concat: ir.Node, op_type: str, lay: _Layout) -> bool:
+    consts = [_int_const(i) for i in concat.inputs]
+    scalar = [
+        int(c.reshape(-1)[0]) if c is not None and c.size == 1 and c.dtype.kind == "i" else None
+        for c in consts
+    ]
+    if len(scalar) == 5 and op_type == "Expand" and scalar[1] == lay.kv_heads != lay.kv_per_rank:
+        _replace_const(graph, concat, 1, consts[1], lay.kv_per_rank)
+    if len(scalar) != 4 or scalar[3] != lay.head_dim:
+        return False
+    heads = False
+    for i in (1, 2):
+        if scalar[i] == lay.heads != lay.heads_per_rank:
+            _replace_const(graph, concat, i, consts[i], lay.heads_per_rank)
+            heads = True
+        elif scalar[i] == lay.kv_heads != lay.kv_per_rank:
+            _replace_const(graph, concat, i, consts[i], lay.kv_per_rank)
+    return heads
+
+
+def _set_repeat(graph: ir.Graph, cut: _Cut, lay: _Layout, dec: str, folded: set[ir.Node]) -> None:
     """Where the rank holds one KV head for fewer query heads than n_rep, repeat_kv must repeat it
     heads_per_rank times: rewrite the n_rep constant in each Expand's target shape and in the head count
     of the Reshape after it (transformers' ``repeat_kv``: expand to [b, kv, n_rep, s, d], reshape to
-    [b, kv*n_rep, s, d])."""
+    [b, kv*n_rep, s, d]). A Reshape in ``folded`` already had its folded head count rewritten
+    (_set_head_counts)."""
     kv_outs = [c.node.outputs[0] for c in cut.columns if c.role == "kv"]
     block = _forward(kv_outs) & _backward([cut.row.inputs[0]], set())
     expands = [n for n in block if n.op_type == "Expand"]
@@ -455,6 +513,9 @@ def _set_repeat(graph: ir.Graph, cut: _Cut, lay: _Layout, dec: str) -> None:
         shape_nodes = _backward([e.inputs[1]], set(), through_shape=False)
         reshapes = [u for u, i in e.outputs[0].uses() if u.op_type == "Reshape" and i == 0]
         for r in reshapes:
+            if r in folded:
+                targets.append(None)
+                continue
             shape_nodes |= _backward([r.inputs[1]], set(), through_shape=False)
         for node in shape_nodes:
             if node.op_type == "Concat" and len(node.inputs) == 5:
@@ -477,13 +538,9 @@ def _set_repeat(graph: ir.Graph, cut: _Cut, lay: _Layout, dec: str) -> None:
                 "needs the repeat_kv structure rewritten, and it was not recognized; use a size that divides "
                 "the KV heads"
             )
-        for node, i, c in targets:
-            new = ir.Value(
-                name=f"{node.name}/tp_repeat_{i}", const_value=ir.Tensor(np.full_like(c, lay.heads_per_rank))
-            )
-            new.shape, new.dtype = ir.Shape(c.shape), ir.DataType.from_numpy(c.dtype)
-            graph.register_initializer(new)
-            node.replace_input_with(i, new)
+        for target in targets:
+            if target is not None:
+                _replace_const(graph, *target, lay.heads_per_rank)
             changed += 1
     if not changed:
         raise VlmcError(
@@ -511,8 +568,12 @@ def _segments(model: ir.Model, cuts: list[_Cut], dec: str, kv_per_rank: int) -> 
     outs = list(g.outputs)
     for cut in cuts:  # the tensors passed between segments have the residual stream's type
         for v in (cut.row.outputs[0], cut.residual):
-            if v.shape is None or v.dtype is None:
-                v.shape, v.dtype = embeds.shape, embeds.dtype
+            # The residual stream is [batch, sequence, hidden] like inputs_embeds, whatever an earlier
+            # pass's shape inference recorded (fold_constants/simplify leave unk__N dims there, which
+            # become segment inputs no backend can size).
+            v.shape = ir.Shape(embeds.shape)
+            if v.dtype is None:
+                v.dtype = embeds.dtype
     segs = []
     for k in range(len(cuts) + 1):
         if k == 0:

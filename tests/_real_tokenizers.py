@@ -227,12 +227,14 @@ def llava_dir(
     text_layers: int | None = None,
     vision_layers: int | None = None,
     save_kwargs: dict | None = None,
+    qwen2_text: bool = False,
 ) -> Path:
     """LlavaForConditionalGeneration (CLIP 64 px, patch 8: 64 image tokens) with LlavaProcessor files.
 
     The tokenizer files are llava-1.5-7b-hf's format by default (see llama_tokenizer). ``text_layers``
     and ``vision_layers`` change the depths; ``save_kwargs`` go to save_pretrained (max_shard_size),
-    with ``dtype`` applied to the model before saving."""
+    with ``dtype`` applied to the model before saving. ``qwen2_text``: the text config is a Qwen2Config
+    with no eos_token_id (its class default, None)."""
     import torch
     from transformers import CLIPImageProcessorPil, LlavaForConditionalGeneration, LlavaProcessor
 
@@ -247,6 +249,18 @@ def llava_dir(
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
+    if qwen2_text:
+        from transformers import Qwen2Config
+
+        text = zoo._text_kwargs(
+            vocab_size=len(tok),
+            hidden_size=hidden,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+        )
+        del text["eos_token_id"]
+        cfg.text_config = Qwen2Config(**text)
+        assert cfg.text_config.eos_token_id is None
     cfg.image_token_index = image_id
     cfg.pad_token_id = tok.pad_token_id
     if text_layers:
@@ -283,8 +297,11 @@ def llava_dir(
     return path
 
 
-def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
-    """Qwen2-VL / Qwen2.5-VL (patch 8, merge 2) with Qwen2VLProcessor files (min 8, max 64 merged tokens)."""
+def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1, class_eos: bool = False) -> Path:
+    """Qwen2-VL / Qwen2.5-VL (patch 8, merge 2) with Qwen2VLProcessor files (min 8, max 64 merged tokens).
+
+    ``class_eos``: the text config keeps the class's bos/eos defaults (151643/151645), which lie outside
+    this small vocabulary."""
     import torch
     from transformers import Qwen2VLImageProcessorPil
 
@@ -303,7 +320,16 @@ def qwen2_vl_dir(path: Path, qwen25: bool = False, seed: int = 1) -> Path:
         eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tok.pad_token_id,
     )
+    if class_eos:
+        del text["eos_token_id"], text["bos_token_id"]
     cfg = (qwen2_vl.tiny_qwen2_5_vl_config if qwen25 else qwen2_vl.tiny_qwen2_vl_config)(**text)
+    if class_eos:
+        default = type(cfg.text_config)()
+        cfg.text_config.eos_token_id, cfg.text_config.bos_token_id = (
+            default.eos_token_id,
+            default.bos_token_id,
+        )
+        assert cfg.text_config.eos_token_id == 151645
     for k, v in ids.items():
         setattr(cfg, k, v)
     torch.manual_seed(seed)

@@ -85,6 +85,25 @@ def test_reference_executor_gives_the_package_tokens(exported, tmp_path, name, l
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_a_merged_package_compiles_with_a_prefill_only_vlm_build(exported, tmp_path, layout):
+    """The merged graph (role vlm) only prefills; its build takes no past, so no gear or dim is 0."""
+    pkg = Package.load(exported("tiny-llava"))
+    pass_api.get("merge")().run(pkg)
+    if layout == "paged":
+        pass_api.get("paged_kv")(block_size=BLOCK).run(pkg)
+    pkg.save(tmp_path / "merged")
+    pkg = Package.load(tmp_path / "merged")
+    ref = Pipeline(pkg).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    summary = ascend.compile(pkg, tmp_path / "build", _target(pkg))
+    vlm = [b for b in summary["builds"] if b["graph"] == "vlm"]
+    assert [b["variant"] for b in vlm] == ["prefill" if layout == "contiguous" else "full"]
+    assert not any(i["name"].startswith("past_") for b in vlm for i in b["inputs"])
+    run_pkg, executor = runner.open_build(tmp_path / "build", "reference")
+    got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    assert got.tokens == ref.tokens and executor.runs[vlm[0]["name"]] == 1
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_batch_and_images_are_padded_to_their_gears(exported, tmp_path, layout):
     # 3 prompts on batch gears [1, 4] (one copied row), 2 images on image gears [1, 2], a text-only prompt.
     pkg = _package(exported, "tiny-llava", layout, tmp_path)
@@ -382,3 +401,79 @@ def test_prefill_graph_keeps_a_concat_of_the_past_alone():
     feed = np.arange(16, dtype=np.float32).reshape(1, 2, 2, 4)
     (got,) = ort.InferenceSession(prefill.SerializeToString()).run(None, {"inputs_embeds": feed})
     np.testing.assert_array_equal(got, feed)
+
+
+# ---- the reference executor: standard ops on onnxruntime, Ascend ops in numpy -------------------------
+def _quantized_gather(width: int) -> onnx.ModelProto:
+    """x -> AscendQuant -> int8 MatMul -> AscendDequant -> GatherElements over ``width`` columns -> Relu."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(-127, 128, (8, width)).astype(np.int8)
+    idx = np.stack([rng.permutation(width) for _ in range(3)]).astype(np.int64)
+    from vlmc.backends.ascend import reference
+
+    inits = [
+        onnx.numpy_helper.from_array(w, "w"),
+        onnx.numpy_helper.from_array(reference.pack_deq_scale(np.array([0.01], np.float32)), "deq"),
+        onnx.numpy_helper.from_array(idx, "idx"),
+    ]
+    nodes = [
+        helper.make_node("AscendQuant", ["x"], ["xq"], scale=20.0, offset=0.0, dst_type="INT8"),
+        helper.make_node("MatMul", ["xq", "w"], ["acc"]),
+        helper.make_node("AscendDequant", ["acc", "deq"], ["y"], dtype=0),
+        helper.make_node("GatherElements", ["y", "idx"], ["g"], axis=1),
+        helper.make_node("Relu", ["g"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [3, width])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_reference_executor_runs_standard_ops_beyond_the_onnx_evaluators_limits():
+    """GatherElements over 100 columns (onnx's reference evaluator uses np.choose: at most 64) runs on
+    onnxruntime; the int8 MatMul accumulates exactly in int32; the Ascend ops keep their fp16 numerics."""
+    from vlmc.backends.ascend import reference
+
+    model = _quantized_gather(100)
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    session = reference.Session(model)
+    kinds = [kind for kind, _ in session._stages]
+    assert kinds == ["ascend", "ort", "ascend", "ort"]  # quant | matmul | dequant | gather + relu
+    got = session.run({"x": x})["out"]
+    xq = reference.ascend_quant(x, 20.0, 0.0)
+    w = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    y = reference.ascend_dequant(
+        xq.astype(np.int32) @ w.astype(np.int32), reference.pack_deq_scale(np.float32(0.01))
+    )
+    idx = onnx.numpy_helper.to_array(model.graph.initializer[2])
+    np.testing.assert_array_equal(got, np.maximum(np.take_along_axis(y, idx, axis=1), 0))
+    assert got.dtype == np.float32
+
+
+def test_reference_executor_names_an_op_it_has_no_kernel_for():
+    from vlmc.backends.ascend import reference
+
+    model = _quantized_gather(4)
+    model.graph.node[4].op_type = "NPUMish"
+    with pytest.raises(VlmcError, match="no kernel for NPUMish"):
+        reference.Session(model)
+
+
+def test_cls_attention_pruning_and_merge_run_on_the_reference_build(exported, tmp_path):
+    """The issue's case: LLaVA pruned by CLS attention (GatherElements over the 64 patch columns), merged,
+    used to end in onnx's reference evaluator with 'Need at least 0 and at most 64 array objects'."""
+    pkg = Package.load(exported("tiny-llava"))
+    pass_api.get("prune_visual_tokens")(keep=16, calibration_images=0, picture=False).run(pkg)
+    pass_api.get("merge")().run(pkg)
+    pkg.save(tmp_path / "pruned")
+    pkg = Package.load(tmp_path / "pruned")
+    ref = Pipeline(pkg).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    ascend.compile(pkg, tmp_path / "build", _target(pkg))
+    run_pkg, executor = runner.open_build(tmp_path / "build", "reference")
+    got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
+    assert got.tokens == ref.tokens
+    assert runner.agreement(ref, got)["max_logit_diff"] < 1e-4

@@ -19,8 +19,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from vlmc import exporters, verify
+from vlmc import exporters, pass_api, verify
 from vlmc.cli import main
+from vlmc.errors import VlmcError
 from vlmc.exporters import processor
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
@@ -377,3 +378,47 @@ def test_image_processor_settings_come_from_the_saved_processor(llava, blip2):
         facts = fam.pkg.manifest["vision"]["preprocess"]
         assert facts["mean"] != [0.48145466, 0.4578275, 0.40821073] and facts["resample"] == "bilinear"
     assert llava.pkg.manifest["vision"]["preprocess"]["resize_shortest_edge"] == 72
+
+
+# ---- configs whose EOS transformers never emits (issue 31) -------------------------------------------
+
+
+_NO_EOS = {
+    # LLaVA whose text config is Qwen2 with no eos_token_id (Qwen2Config's default, None)
+    "llava_qwen2_no_eos": lambda p: _real_tokenizers.llava_dir(p, qwen2_text=True),
+    # Qwen2-VL / Qwen2.5-VL with the class's eos 151645 (and bos 151643) past a 434-token vocabulary
+    "qwen2_vl_class_eos": lambda p: _real_tokenizers.qwen2_vl_dir(p, class_eos=True),
+    "qwen2_5_vl_class_eos": lambda p: _real_tokenizers.qwen2_vl_dir(p, qwen25=True, class_eos=True),
+}
+
+
+@pytest.mark.parametrize("config", sorted(_NO_EOS))
+def test_a_model_without_a_usable_eos_exports_runs_exact_and_pages(config, tmp_path, pictures, caplog):
+    """transformers loads and generates with these configs; the export keeps eos null (one warning line),
+    generation runs to max_new_tokens token-exact from raw inputs, and the paged package matches."""
+    with caplog.at_level("WARNING", logger="vlmc.exporters._facts"):
+        fam = Family(tmp_path, _NO_EOS[config])
+    warned = [r.getMessage() for r in caplog.records if r.name == "vlmc.exporters._facts"]
+    assert len(warned) == 1 and "generation stops at max_new_tokens" in warned[0], warned
+    assert fam.pkg.manifest["text"]["eos_token_id"] is None
+    vocab = fam.pkg.manifest["text"]["vocab_size"]
+    assert fam.pkg.manifest["text"]["bos_token_id"] in (None, *range(vocab))
+    prompts, images = ["What is in the image?", "Describe the image."], [[pictures[0]], [pictures[2]]]
+    _check(fam, prompts, images)
+    contiguous = Pipeline(fam.pkg).generate(prompts, images, max_new_tokens=TOKENS)
+    assert all(len(row) == TOKENS for row in contiguous.tokens)  # no EOS: every row runs to the limit
+    paged = Package.load(fam.pkg_dir)
+    pass_api.get("paged_kv")(block_size=16).run(paged)
+    assert paged.manifest["kv"]["layout"] == "paged"
+    assert Pipeline(paged).generate(prompts, images, max_new_tokens=TOKENS).tokens == contiguous.tokens
+
+
+def test_the_manifest_still_refuses_an_eos_outside_the_vocabulary(tmp_path, pictures):
+    """eos may be null; a present one must be a token id: a tampered package is refused at load."""
+    fam = Family(tmp_path, _NO_EOS["qwen2_vl_class_eos"])
+    for bad, said in ((151645, "is not a token id of the vocabulary"), ("2", "text.eos_token_id")):
+        m = json.loads((fam.pkg_dir / "vlmc.json").read_text())
+        m["text"]["eos_token_id"] = bad
+        (fam.pkg_dir / "vlmc.json").write_text(json.dumps(m))
+        with pytest.raises(VlmcError, match=said):
+            Package.load(fam.pkg_dir)

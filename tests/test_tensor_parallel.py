@@ -61,6 +61,7 @@ def built(tiny_llava, mha, exported, tmp_path_factory):
     gqa_int4 = _build(tiny_llava, root / "gqa-int4", [{"quantize": int4}])
     prune = {"prune_visual_tokens": {"keep": 16, "calibration_images": 0, "picture": False}}
     pruned = _build(tiny_llava, root / "pruned", [prune])
+    fold, simplify = {"fold_constants": {}}, {"simplify": {}}
     specs = {
         "gqa-tp2": (tiny_llava, [{"tensor_parallel": {"size": 2}}], tiny_llava),
         "mha-tp2": (mha, [{"tensor_parallel": {"size": 2}}], mha),
@@ -77,6 +78,19 @@ def built(tiny_llava, mha, exported, tmp_path_factory):
         "qwen2-vl-tp2": (
             exported("tiny-qwen2-vl"),
             [{"tensor_parallel": {"size": 2}}],
+            exported("tiny-qwen2-vl"),
+        ),
+        # fold_constants/simplify first bake the head counts into the attention's target shapes (and
+        # leave unk__ dims on the residual stream): KV heads split (tp2) and replicated (tp4)
+        "gqa-fold-simplify-tp2-paged": (
+            tiny_llava,
+            [fold, simplify, {"tensor_parallel": {"size": 2}}, {"paged_kv": {"block_size": 16}}],
+            tiny_llava,
+        ),
+        "gqa-fold-simplify-tp4": (tiny_llava, [fold, simplify, {"tensor_parallel": {"size": 4}}], tiny_llava),
+        "qwen2-vl-fold-simplify-tp2": (
+            exported("tiny-qwen2-vl"),
+            [fold, simplify, {"tensor_parallel": {"size": 2}}],
             exported("tiny-qwen2-vl"),
         ),
         "gqa-tp4": (tiny_llava, [{"tensor_parallel": {"size": 4}}], tiny_llava),
@@ -119,6 +133,9 @@ def groups(built):
         "gqa-prune-tp2",
         "gqa-tp2-prune",
         "qwen2-vl-tp2",
+        "gqa-fold-simplify-tp2-paged",
+        "gqa-fold-simplify-tp4",
+        "qwen2-vl-fold-simplify-tp2",
         "gqa-tp4",
         "mha-tp4",
         "mha-tp4-paged",
@@ -139,6 +156,21 @@ def test_ranks_are_token_exact_with_the_unsharded_package(name, built, groups):
     layers = Package.load(path).manifest["kv"]["layers"]
     steps = len(got.step_logits)
     assert [a - b for a, b in zip(group.collectives(), before)] == [2 * layers * steps] * group.size
+
+
+def test_segments_after_fold_and_simplify_have_only_named_dims(built):
+    """Every segment input and output dim is a number or a name the backends size (no unk__N)."""
+    for name in ("gqa-fold-simplify-tp2-paged", "gqa-fold-simplify-tp4"):
+        m = Package.load(built[name][0]).manifest
+        dims = {
+            d
+            for g, info in m["graphs"].items()
+            if ".rank" in g
+            for io in info["inputs"] + info["outputs"]
+            for d in io["shape"]
+            if isinstance(d, str)
+        }
+        assert dims and not any(d.startswith("unk__") for d in dims), sorted(dims)
 
 
 def _weights(path: Path, graph: str) -> int:

@@ -408,11 +408,19 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
     report = None
     if against is not None:
         # The package runs on the pixels the build ran on (fitted to its resolution gears), so both see one image.
-        ref_pipe = Pipeline(Package.load(against))
-        try:
-            report = runner.agreement(ref_pipe.generate(list(prompts), fitted, max_new_tokens), result)
-        finally:
-            ref_pipe.close()
+        ref_pkg = Package.load(against)
+        if ref_pkg.manifest.get("tensor_parallel"):  # its ranks on onnxruntime, as `vlmc run PACKAGE` does
+            from vlmc.runtime.ranks import RankGroup
+
+            with RankGroup(against) as group:
+                ref = group.generate(list(prompts), fitted, max_new_tokens)
+        else:
+            ref_pipe = Pipeline(ref_pkg)
+            try:
+                ref = ref_pipe.generate(list(prompts), fitted, max_new_tokens)
+            finally:
+                ref_pipe.close()
+        report = runner.agreement(ref, result)
     if as_json:
         out = {"tokens": result.tokens, "texts": result.texts}
         if report is not None:

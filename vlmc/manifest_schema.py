@@ -582,7 +582,9 @@ MANIFEST = Obj(
             Obj(
                 {
                     "vocab_size": Req(Int(1, limits.MAX_VOCAB)),
-                    "eos_token_id": Req(OneOf((TOKEN_ID, List(TOKEN_ID, 1, 64)))),
+                    # null: the model has no usable EOS and generation stops at max_new_tokens; a present id must
+                    # still be one of the vocabulary (cross_check).
+                    "eos_token_id": Req(OneOf((TOKEN_ID, List(TOKEN_ID, 1, 64), Null()))),
                     "pad_token_id": Nullable(TOKEN_ID),
                     "bos_token_id": Nullable(TOKEN_ID),
                     "max_positions": Int(1, limits.MAX_POSITIONS),

@@ -41,7 +41,7 @@ def text_facts(config, text_config, **family) -> dict:
         return value if value is not None else getattr(config, name, None)
 
     pad = t.pad_token_id if hasattr(t, "pad_token_id") else getattr(config, "pad_token_id", None)
-    return {
+    facts = {
         "vocab_size": int(t.vocab_size),
         "eos_token_id": token("eos_token_id"),
         # as before for text configs that have the field (even when it is None)
@@ -55,6 +55,36 @@ def text_facts(config, text_config, **family) -> dict:
         "add_bos": True,
         **family,
     }
+    notes = []
+    facts["eos_token_id"] = usable_eos(facts["eos_token_id"], facts["vocab_size"], notes)
+    bos = facts["bos_token_id"]
+    if bos is not None and not _in_vocab(bos, facts["vocab_size"]):
+        # A class default past a small vocabulary (Qwen2-VL's 151643): no tokenizer of this model emits it.
+        notes.append(f"bos_token_id {bos} is outside the vocabulary: not used")
+        facts["bos_token_id"] = None
+    if notes:
+        logger.warning("text config (vocabulary 0 to %d): %s", facts["vocab_size"] - 1, "; ".join(notes))
+    return facts
+
+
+def _in_vocab(token, vocab_size: int) -> bool:
+    return isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab_size
+
+
+def usable_eos(eos, vocab_size: int, notes: list[str]):
+    """The EOS ids generation can stop on: those of the vocabulary (a model never emits an id past its
+    logits, so dropping one changes no generated token), or None when none is left: then generation stops
+    at max_new_tokens, as transformers' does. ``notes`` gets what was dropped, for the export's warning."""
+    ids = list(eos) if isinstance(eos, list | tuple) else ([] if eos is None else [eos])
+    kept = [int(i) for i in ids if _in_vocab(i, vocab_size)]
+    dropped = [i for i in ids if not _in_vocab(i, vocab_size)]
+    if dropped:
+        shown = dropped if len(dropped) > 1 else dropped[0]
+        notes.append(f"eos_token_id {shown} is outside the vocabulary")
+    if not kept:
+        notes.append(f"{'no usable' if ids else 'no'} eos_token_id: generation stops at max_new_tokens")
+        return None
+    return kept if isinstance(eos, list | tuple) else kept[0]
 
 
 def image_processor_config(directory) -> dict | None:

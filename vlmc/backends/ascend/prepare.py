@@ -116,7 +116,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
         input_names = [i.name for i in model.graph.inputs]
         file = f"{name}.onnx"
         files[file] = model
-        if role == "decoder" and any(tensor_names.is_past(n) for n in input_names):
+        if role in ("decoder", "vlm") and any(tensor_names.is_past(n) for n in input_names):
             # The prefill graph shares every weight with the decode graph (_save_sharing points them
             # at its data file): a structural clone holds the same tensors, so nothing is copied or read.
             prefill, empties = lower.strip_past(model.clone(), name)
@@ -131,9 +131,12 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
             builds.append(
                 _plan(f"{name}_prefill", name, pfile, "prefill", role, prefill, opts, _ds(ctx, "prefill"))
             )
-            builds.append(
-                _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
-            )
+            # A merged graph (role vlm) only ever prefills: the runtime decodes with embed + decoder
+            # (vlmc/runtime/pipeline.py), so its past is always empty and it has no decode build.
+            if role == "decoder":
+                builds.append(
+                    _plan(f"{name}_decode", name, file, "decode", role, model, opts, _ds(ctx, "decode"))
+                )
         elif role == "decoder" and any(tensor_names.is_cache(n) for n in input_names):
             stack_kv.stack_inputs(model, name)  # the pools, stacked (one input per kind)
             builds.append(

@@ -1,8 +1,11 @@
 """numpy references of the Ascend ops vlmc emits, and an executor that runs a lowered graph with them.
 
-The lowered graph is what ATC reads, so onnxruntime cannot load it (Ascend ops, int8 MatMul). The
-executor is ``onnx.reference.ReferenceEvaluator`` with these ops added and MatMul/Conv taught to
-accumulate int8 in int32, which is what the AMCT deploy form means by an int8 MatMul.
+The lowered graph is what ATC reads, so onnxruntime cannot load it whole (Ascend ops, int8 MatMul).
+The executor partitions it: every standard ONNX op runs on onnxruntime, in as few segments as the
+graph's dependencies allow, and only the Ascend ops (AscendQuant, AscendDequant, AscendAntiQuant,
+NPUWeightQuantBatchMatmulV2) run in the numpy kernels here, between the segments. An int8 MatMul/Conv
+(the AMCT deploy form: int8 operands, int32 accumulator) runs as onnxruntime's MatMulInteger/ConvInteger,
+which accumulate exactly in int32.
 
 Numerics follow docs/atc-facts.md ("Quantized models"): AscendQuant computes in fp16 on 910B and rounds ties to even;
 AscendDequant and the antiquant ops produce fp16 on 910B. With ``fp16=True`` (the default) these
@@ -24,11 +27,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
-from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import OpRun
-from onnx.reference.ops.op_conv import Conv as _OnnxConv
 
 from vlmc import ascend_limits, graphs, interop
+from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
@@ -134,76 +135,56 @@ def weight_quant_batch_matmul(
     return y.astype(np.float16).astype(np.float32) if fp16 else y.astype(np.float32)
 
 
-def _ops(fp16: bool) -> list[type[OpRun]]:
-    class AscendQuant(OpRun):
-        op_domain = ""
+def _attr(attrs: dict, name: str, default=None):
+    value = attrs.get(name, default)
+    return value.decode() if isinstance(value, bytes) else value
 
-        def _run(self, x, scale=None, offset=None, dst_type=None, round_mode=None, sqrt_mode=None):
-            if dst_type not in (None, "INT8", b"INT8"):
-                raise ValueError(f"AscendQuant dst_type {dst_type!r} is not emulated")
-            return (ascend_quant(x, scale, offset or 0.0, fp16),)
 
-    class AscendDequant(OpRun):
-        op_domain = ""
+def _quant(fp16: bool, x, scale=None, offset=None, **attrs):
+    scale = attrs.get("scale", scale)
+    offset = attrs.get("offset", offset)
+    dst_type = _attr(attrs, "dst_type")
+    if dst_type not in (None, "INT8"):
+        raise VlmcError(f"AscendQuant dst_type {dst_type!r} is not emulated")
+    return ascend_quant(x, scale, offset or 0.0, fp16)
 
-        def _run(self, x, deq_scale, dtype=None, sqrt_mode=None, relu_flag=None):
-            axis = 1 if x.ndim == 4 else None  # Conv outputs are NCHW; MatMul outputs have channels last
-            return (ascend_dequant(x, deq_scale, fp16, axis),)
 
-    class AscendAntiQuant(OpRun):
-        op_domain = ""
+def _dequant(fp16: bool, x, deq_scale, **attrs):
+    axis = 1 if x.ndim == 4 else None  # Conv outputs are NCHW; MatMul outputs have channels last
+    return ascend_dequant(x, deq_scale, fp16, axis)
 
-        def _run(self, x, scale=None, offset=None, dtype=None, sqrt_mode=None):
-            return (ascend_antiquant(x, scale, offset or 0.0, fp16),)
 
-    class NPUWeightQuantBatchMatmulV2(OpRun):
-        op_domain = ""
+def _antiquant(fp16: bool, x, scale=None, offset=None, **attrs):
+    return ascend_antiquant(x, attrs.get("scale", scale), attrs.get("offset", offset) or 0.0, fp16)
 
-        def _run(
-            self,
-            x,
-            weight,
-            antiquant_scale,
-            antiquant_offset=None,
-            quant_scale=None,
-            quant_offset=None,
-            bias=None,
-            antiquant_group_size=0,
-            transpose_x=0,
-            transpose_weight=0,
-            inner_precise=None,
-        ):
-            if transpose_x or transpose_weight:
-                raise ValueError("NPUWeightQuantBatchMatmulV2 transposes must be off")
-            return (
-                weight_quant_batch_matmul(
-                    x, weight, antiquant_scale, antiquant_offset, antiquant_group_size or 0, bias, fp16
-                ),
-            )
 
-    class MatMul(OpRun):
-        op_domain = ""
+def _weight_quant_matmul(
+    fp16: bool,
+    x,
+    weight,
+    antiquant_scale,
+    antiquant_offset=None,
+    quant_scale=None,
+    quant_offset=None,
+    bias=None,
+    **attrs,
+):
+    if attrs.get("transpose_x") or attrs.get("transpose_weight"):
+        raise VlmcError("NPUWeightQuantBatchMatmulV2 transposes must be off")
+    group = attrs.get("antiquant_group_size") or 0
+    try:
+        return weight_quant_batch_matmul(x, weight, antiquant_scale, antiquant_offset, group, bias, fp16)
+    except ValueError as exc:  # a parameter the op proto refuses: the NPU would not run it either
+        raise VlmcError(f"NPUWeightQuantBatchMatmulV2: {exc}") from None
 
-        def _run(self, a, b):
-            if a.dtype == np.int8 or b.dtype == np.int8:
-                return (np.matmul(a.astype(np.int32), b.astype(np.int32)),)
-            return (np.matmul(a, b),)
 
-    class Conv(_OnnxConv):
-        op_domain = ""
-
-        def _run(self, x, w, b=None, **kwargs):
-            if x.dtype != np.int8:
-                return super()._run(x, w, b, **kwargs)
-            (y,) = super()._run(
-                x.astype(np.float64),
-                w.astype(np.float64),
-                None if b is None else b.astype(np.float64),
-                **kwargs,
-            )
-            return (np.rint(y).astype(np.int32),)
-
-    return [AscendQuant, AscendDequant, AscendAntiQuant, NPUWeightQuantBatchMatmulV2, MatMul, Conv]
+# The Ascend ops of a lowered graph (default domain, no ONNX schema): kernel(fp16, *inputs, **attributes).
+KERNELS = {
+    "AscendQuant": _quant,
+    "AscendDequant": _dequant,
+    "AscendAntiQuant": _antiquant,
+    "NPUWeightQuantBatchMatmulV2": _weight_quant_matmul,
+}
 
 
 def ge_offset_correction(model: ir.Model | onnx.ModelProto) -> tuple[ir.Model, int]:
@@ -255,12 +236,158 @@ def _as_ir(model: ir.Model | onnx.ModelProto) -> ir.Model:
     return interop.from_proto(model) if isinstance(model, onnx.ModelProto) else model
 
 
+def _is_standard(node: ir.Node) -> bool:
+    return node.op_type not in KERNELS and onnx.defs.has(node.op_type, node.domain)
+
+
+def _is_int8_op(node: ir.Node) -> bool:
+    """An int8 MatMul/Conv of the deploy form: an int8 weight, or an operand from AscendQuant."""
+    if node.op_type not in ("MatMul", "Conv") or len(node.inputs) < 2:
+        return False
+    first = node.inputs[0].producer() if node.inputs[0] is not None else None
+    weight = node.inputs[1]
+    return (first is not None and first.op_type == "AscendQuant") or (
+        weight is not None and weight.dtype == ir.DataType.INT8
+    )
+
+
+def _uses(node: ir.Node, graph: ir.Graph) -> list[ir.Value]:
+    """The node's inputs, and the values of ``graph`` its subgraphs (If/Loop/Scan bodies) read."""
+    used = [i for i in node.inputs if i is not None]
+    for attr in node.attributes.values():
+        bodies = (
+            [attr.value]
+            if attr.type == ir.AttributeType.GRAPH
+            else attr.value
+            if attr.type == ir.AttributeType.GRAPHS
+            else []
+        )
+        for body in bodies:
+            for inner in ir.traversal.RecursiveGraphIterator(body):
+                used += [i for i in inner.inputs if i is not None and i.graph is graph]
+    return used
+
+
+class _Segment:
+    """Consecutive standard ops of one stage, run as one onnxruntime session (built at the first run,
+    when the dtypes of the values the Ascend kernels produced are known)."""
+
+    def __init__(
+        self,
+        graph: ir.Graph,
+        nodes: list[ir.Node],
+        inputs: list[ir.Value],
+        outputs: list[ir.Value],
+        ir_version: int,
+    ) -> None:
+        self.graph, self.nodes = graph, nodes
+        self.ir_version = ir_version
+        self.inputs = [v.name for v in inputs]
+        self.outputs = [v.name for v in outputs]
+        self._in_values, self._out_values = inputs, outputs
+        self._session = None
+
+    def run(self, env: dict[str, np.ndarray]) -> None:
+        feeds = {n: env[n] for n in self.inputs}
+        if self._session is None:
+            # Imported here: the lowering rules import this module for its numerics, and compile
+            # should not load onnxruntime (tests/test_ascend_compile.py measures compile's peak RSS).
+            from vlmc import ortsession
+
+            self._session = ortsession.from_model(self._model(feeds))
+        env.update(zip(self.outputs, self._session.run(self.outputs, feeds)))
+
+    def _model(self, feeds: dict[str, np.ndarray]) -> ir.Model:
+        sub = ir.convenience.extract(self.graph, inputs=self._in_values, outputs=self._out_values)
+        original = {v.name for v in self.graph.inputs}
+        for v in sub.inputs:
+            v.dtype = ir.DataType.from_numpy(feeds[v.name].dtype)
+            if v.name not in original:
+                v.shape = None  # an Ascend kernel's output: its recorded shape (if any) is not needed
+        for node in list(sub):
+            for o in node.outputs:
+                o.type, o.shape = None, None  # onnxruntime infers them (the int32 accumulators too)
+            if _is_int8_op(node):
+                _to_integer_op(sub, node)
+        return ir.Model(sub, ir_version=self.ir_version)
+
+
+def _to_integer_op(graph: ir.Graph, node: ir.Node) -> None:
+    """int8 MatMul -> MatMulInteger, int8 Conv -> ConvInteger (+ its int32 bias): exact int32 sums."""
+    if node.op_type == "MatMul":
+        nodes = [ir.node("MatMulInteger", node.inputs[:2], name=node.name)]
+    else:
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        nodes = [ir.node("ConvInteger", node.inputs[:2], attributes=attrs, name=node.name)]
+        if len(node.inputs) > 2 and node.inputs[2] is not None:
+            rank = len(node.inputs[1].shape)
+            shape = ir.Value(
+                name=f"{node.name}/bias_shape",
+                const_value=ir.tensor(np.array([1, -1] + [1] * (rank - 2), dtype=np.int64)),
+            )
+            graph.register_initializer(shape)
+            reshape = ir.node("Reshape", [node.inputs[2], shape], name=f"{node.name}/bias")
+            nodes += [
+                reshape,
+                ir.node("Add", [nodes[0].outputs[0], reshape.outputs[0]], name=f"{node.name}/add"),
+            ]
+    ir.convenience.replace_nodes_and_values(graph, node, [node], nodes, node.outputs, nodes[-1].outputs)
+
+
+def _stages(graph: ir.Graph, ir_version: int) -> list[tuple[str, object]]:
+    """The graph as alternating stages: ("ort", _Segment) and ("ascend", [nodes]).
+
+    A standard op's stage is the latest of its producers' (one later after an Ascend op); an Ascend op
+    runs in the stage of its latest producer, after that stage's segment. So each segment is as large
+    as the dependencies allow and the graph crosses between onnxruntime and numpy fewest times.
+    """
+    level: dict[ir.Node, int] = {}
+    for node in graph:
+        lv = 0
+        for v in _uses(node, graph):
+            p = v.producer()
+            if p is None or p not in level:
+                continue
+            lv = max(lv, level[p] + (1 if _is_standard(node) and not _is_standard(p) else 0))
+        level[node] = lv
+    unknown = sorted({n.op_type for n in graph if not _is_standard(n) and n.op_type not in KERNELS})
+    if unknown:
+        raise VlmcError(
+            f"the reference executor has no kernel for {', '.join(unknown)} (it runs the standard ONNX ops "
+            f"and {', '.join(KERNELS)})"
+        )
+    consumers: dict[ir.Value, list[ir.Node]] = {}
+    for node in graph:
+        for v in _uses(node, graph):
+            consumers.setdefault(v, []).append(node)
+    graph_outputs = set(graph.outputs)
+    stages: list[tuple[str, object]] = []
+    for k in range(max(level.values(), default=-1) + 1):
+        seg = [n for n in graph if level[n] == k and _is_standard(n)]
+        if seg:
+            inside = set(seg)
+            ins: dict[ir.Value, None] = {}
+            outs: dict[ir.Value, None] = {}
+            for n in seg:
+                for v in _uses(n, graph):
+                    if (p := v.producer()) is not None and p in inside:
+                        continue
+                    if v.is_initializer() and not v.is_graph_input():
+                        continue  # extract carries the weights into the segment
+                    ins[v] = None
+                for o in n.outputs:
+                    if o in graph_outputs or any(c not in inside for c in consumers.get(o, [])):
+                        outs[o] = None
+            if outs:
+                stages.append(("ort", _Segment(graph, seg, list(ins), list(outs), ir_version)))
+        ascend = [n for n in graph if level[n] == k and not _is_standard(n)]
+        if ascend:
+            stages.append(("ascend", ascend))
+    return stages
+
+
 class Session:
     """A lowered graph ready to run repeatedly as the NPU would (its weights read and corrected once).
-
-    ``onnx.reference.ReferenceEvaluator`` takes a ModelProto with every value inside, so the graph
-    crosses the interop seam with its weights read in: the executor is for CPU checks of graphs that
-    fit in memory, like onnxruntime's.
 
     Args:
         model: a lowered graph (IR or ModelProto), or the path of one (its external data beside it).
@@ -271,13 +398,34 @@ class Session:
         if isinstance(model, (str, Path)):
             model = graphs.load_ir(Path(model))
         model, self.offset_corrections = ge_offset_correction(model)
+        self.fp16 = fp16
+        self._model = model
         self.outputs = [o.name for o in model.graph.outputs]
-        with interop.as_proto(model, weight_limit=None) as seam:
-            self._eval = ReferenceEvaluator(seam.proto, new_ops=_ops(fp16))
+        self._stages = _stages(model.graph, model.ir_version)
+        self._consts = {
+            v.name: v.const_value.numpy()
+            for node in (n for kind, ns in self._stages if kind == "ascend" for n in ns)
+            for v in node.inputs
+            if v is not None and v.const_value is not None
+        }
+        # Graph outputs that are initializers or graph inputs themselves (no node produces them).
+        self._passthrough = {
+            v.name: v.const_value.numpy() for v in model.graph.outputs if v.const_value is not None
+        }
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every graph output by name."""
-        return dict(zip(self.outputs, self._eval.run(None, feeds)))
+        env: dict[str, np.ndarray] = {**self._passthrough, **self._consts, **feeds}
+        for kind, stage in self._stages:
+            if kind == "ort":
+                stage.run(env)
+                continue
+            for node in stage:
+                args = [None if v is None else env[v.name] for v in node.inputs]
+                attrs = {k: a.value for k, a in node.attributes.items()}
+                (out,) = node.outputs
+                env[out.name] = KERNELS[node.op_type](self.fp16, *args, **attrs)
+        return {o: env[o] for o in self.outputs}
 
 
 def run(

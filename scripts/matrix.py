@@ -1,0 +1,371 @@
+"""The compatibility matrix: every built-in family x recipe x executor, run the way a user runs it.
+
+Each family is exported once (``vlmc export``) and every recipe's passes run on that package
+(``vlmc optimize``). A cell is one executor on the result, the demo image and prompt, 6 new tokens:
+
+- ``ort``: ``vlmc run PACKAGE`` on onnxruntime;
+- ``reference``: ``vlmc compile PACKAGE --soc Ascend910B4`` then
+  ``vlmc run BUILD --executor reference --against PACKAGE``: the lowered graphs on CPU, token by
+  token against the package.
+
+A cell is ``ok`` (the package's tokens: on the build, all of them agree), ``refused`` (a pass or the
+compile refused the combination in one line, exit 2: the reason is recorded) or ``FAIL`` (anything
+else: an internal error, a run error after a successful build, or tokens that disagree).
+
+Each (family, recipe) runs in its own process with a time limit, two at a time. ``make matrix`` runs
+all of them and writes docs/compatibility.md (the table and every refusal and failure) and
+docs/compatibility.json (what tests/test_compatibility_matrix.py checks a few cells against).
+
+    python scripts/matrix.py                         # everything, 2 processes
+    python scripts/matrix.py --families tiny-llava --recipes fp16 --out /tmp/m.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "Describe the image."
+TOKENS = 6
+SOC = "Ascend910B4"
+EXECUTORS = ("ort", "reference")
+CELL_TIMEOUT_S = 900
+
+_INT8 = {"weights": "int8", "activations": "int8", "calibration": {"count": 4}}
+_QUIET = {"eval_samples": 0, "eval_tokens": 0}
+_PRUNE = {"calibration_images": 0, "picture": False}  # keep and method: per package (_passes)
+
+# name -> (what it is, passes). "prune" steps take the family's scoring method (see _passes).
+RECIPES: dict[str, tuple[str, list[dict]]] = {
+    "fp16": (
+        "FP16 vision and decoder",
+        [{"quantize": {"vision": {"weights": "fp16"}, "decoder": {"weights": "fp16"}, **_QUIET}}],
+    ),
+    "prune": (
+        "prune_visual_tokens to half the visual tokens per image",
+        [{"prune_visual_tokens": _PRUNE}],
+    ),
+    "int8-vision": (
+        "INT8 static vision (calibrated), FP32 decoder",
+        [{"quantize": {"vision": _INT8, **_QUIET}}],
+    ),
+    "qwen-vl-deploy": (
+        "prune + INT8 vision + FP16 decoder + merge + paged 128 (the Qwen-VL deployment)",
+        [
+            {"prune_visual_tokens": _PRUNE},
+            {"quantize": {"vision": _INT8, "decoder": {"weights": "fp16"}, **_QUIET}},
+            {"merge": {}},
+            {"paged_kv": {"block_size": 128}},
+        ],
+    ),
+    "fold-tp2-paged": (
+        "fold_constants + simplify + tensor_parallel 2 + paged 16",
+        [
+            {"fold_constants": {}},
+            {"simplify": {}},
+            {"tensor_parallel": {"size": 2}},
+            {"paged_kv": {"block_size": 16}},
+        ],
+    ),
+    "fold-awq4-paged": (
+        "fold_constants + AWQ INT4 decoder (group 32) + paged 16",
+        [
+            {"fold_constants": {}},
+            {
+                "quantize": {
+                    "decoder": {
+                        "weights": "int4",
+                        "method": "awq",
+                        "group_size": 32,
+                        "calibration": {"count": 2},
+                    },
+                    **_QUIET,
+                }
+            },
+            {"paged_kv": {"block_size": 16}},
+        ],
+    ),
+    "int8-vision-merge": (
+        "INT8 vision + merge, contiguous KV",
+        [{"quantize": {"vision": _INT8, **_QUIET}}, {"merge": {}}],
+    ),
+}
+
+
+def builtins() -> list[str]:
+    """The built-in tiny models (``vlmc export --list``), one per family variant."""
+    from vlmc import exporters
+    from vlmc.exporters import zoo
+
+    exporters.families()  # family modules register their built-ins on import
+    return sorted(zoo.BUILTINS)
+
+
+# ---- one cell, in its own process -------------------------------------------------------------------
+def _cli(*args: str) -> tuple[int, str, str]:
+    from click.testing import CliRunner
+
+    from vlmc.cli import main
+
+    res = CliRunner().invoke(main, list(args))
+    err = res.stderr
+    if res.exception is not None and not isinstance(res.exception, SystemExit):
+        err += f"\ninternal error: {type(res.exception).__name__}: {res.exception}"
+    return res.exit_code, res.stdout, err
+
+
+def _reason(code: int, out: str, err: str) -> str:
+    """The one line that says why: vlmc's error line, else the last line printed."""
+    lines = [ln.strip() for ln in (err + "\n" + out).splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith(("vlmc: error:", "internal error:")):
+            return ln.removeprefix("vlmc: error:").strip()
+    return lines[-1] if lines else f"exit {code}"
+
+
+def _json_line(out: str) -> dict:
+    return json.loads(next(ln for ln in reversed(out.splitlines()) if ln.startswith("{")))
+
+
+def _passes(recipe: str, source: Path) -> list[dict]:
+    """The recipe's steps for this package: pruning keeps half the visual tokens per image (a count:
+    dynamic-resolution families take no ratio; theirs is the demo image's), scored by CLS attention where there is a CLS token and
+    by the attention received otherwise."""
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    steps = list(RECIPES[recipe][1])
+    if not any("prune_visual_tokens" in s for s in steps):
+        return steps
+    pkg = Package.load(source)
+    vision = pkg.manifest["vision"]
+    visual = vision.get("tokens_per_image")  # per image the vision graph sees (an InternVL tile)
+    if not isinstance(visual, int):  # the grid decides: the demo image's own count
+        ids = Pipeline(pkg).prepare([PROMPT], [["demo"]]).input_ids
+        visual = int((ids == int(vision["image_token_id"])).sum())
+    prune = {
+        **_PRUNE,
+        "keep": max(1, visual // 2),
+        "method": "cls_attention" if vision.get("has_cls_token") else "attention_received",
+    }
+    return [{"prune_visual_tokens": prune} if "prune_visual_tokens" in s else s for s in steps]
+
+
+def run_cell(source: Path, recipe: str, work: Path) -> dict:
+    """Optimize the exported ``source`` with ``recipe`` and run both executors; the cell's record."""
+    work.mkdir(parents=True, exist_ok=True)
+    rec = work / "recipe.json"
+    rec.write_text(json.dumps({"passes": _passes(recipe, source)}))
+    pkg, build = work / "package", work / "build"
+    cell: dict = {}
+    t0 = time.perf_counter()
+    code, out, err = _cli("optimize", str(source), "-r", str(rec), "-o", str(pkg), "--force")
+    if code != 0:
+        status = "refused" if code == 2 else "FAIL"
+        why = f"optimize: {_reason(code, out, err)}"
+        return {e: {"status": status, "reason": why} for e in EXECUTORS}
+    run_args = ["--image", "demo", "--prompt", PROMPT, "--max-new-tokens", str(TOKENS), "--json"]
+    code, out, err = _cli("run", str(pkg), *run_args)
+    tokens = None
+    if code == 0:
+        tokens = _json_line(out)["tokens"][0]
+        cell["ort"] = {"status": "ok", "tokens": tokens}
+    else:
+        cell["ort"] = {"status": "FAIL", "reason": f"run: {_reason(code, out, err)}"}
+    code, out, err = _cli("compile", str(pkg), "--soc", SOC, "-o", str(build), "--force")
+    if code != 0:
+        status = "refused" if code == 2 else "FAIL"
+        cell["reference"] = {"status": status, "reason": f"compile: {_reason(code, out, err)}"}
+    else:
+        code, out, err = _cli("run", str(build), "--executor", "reference", "--against", str(pkg), *run_args)
+        if code != 0:
+            cell["reference"] = {"status": "FAIL", "reason": f"run: {_reason(code, out, err)}"}
+        else:
+            got = _json_line(out)
+            agree = got["agreement"]
+            row = got["tokens"][0]
+            same = agree["tokens_agree"] == agree["tokens"] and (tokens is None or row == tokens)
+            cell["reference"] = {
+                "status": "ok" if same else "FAIL",
+                "tokens": row,
+                "agree": f"{agree['tokens_agree']}/{agree['tokens']}",
+                **({} if same else {"reason": f"tokens {row} vs the package's {tokens}"}),
+            }
+    cell["seconds"] = round(time.perf_counter() - t0, 1)
+    # CPU time of this process and its rank processes: the machine's load does not change it
+    own, ranks = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cell["cpu_seconds"] = round(own.ru_utime + own.ru_stime + ranks.ru_utime + ranks.ru_stime, 1)
+    return cell
+
+
+def _export(name: str, out: Path) -> tuple[int, str, str]:
+    return _cli("export", name, "-o", str(out), "--force")
+
+
+def _child(argv: list[str]) -> None:
+    """``--cell SOURCE RECIPE WORK`` / ``--export NAME OUT``: one unit of work, its record on stdout."""
+    logging.basicConfig(level=logging.WARNING)
+    if argv[0] == "--export":
+        code, out, err = _export(argv[1], Path(argv[2]))
+        print(json.dumps({"code": code, "reason": _reason(code, out, err) if code else ""}))
+    else:
+        print(json.dumps(run_cell(Path(argv[1]), argv[2], Path(argv[3]))))
+
+
+def _spawn(args: list[str], timeout: float) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s"}
+    try:
+        return _json_line(proc.stdout)
+    except (StopIteration, json.JSONDecodeError):
+        tail = [ln for ln in proc.stderr.splitlines() if ln.strip()][-1:] or [f"exit {proc.returncode}"]
+        return {"error": tail[0]}
+
+
+# ---- the whole matrix --------------------------------------------------------------------------------
+def run_matrix(families: list[str], recipes: list[str], work: Path, jobs: int = 2) -> dict:
+    """Export every family once, then every (family, recipe) cell, ``jobs`` processes at a time."""
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict = {"cells": {}, "exports": {}}
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        exports = {
+            f: pool.submit(_spawn, ["--export", f, str(work / f / "export")], CELL_TIMEOUT_S)
+            for f in families
+        }
+        for f, fut in exports.items():
+            r = fut.result()
+            results["exports"][f] = r.get("reason") or r.get("error") or ""
+            logger.warning("export %s: %s", f, results["exports"][f] or "ok")
+        cells = {}
+        for f in families:
+            for r in recipes:
+                if results["exports"][f]:
+                    why = f"export: {results['exports'][f]}"
+                    results["cells"].setdefault(f, {})[r] = {
+                        e: {"status": "FAIL", "reason": why} for e in EXECUTORS
+                    }
+                    continue
+                args = ["--cell", str(work / f / "export"), r, str(work / f / r)]
+                cells[(f, r)] = pool.submit(_spawn, args, CELL_TIMEOUT_S)
+        for (f, r), fut in cells.items():
+            rec = fut.result()
+            if "error" in rec:
+                rec = {e: {"status": "FAIL", "reason": rec["error"]} for e in EXECUTORS}
+            results["cells"].setdefault(f, {})[r] = rec
+            logger.warning(
+                "%s x %s: %s (%s s)",
+                f,
+                r,
+                ", ".join(f"{e} {rec[e]['status']}" for e in EXECUTORS),
+                rec.get("seconds"),
+            )
+    results["seconds"] = round(time.perf_counter() - t0, 1)
+    results["jobs"] = jobs
+    return results
+
+
+def summary(results: dict) -> dict[str, int]:
+    counts = {"ok": 0, "refused": 0, "FAIL": 0}
+    for row in results["cells"].values():
+        for cell in row.values():
+            for e in EXECUTORS:
+                counts[cell[e]["status"]] += 1
+    return counts
+
+
+def markdown(results: dict, families: list[str], recipes: list[str]) -> str:
+    """docs/compatibility.md: the table, then every refusal and failure with its reason."""
+    counts = summary(results)
+    cpu = sum(c.get("cpu_seconds", 0) for row in results["cells"].values() for c in row.values())
+    notes: list[str] = []
+    index: dict[str, int] = {}
+
+    def mark(cell: dict) -> str:
+        if cell["status"] == "ok":
+            toks = cell.get("agree") or f"{len(cell['tokens'])} tok"
+            return f"ok {toks}"
+        reason = cell["reason"]
+        if reason not in index:
+            notes.append(reason)
+            index[reason] = len(notes)
+        return f"{'refused' if cell['status'] == 'refused' else '**FAIL**'} [{index[reason]}]"
+
+    lines = [
+        "# Compatibility matrix",
+        "",
+        "Generated by `make matrix` (`scripts/matrix.py`); do not edit by hand. Every built-in family",
+        f"(`vlmc export --list`) x recipe x executor, on the demo image, prompt {PROMPT!r}, {TOKENS} new",
+        "tokens. `ort`: `vlmc run PACKAGE` on onnxruntime. `ref`: `vlmc compile PACKAGE --soc "
+        f"{SOC}`, then `vlmc run BUILD --executor reference --against PACKAGE` (the lowered graphs on CPU;",
+        "`ok a/b`: a of the b package tokens agree; fewer than 6 when the model emits EOS). `refused`: a pass",
+        "or the compile refused the combination in one line (the reason below); `FAIL`: anything else.",
+        "",
+        f"**Summary: {counts['ok']} working, {counts['refused']} refused, {counts['FAIL']} failing** "
+        f"(of {sum(counts.values())} cells; {results['seconds'] / 60:.1f} min on {results.get('jobs', 2)} processes"
+        + (f", {cpu / 60:.1f} CPU-min in the cells" if cpu else "")
+        + ").",
+        "",
+        "Recipes:",
+        "",
+    ]
+    lines += [f"- `{r}`: {RECIPES[r][0]}" for r in recipes]
+    lines += ["", "| family | " + " | ".join(f"{r} ort | {r} ref" for r in recipes) + " |"]
+    lines.append("|---|" + "---|" * (2 * len(recipes)))
+    for f in families:
+        row = results["cells"][f]
+        lines.append(f"| {f} | " + " | ".join(mark(row[r][e]) for r in recipes for e in EXECUTORS) + " |")
+    lines += ["", "## Refusals and failures", ""]
+    lines += [f"{i}. {n.replace('|', '/')}" for i, n in enumerate(notes, 1)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        _child(argv[1:])
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", nargs="*", help="built-ins (default: all)")
+    ap.add_argument("--recipes", nargs="*", choices=sorted(RECIPES), help="recipes (default: all)")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--work", type=Path, help="where packages and builds go (default: a temporary directory)")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "compatibility.md")
+    ap.add_argument("--render", type=Path, help="only write --out again from a run's .json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    if args.render:
+        results = json.loads(args.render.read_text())
+        families, recipes = (
+            sorted(results["cells"]),
+            [r for r in RECIPES if r in next(iter(results["cells"].values()))],
+        )
+    else:
+        families = args.families or builtins()
+        recipes = args.recipes or list(RECIPES)
+        with tempfile.TemporaryDirectory(prefix="vlmc-matrix-") as tmp:
+            results = run_matrix(families, recipes, args.work or Path(tmp), args.jobs)
+    args.out.write_text(markdown(results, families, recipes))
+    if not args.render:
+        args.out.with_suffix(".json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    counts = summary(results)
+    print(f"{counts['ok']} working, {counts['refused']} refused, {counts['FAIL']} failing -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
