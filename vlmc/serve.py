@@ -448,6 +448,7 @@ def serve(
         sock.bind((host, port))
     except OSError as exc:
         raise VlmcError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)  # before the address is printed: a client that reads it may connect at once
     bound = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1, lifespan="off")
     server = uvicorn.Server(config)
