@@ -385,7 +385,8 @@ class _Model:
     """A build of a compile output: its compile.json entry and its lowered graph on onnxruntime."""
 
     def __init__(self, root: Path, entry: dict) -> None:
-        from vlmc.backends.ascend import reference, runner
+        from vlmc.runtime.executors import build as runner
+        from vlmc.runtime.executors import reference
 
         self.root, self.entry = root, entry
         self.spec = runner.BuildSpec(entry)

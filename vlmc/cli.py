@@ -332,9 +332,9 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
 
         vlmc run out/tiny-llava-paged --chat --image demo
     """
-    from vlmc.backends.ascend import runner
     from vlmc.package import Package
     from vlmc.runtime import Pipeline
+    from vlmc.runtime.executors import build as runner
 
     path = Path(package)
     group_executor = None  # what the ranks run, for a tensor-parallel package or build
@@ -565,7 +565,7 @@ def _open_for_serving(path: Path, executor: str | None, device_id: int):
 
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise VlmcError("vlmc serve needs FastAPI and uvicorn: pip install 'vlmc[serve]'")
-    from vlmc.backends.ascend import runner
+    from vlmc.runtime.executors import build as runner
 
     if runner.is_build_dir(path):
         pkg, build_exec = runner.open_build(path, executor or runner.default_executor(), device_id)

@@ -19,7 +19,7 @@ from vlmc import interrupts, samples
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
-from vlmc.runtime.executor import OrtExecutor
+from vlmc.runtime.executors.ort import OrtExecutor
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from vlmc import memory, metrics, ortsession
 from vlmc.package import Package
-from vlmc.runtime.executor import OrtExecutor
+from vlmc.runtime.executors.ort import OrtExecutor
 
 logger = logging.getLogger(__name__)
 

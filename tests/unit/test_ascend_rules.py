@@ -22,8 +22,9 @@ import onnxruntime as ort
 import pytest
 
 from vlmc import graphs, interop
-from vlmc.backends.ascend import lower, precheck, reference
+from vlmc.backends.ascend import lower, precheck
 from vlmc.errors import CheckFailed
+from vlmc.runtime.executors import reference
 
 FLOAT = ir.DataType.FLOAT
 

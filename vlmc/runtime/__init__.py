@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlmc.runtime.executor import Executor, OrtExecutor
+from vlmc.runtime.executors.ort import Executor, OrtExecutor
 from vlmc.runtime.pipeline import GenerationResult, Pipeline
 
 __all__ = ["Executor", "GenerationResult", "OrtExecutor", "Pipeline"]

@@ -20,7 +20,7 @@ from vlmc.package import Package
 from vlmc.runtime import chat, deepstack, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
-from vlmc.runtime.executor import Executor, OrtExecutor
+from vlmc.runtime.executors.ort import Executor, OrtExecutor
 
 logger = logging.getLogger(__name__)
 

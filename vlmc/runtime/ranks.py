@@ -178,8 +178,8 @@ class _Target:
     """What the ranks run: a package on onnxruntime, or a compile output through an executor."""
 
     def __init__(self, path: str | Path, executor: str | None = None) -> None:
-        from vlmc.backends.ascend import runner
         from vlmc.package import Package
+        from vlmc.runtime.executors import build as runner
 
         self.path = str(Path(path).resolve())
         self.build = runner.is_build_dir(Path(self.path))
@@ -217,7 +217,7 @@ class _Target:
         """Everything the ranks need that may be absent here, named in one line before any rank starts."""
         absent = collective.missing()
         if self.executor == "acl":
-            from vlmc.backends.ascend import acl_device
+            from vlmc.runtime.executors import acl as acl_device
 
             if not acl_device.available():
                 absent.append("acl (pyACL)")
@@ -235,7 +235,7 @@ class _Target:
         from vlmc.runtime.pipeline import Pipeline
 
         if self.build:
-            from vlmc.backends.ascend import runner
+            from vlmc.runtime.executors import build as runner
 
             device = self.devices[rank] if self.devices[rank] is not None else 0
             pkg, executor = runner.open_build(self.path, self.executor, device, rank=rank)
@@ -476,7 +476,7 @@ class RankGroup:
         # (a spawned rank would import torch again, seconds each).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["torch.distributed", "onnxruntime", "vlmc.runtime.pipeline", "vlmc.backends.ascend.runner"]
+            ["torch.distributed", "onnxruntime", "vlmc.runtime.pipeline", "vlmc.runtime.executors.build"]
         )
         _start_forkserver()
         self._conns, self._procs = [], []
