@@ -48,7 +48,7 @@ address is given):
 A "model" is a build of a ``vlmc compile`` output: ``load_from_file(<out>/om/<build>.om)`` reads the
 build's entry in ``<out>/compile.json`` (the .om itself must exist, a placeholder where ATC never ran)
 and ``execute`` runs the build's lowered ONNX graph (its ``file``) on onnxruntime through
-vlmc/backends/ascend/reference.py, reading the inputs from and writing the outputs to device memory.
+vlmc/runtime/executors/reference.py, reading the inputs from and writing the outputs to device memory.
 """
 
 from __future__ import annotations

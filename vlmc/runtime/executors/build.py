@@ -3,8 +3,8 @@
 The loop is the runtime's (vlmc/runtime/pipeline.py). :class:`BuildExecutor` is its executor for a
 ``vlmc compile`` output: for every graph run it picks the build of that graph and the smallest gear
 that holds the real shapes, pads the feeds up to the gear, runs the build on a *device* and strips the
-padding off the outputs. The device is :class:`ReferenceDevice` (the lowered graphs on CPU, strict about
-shapes and dtypes) or ``acl_device.AclDevice`` (the .om files through pyACL on a 910B).
+padding off the outputs. The device is :class:`vlmc.runtime.executors.reference.ReferenceDevice` (the lowered graphs on CPU, strict about
+shapes and dtypes) or :class:`vlmc.runtime.executors.acl.AclDevice` (the .om files through pyACL on a 910B).
 
 Everything here reads compile.json (``builds[*].inputs/outputs/gears/gear_symbols/bindings``), never the
 package's graphs: what the host does is decided by the build's declared IO.
@@ -123,7 +123,7 @@ class Device(Protocol):
 
 class PoolLayer:
     """One layer of a stacked pool (stack_kv.py): the per-layer pool PagedKV holds and writes, while the
-    build binds the whole stack. ``parent`` is a :class:`HostPool` or an ``acl_device.DevicePool``."""
+    build binds the whole stack. ``parent`` is a :class:`HostPool` or an ``acl.DevicePool``."""
 
     def __init__(self, parent, layer: int) -> None:
         self.parent, self.layer = parent, int(layer)
@@ -141,7 +141,7 @@ class PoolLayer:
 
 
 class BuildExecutor:
-    """The executor of a compile output (:class:`vlmc.runtime.executor.Executor`): graph runs -> builds and gears."""
+    """The executor of a compile output (:class:`vlmc.runtime.executors.ort.Executor`): graph runs -> builds and gears."""
 
     def __init__(self, root: Path, summary: dict, device: Device, pad_token_id: int = 0) -> None:
         self.root = Path(root)
@@ -479,7 +479,7 @@ def _check_files(root: Path, builds: list[dict], executor: str) -> None:
             seen.add(rel)
             key = f"build {b['name']} {kind} file"
             if kind == "om" and not os.path.lexists(paths.inside(root, rel, key, where)):
-                continue  # not built yet: the device says to run build.sh (acl_device.AclDevice.load)
+                continue  # not built yet: the device says to run build.sh (acl.AclDevice.load)
             path = paths.regular_file(root, rel, key, where)
             if kind == "graph":  # opened without its weights; the device loads it afterwards
                 interop.open_checked(path)

@@ -1,4 +1,4 @@
-"""numpy references of the Ascend ops vlmc emits, and an executor that runs a lowered graph with them.
+"""The reference device: numpy references of the Ascend ops vlmc emits, and lowered graphs run with them.
 
 The lowered graph is what ATC reads, so onnxruntime cannot load it whole (Ascend ops, int8 MatMul).
 The executor partitions it: every standard ONNX op runs on onnxruntime, in as few segments as the
@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs, interop, paths
+from vlmc import ascend_limits, graphs, interop, ortsession, paths
 from vlmc.errors import VlmcError
 from vlmc.runtime.paged import write_rows
 
@@ -291,10 +291,6 @@ class _Segment:
     def run(self, env: dict[str, np.ndarray]) -> None:
         feeds = {n: env[n] for n in self.inputs}
         if self._session is None:
-            # Imported here: the lowering rules import this module for its numerics, and compile
-            # should not load onnxruntime (tests/test_ascend_compile.py measures compile's peak RSS).
-            from vlmc import ortsession
-
             self._session = ortsession.from_model(self._model(feeds))
         env.update(zip(self.outputs, self._session.run(self.outputs, feeds)))
 
