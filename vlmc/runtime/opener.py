@@ -1,6 +1,6 @@
 """Open what a path holds for generation: a package, a compile output, or a tensor-parallel group of either.
 
-:func:`open` is the one dispatch between the three (`vlmc run`, `vlmc serve`, verify): it returns a
+:func:`open` is the one dispatch between the three (`vlmc run`, `vlmc serve`): it returns a
 :class:`vlmc.runtime.pipeline.Pipeline` (one process, its executor from :func:`vlmc.runtime.executors.open`)
 or a started :class:`vlmc.runtime.ranks.RankGroup` (one process per rank). Both have ``manifest``,
 ``generate(prompts, images, max_new_tokens)`` and ``close()``. :func:`target` is its first half: what
