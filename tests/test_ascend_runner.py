@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from vlmc import pass_api
+from vlmc import pass_api, runtime
 from vlmc.backends import ascend
 from vlmc.backends.ascend import atc, gears, pools
 from vlmc.backends.ascend.rules import _weight_only_matmul
@@ -22,8 +22,8 @@ from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
+from vlmc.runtime.executors import acl, reference
 from vlmc.runtime.executors import build as runner
-from vlmc.runtime.executors import reference
 from vlmc.runtime.paged import BlockAllocator, OutOfBlocks
 
 PROMPTS = ["Describe the image."]
@@ -477,3 +477,29 @@ def test_cls_attention_pruning_and_merge_run_on_the_reference_build(exported, tm
     got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
     assert got.tokens == ref.tokens
     assert runner.agreement(ref, got)["max_logit_diff"] < 1e-4
+
+
+# ---- vlmc.runtime.open: one entry for a package and a compile output -----------------------------------
+def test_runtime_open_dispatches_a_package_and_a_build(paged_build, exported, tmp_path):
+    root, _ = paged_build
+    package = exported("tiny-llava")
+    what = runtime.target(root)
+    assert what.build and what.ranks is None
+    assert what.executor == ("acl" if acl.available() else "reference")
+    assert what.manifest == runner.read_build(root)[1].manifest
+    assert not runtime.target(package).build and runtime.target(package).executor == "ort"
+    for path, executor, kind in (
+        (package, None, runtime.OrtExecutor),
+        (root, "reference", runner.BuildExecutor),
+    ):
+        runnable = runtime.open(path, executor=executor)
+        try:
+            assert isinstance(runnable, Pipeline) and isinstance(runnable.executor, kind)
+            result = runnable.generate(PROMPTS, IMAGES, NEW_TOKENS)
+            assert 0 < len(result.tokens[0]) <= NEW_TOKENS
+        finally:
+            runnable.close()
+    with pytest.raises(VlmcError, match="--executor applies to a compile output"):
+        runtime.target(package, executor="reference")
+    with pytest.raises(VlmcError):
+        runtime.open(tmp_path / "nothing-here")
