@@ -20,7 +20,7 @@ from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import bench_host_loop  # noqa: E402  (the 32-layer config is the benchmark's)
 
 PROMPTS = ["Describe the image."]

@@ -597,7 +597,7 @@ def test_quantized_save_pretrained_llava_compiles_to_npu_forms(tmp_path):
     assert size[out4] < size[out]  # the int4 weights take half the bytes
 
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(__file__).resolve().parents[2] / "recipes").glob("*.yaml"))
 
 # A shipped recipe that names a hub model runs on the tiny built-in of the same family (no network
 # here). What the hub model sizes by its own widths is scaled: a pruning `keep` becomes the same
@@ -802,7 +802,7 @@ def test_compile_holds_about_one_deploy_weight_whatever_the_layer_count(tmp_path
     warm.manifest["graphs"]["decoder"]["quantization"] = small_facts
     warm.save(tmp_path / "warm")
     del warm, small
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     res = subprocess.run(
         [
             sys.executable,

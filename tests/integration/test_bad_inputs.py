@@ -511,7 +511,7 @@ def test_force_replaces_a_previous_vlmc_package(tiny_llava, tmp_path):
 
 
 def test_docs_list_every_case():
-    text = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
     missing = [c.id for c in CASES if f"| `{c.id}` |" not in text]
     assert missing == [], f"docs/errors.md lacks rows for {missing}"
 

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from vlmc import __version__
 from vlmc.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def invoke(*args, cwd: Path | None = None):

@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from test_parity_raw_inputs import Family, _check
 
 from vlmc import verify
 from vlmc.cli import main
 from vlmc.runtime import Pipeline, anyres
+
+from .test_parity_raw_inputs import Family, _check
 
 # (h, w): tall, wide, square, very wide, very tall: different best pinpoints, unpadding on both axes
 SIZES = [(120, 90), (64, 160), (96, 96), (30, 100), (140, 40), (33, 31), (200, 210), (50, 120)]

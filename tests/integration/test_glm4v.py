@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 from _real_tokenizers import save_image
-from test_parity_raw_inputs import Family, _check
 
 from vlmc import exporters, ortsession, verify
 from vlmc.package import Package
 from vlmc.runtime import patches
+
+from .test_parity_raw_inputs import Family, _check
 
 WRAP = "<|begin_of_image|><|image|><|end_of_image|>"
 

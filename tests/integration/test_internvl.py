@@ -15,7 +15,6 @@ import _tokenizers_internvl
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_parity_raw_inputs import Family, _check, _ids, _vlmc_run
 
 from vlmc import manager, recipe, verify
 from vlmc.cli import main
@@ -24,6 +23,8 @@ from vlmc.exporters import internvl as internvl_exporter
 from vlmc.package import Package
 from vlmc.recipe import Step
 from vlmc.runtime import Pipeline, tiles
+
+from .test_parity_raw_inputs import Family, _check, _ids, _vlmc_run
 
 TOKENS_PER_TILE = 16  # 64 px tiles, 8 px patches, pixel shuffle 0.5
 NO_CAL = {"calibration_images": 0, "picture": False}

@@ -25,7 +25,7 @@ TOKENS = 6
 # ops the ATC ONNX parser registers; Constant is converted by the parser itself (see the file's header)
 ATC_OPS = {
     line.split("\t")[0]
-    for line in (Path(__file__).resolve().parents[1] / "vlmc/backends/ascend/data/onnx_ops.tsv")
+    for line in (Path(__file__).resolve().parents[2] / "vlmc/backends/ascend/data/onnx_ops.tsv")
     .read_text()
     .splitlines()
     if line and not line.startswith("#")

@@ -20,7 +20,7 @@ from vlmc.runtime import Pipeline, deepstack
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV, write_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 exporters.families()  # family modules register their built-ins on import
 BUILTINS = sorted(zoo.BUILTINS)

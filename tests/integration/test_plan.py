@@ -15,7 +15,7 @@ from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "paged_kv.md"
 LLAVA_CONFIG = REPO / "docs" / "plan" / "llava-1.5-7b" / "config.json"
 QWEN_SPEC = REPO / "docs" / "plan" / "qwen-vl-chat.json"

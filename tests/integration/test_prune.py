@@ -338,7 +338,7 @@ def test_fastv_flops_formula():
 def test_recipes_validate():
     from vlmc import recipe
 
-    root = Path(__file__).resolve().parents[1] / "recipes"
+    root = Path(__file__).resolve().parents[2] / "recipes"
     for name, keep in (("llava-1.5-prune-144.yaml", 144), ("qwen2-vl-448-prune-96.yaml", 96)):
         r = recipe.load(root / name)
         step = [s for s in r.steps if s.name == "prune_visual_tokens"][0]
@@ -349,7 +349,7 @@ def test_bench_prune_quick_smoke():
     """scripts/bench_prune.py (make bench) in its tiny mode: both prefills run, token counts as pruned."""
     import importlib.util
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_prune.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_prune.py"
     spec = importlib.util.spec_from_file_location("bench_prune", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

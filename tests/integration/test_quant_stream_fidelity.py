@@ -8,12 +8,13 @@ numbers must be the same.
 from __future__ import annotations
 
 import pytest
-from test_quant_fidelity_bounds import _opened
 
 from vlmc import limits
 from vlmc.package import Package
 from vlmc.pass_api import get
 from vlmc.passes.quantize import stream_fidelity
+
+from .test_quant_fidelity_bounds import _opened
 
 _PLAN = {
     "vision_encoder": {"weights": "int8", "activations": "int8", "calibration": {"count": 2}},

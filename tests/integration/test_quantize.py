@@ -23,7 +23,7 @@ from vlmc.passes.quantize.calib import FeedReader
 from vlmc.runtime import Pipeline
 from vlmc.runtime.preprocess import preprocess
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 families()  # family modules register their built-ins
 BUILTINS = sorted(zoo.BUILTINS)
 

@@ -16,7 +16,7 @@ from vlmc.package import Package
 from vlmc.runtime import Pipeline, mrope, patches, positions
 from vlmc.runtime.preprocess import demo_image
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUILTINS = ["tiny-qwen2-vl", "tiny-qwen2.5-vl"]
 WRAP = "<|vision_start|><image><|vision_end|>"
 

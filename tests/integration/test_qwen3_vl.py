@@ -10,14 +10,15 @@ import onnx
 import pytest
 import torch
 from _real_tokenizers import save_image
-from test_parity_raw_inputs import Family, _check
 
 from vlmc import exporters, ortsession, verify
 from vlmc.package import Package
 from vlmc.runtime import Pipeline, patches, positions
 from vlmc.runtime.preprocess import demo_image
 
-REPO = Path(__file__).resolve().parents[1]
+from .test_parity_raw_inputs import Family, _check
+
+REPO = Path(__file__).resolve().parents[2]
 WRAP = "<|vision_start|><|image_pad|><|vision_end|>"
 
 

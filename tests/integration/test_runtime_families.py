@@ -18,7 +18,7 @@ from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Shared code that must stay family-agnostic: all of the runtime (generation loop, preprocessing,
 # positions, KV state), the pass manager, the passes and the backends. Manifest kinds name what they
 # do (e.g. preprocessing kind "packed_patches"), never the family that writes them.

@@ -734,7 +734,7 @@ def test_confinement_rule_refuses_every_escape(tmp_path):
 def test_schema_in_docs_is_current():
     from vlmc import manifest_schema
 
-    doc = Path(__file__).resolve().parents[1] / "docs" / "manifest.schema.json"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "manifest.schema.json"
     assert json.loads(doc.read_text()) == json.loads(json.dumps(manifest_schema.json_schema())), (
         "docs/manifest.schema.json is stale: run `make schema`"
     )
@@ -743,7 +743,7 @@ def test_schema_in_docs_is_current():
 def test_security_doc_lists_every_bound():
     from vlmc import limits
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "security.md").read_text()
     names = [n for n in dir(limits) if n.startswith("MAX_")]
     missing = [n for n in names if n not in text]
     assert missing == [], f"docs/security.md does not mention {missing}"

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_untrusted import tree
 
 from vlmc import compile_schema, manager, outdir, recipe
 from vlmc.backends import ascend
@@ -31,7 +30,9 @@ from vlmc.backends.ascend import runner
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 
-REPO = Path(__file__).resolve().parents[1]
+from .test_untrusted import tree
+
+REPO = Path(__file__).resolve().parents[2]
 VLMC = [sys.executable, "-m", "vlmc"]
 TARGET = {"soc": "Ascend910B2", "sequence_buckets": [64]}
 OUTSIDE = "OUTSIDE-3b1f-not-part-of-the-build"

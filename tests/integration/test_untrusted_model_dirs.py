@@ -30,11 +30,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from test_untrusted import CANARY, canary_leaks, link, tree
 
 from vlmc import paths
 from vlmc.errors import VlmcError
 from vlmc.exporters import checkpoint
+
+from .test_untrusted import CANARY, canary_leaks, link, tree
 
 REV = "0123456789abcdef0123456789abcdef01234567"  # a commit hash, as the cache names snapshots
 
@@ -559,7 +560,7 @@ def test_a_package_source_tokenizer_with_custom_code_is_refused_without_a_prompt
 def test_every_from_pretrained_in_vlmc_states_trust_remote_code():
     """No transformers loader in the product decides remote code by itself (its default asks on a terminal)."""
     calls = []
-    for path in sorted((Path(__file__).resolve().parents[1] / "vlmc").rglob("*.py")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "vlmc").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained":
                 calls.append(

@@ -10,7 +10,7 @@ import pytest
 from vlmc import recipe
 from vlmc.errors import VlmcError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_valid_recipe_fills_defaults():

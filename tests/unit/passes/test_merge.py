@@ -9,7 +9,7 @@ from vlmc import graphs, interop, tensor_names
 from vlmc.package import Package
 from vlmc.pass_api import get
 
-from ._compose_builders import (
+from .._compose_builders import (
     DEEPSTACK,
     HIDDEN,
     IMAGE_TOKEN,

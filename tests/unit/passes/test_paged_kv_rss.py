@@ -36,7 +36,7 @@ _CHILD = textwrap.dedent(
             return int(f.read().split(key + ":")[1].split()[0]) * 1024
 
     sys.path.insert(0, sys.argv[3])
-    from tests.unit.test_samples_stream import _savable
+    from tests.unit.test_samples import _savable
 
     pkg = Package(_savable(manifest.new("unit", "LlamaForCausalLM", "unit", "none")))
     pkg.manifest["kv"] = {{"layers": {layers}, "kv_heads": {heads}, "head_dim": {head_dim}, "layout": "contiguous"}}
@@ -67,7 +67,7 @@ def test_paged_kv_holds_one_sample_pool_at_a_time(tmp_path):
     out = tmp_path / "paged"
     code = _CHILD.format(layers=_LAYERS, heads=_HEADS, head_dim=_HEAD_DIM, block=_BLOCK)
     done = subprocess.run(
-        [sys.executable, "-c", code, str(path), str(out), str(Path(__file__).parents[2])],
+        [sys.executable, "-c", code, str(path), str(out), str(Path(__file__).parents[3])],
         capture_output=True,
         text=True,
         check=True,

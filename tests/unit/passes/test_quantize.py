@@ -21,7 +21,7 @@ from onnxruntime.transformers import float16
 from vlmc import graphs, interop
 from vlmc.passes.quantize import scheme, static, weight_only
 
-from ._child import peak_growth
+from .._child import peak_growth
 
 
 # ---- builders ---------------------------------------------------------------------------------

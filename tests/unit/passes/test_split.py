@@ -9,7 +9,7 @@ from vlmc import interop, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.pass_api import get
 
-from ._compose_builders import decoder_feeds, external_tensors, package, run, weight_reads
+from .._compose_builders import decoder_feeds, external_tensors, package, run, weight_reads
 
 LAYERS = 3
 

@@ -291,7 +291,7 @@ class _Segment:
         feeds = {n: env[n] for n in self.inputs}
         if self._session is None:
             # Imported here: the lowering rules import this module for its numerics, and compile
-            # should not load onnxruntime (tests/test_ascend_compile.py measures compile's peak RSS).
+            # should not load onnxruntime (tests/integration/test_ascend_compile.py measures compile's peak RSS).
             from vlmc import ortsession
 
             self._session = ortsession.from_model(self._model(feeds))

@@ -491,7 +491,7 @@ def test_docs_list_every_rule_with_its_sources():
 
     from vlmc.backends.ascend import rules
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "ascend.md").read_text()
+    doc = (Path(__file__).resolve().parents[4] / "docs" / "ascend.md").read_text()
     for rule in rules.default_rules():
         row = next((line for line in doc.splitlines() if line.startswith(f"| `{rule.name}` ")), None)
         assert row is not None, f"docs/ascend.md has no table row for {rule.name}"

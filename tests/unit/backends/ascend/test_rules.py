@@ -435,7 +435,7 @@ def big_weight_graph(tmp_path_factory) -> tuple[Path, dict]:
 
 
 def _growth(path: Path, facts: dict, store: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[4])}
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(path), json.dumps(facts), store],
         capture_output=True,

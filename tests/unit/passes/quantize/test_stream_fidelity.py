@@ -15,7 +15,7 @@ import onnx_ir as ir
 from vlmc import graphs, interop, ortsession
 from vlmc.passes.quantize import fidelity, scheme, stream_fidelity, weight_only
 
-from ._child import peak_growth
+from ..._child import peak_growth
 
 
 def _init(graph: ir.Graph, name: str, arr: np.ndarray) -> ir.Value:

@@ -17,12 +17,13 @@ import onnx
 import pytest
 import torch
 from click.testing import CliRunner
-from test_parity_raw_inputs import Family, _check
 
 from vlmc import exporters, ortsession, samples
 from vlmc.cli import main
 from vlmc.exporters import base, streaming
 from vlmc.package import Package
+
+from .test_parity_raw_inputs import Family, _check
 
 TEXT_LAYERS, VISION_LAYERS = 5, 6  # vision feature layer -2: 5 live vision layers
 SOURCES = {
