@@ -359,32 +359,6 @@ def test_opset_19_fails_precheck_with_export_suggestion(tmp_path):
         _compile(_package("llava", decoder), tmp_path / "b")
 
 
-@pytest.mark.parametrize("opset,ok", [(16, False), (17, True), (18, True)])
-def test_layer_normalization_only_at_17_and_18(opset, ok):
-    model = _model(
-        [helper.make_node("LayerNormalization", ["x", "g"], ["y"], name="ln")],
-        [_vi("x", [2, 4])],
-        [_vi("y", [2, 4])],
-        [numpy_helper.from_array(np.ones(4, np.float32), "g")],
-        opset=opset,
-    )
-    found = precheck.check_ops(ir.from_proto(model), "g", lowered=True)
-    assert (found == []) is ok
-    if not ok:
-        assert "'ln'" in str(found[0]) and "opset 17" in found[0].message
-
-
-def test_portable_qdq_is_left_to_lowering_but_not_allowed_after():
-    q = _model(
-        [helper.make_node("QuantizeLinear", ["x", "s"], ["y"], name="q")],
-        [_vi("x", [2])],
-        [_vi("y", [2], TensorProto.UINT8)],
-        [numpy_helper.from_array(np.float32(0.1), "s")],
-    )
-    assert precheck.check_ops(ir.from_proto(q), "g", lowered=False) == []
-    assert "run the quantize lowering" in str(precheck.check_ops(ir.from_proto(q), "g", lowered=True)[0])
-
-
 def test_int8_package_lowers_and_obeys_quantized_rules(tmp_path):
     out = tmp_path / "b"
     summary = _compile(_package("llava", _qdq_decoder(), precision="int8"), out)
