@@ -14,7 +14,7 @@ else: an internal error, a run error after a successful build, or tokens that di
 
 Each (family, recipe) runs in its own process with a time limit, two at a time. ``make matrix`` runs
 all of them and writes docs/compatibility.md (the table and every refusal and failure) and
-docs/compatibility.json (what tests/test_compatibility_matrix.py checks a few cells against).
+docs/compatibility.json (what tests/integration/test_compatibility_matrix.py checks a few cells against).
 
     python scripts/matrix.py                         # everything, 2 processes
     python scripts/matrix.py --families tiny-llava --recipes fp16 --out /tmp/m.md

@@ -27,8 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 MODULES = ("vlmc/package.py", "vlmc/graphs.py", "vlmc/ortsession.py", "vlmc/interop.py")
 
 
-def trace(recipe: Path, modules: tuple[str, ...]) -> dict[str, dict[str, int]]:
-    """Run ``vlmc build --recipe recipe`` and count the entries into each of ``modules``."""
+def trace(recipe: Path, modules: tuple[str, ...], detail: bool = False) -> dict[str, dict]:
+    """Run ``vlmc build --recipe recipe`` and count the entries into each of ``modules``.
+
+    ``detail`` adds, per module, its ping-pong entries by site (``caller.py:line func -> callee``).
+    """
     from click.testing import CliRunner
 
     from vlmc import cli
@@ -39,6 +42,7 @@ def trace(recipe: Path, modules: tuple[str, ...]) -> dict[str, dict[str, int]]:
     sites: dict[str, set] = collections.defaultdict(set)
     pong: collections.Counter[str] = collections.Counter()
     pong_sites: dict[str, set] = collections.defaultdict(set)
+    pong_by_site: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def profile(frame, event, arg):  # noqa: ARG001 (the sys.setprofile signature)
         if event != "call":
@@ -57,6 +61,8 @@ def trace(recipe: Path, modules: tuple[str, ...]) -> dict[str, dict[str, int]]:
         if caller.f_code.co_filename in files:
             pong[mod] += 1
             pong_sites[mod].add(site)
+            where = f"{files[caller.f_code.co_filename]}:{caller.f_lineno} {caller.f_code.co_name}"
+            pong_by_site[mod][f"{where} -> {frame.f_code.co_name}"] += 1
 
     with tempfile.TemporaryDirectory(prefix="vlmc-trace-") as tmp:
         args = ["build", "--recipe", str(recipe), "-o", str(Path(tmp) / "out")]
@@ -73,6 +79,7 @@ def trace(recipe: Path, modules: tuple[str, ...]) -> dict[str, dict[str, int]]:
             "sites": len(sites[m]),
             "ping_pong": pong[m],
             "ping_pong_sites": len(pong_sites[m]),
+            **({"ping_pong_by_site": dict(pong_by_site[m].most_common())} if detail else {}),
         }
         for m in modules
     }
@@ -82,8 +89,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", type=Path, default=REPO / "recipes" / "demo.yaml")
     ap.add_argument("--module", action="append", help="a module file to count (repeatable)")
+    ap.add_argument("--detail", action="store_true", help="list each module's ping-pong entries by site")
     args = ap.parse_args()
-    counts = trace(args.recipe.resolve(), tuple(args.module) if args.module else MODULES)
+    counts = trace(args.recipe.resolve(), tuple(args.module) if args.module else MODULES, args.detail)
     total = {
         k: sum(c[k] for c in counts.values()) for k in ("calls", "sites", "ping_pong", "ping_pong_sites")
     }

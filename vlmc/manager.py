@@ -103,25 +103,26 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     manifest.validate(out.manifest, where=f"the manifest after {step.name}")
                 except VlmcError as exc:
                     raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
-                changed = _changed(before, out)
-                actual = bool(changed)
-                if result.modified is not None and bool(result.modified) != actual:
-                    what = f"changed {', '.join(changed)}" if changed else "changed nothing"
-                    raise PassFailed(
-                        f"{label} reported modified={bool(result.modified)} but it {what}; "
-                        f"a pass must report modified exactly (or leave it to the manager){after_txt}"
-                    )
-                for name in changed:
-                    if name not in out.manifest["graphs"]:
-                        continue
-                    try:
-                        path = out.path_of(name)
-                        if path is not None:
-                            interop.check_path(path, name=f"{name} after {step.name}")
-                        else:
-                            interop.check(out.model(name), name=f"{name} after {step.name}")
-                    except VlmcError as exc:
-                        raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
+                with out.unedited():  # one hash per graph for the state and the paths below
+                    changed = _changed(before, out)
+                    actual = bool(changed)
+                    if result.modified is not None and bool(result.modified) != actual:
+                        what = f"changed {', '.join(changed)}" if changed else "changed nothing"
+                        raise PassFailed(
+                            f"{label} reported modified={bool(result.modified)} but it {what}; "
+                            f"a pass must report modified exactly (or leave it to the manager){after_txt}"
+                        )
+                    for name in changed:
+                        if name not in out.manifest["graphs"]:
+                            continue
+                        try:
+                            path = out.path_of(name)
+                            if path is not None:
+                                interop.check_path(path, name=f"{name} after {step.name}")
+                            else:
+                                interop.check(out.model(name), name=f"{name} after {step.name}")
+                        except VlmcError as exc:
+                            raise PassFailed(f"{label} produced an invalid graph: {exc}{after_txt}") from exc
                 report = dict(result.report or {})
                 if p.lossy and actual:
                     try:
@@ -185,6 +186,11 @@ def _guarded(label: str, after_txt: str, call, *args, **kwargs):
 
 
 def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, keep_held: bool) -> _Before:
+    with pkg.unedited():  # path_of, state and the held fingerprints share one hash per graph
+        return _snapshot_of(pkg, tmp, keep_graphs, keep_package, keep_held)
+
+
+def _snapshot_of(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, keep_held: bool) -> _Before:
     kept: dict[str, object] = {}
     if keep_graphs:
         # Files are never changed once written, so an unchanged graph's file is its before-state; a
@@ -203,7 +209,7 @@ def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, ke
         package=pkg.snapshot() if keep_package else None,
         # A graph not loaded yet is read fresh from its file by whoever asks, so only held objects count.
         held={
-            name: (pkg.model(name), interop.fingerprint(pkg.model(name)))
+            name: (pkg.model(name), pkg.fingerprint(name))
             for name in pkg.graph_names
             if keep_held and pkg.is_loaded(name)
         },

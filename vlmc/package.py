@@ -10,6 +10,7 @@ disk is always complete and the input package is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -49,6 +50,7 @@ class Package:
         self.files: dict[str, bytes | Path] = {}
         self.report: dict = {}  # build report data (timings etc.), never part of the manifest
         self._scratch: Path | None = None
+        self._fp_memo: dict[str, str] | None = None  # fingerprints taken inside unedited()
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -168,9 +170,36 @@ class Package:
         return name in self._ir
 
     def _current_fp(self, name: str) -> str | None:
-        if name in self._ir:
-            return interop.fingerprint(self._ir[name])
-        return None
+        if name not in self._ir:
+            return None
+        memo = self._fp_memo
+        if memo is not None and name in memo:
+            return memo[name]
+        fp = interop.fingerprint(self._ir[name])
+        if memo is not None:
+            memo[name] = fp
+        return fp
+
+    def fingerprint(self, name: str) -> str:
+        """The content hash of a loaded graph (:func:`vlmc.interop.fingerprint`)."""
+        fp = self._current_fp(name)
+        if fp is None:
+            raise VlmcError(f"graph {name!r} is not loaded")
+        return fp
+
+    @contextlib.contextmanager
+    def unedited(self):
+        """A block in which no graph is edited: each loaded graph is fingerprinted at most once in it.
+
+        The pass manager reads a package's state, file paths and fingerprints several times before and
+        after a pass; inside this block they share one hash per graph instead of one per question.
+        """
+        outer = self._fp_memo
+        self._fp_memo = {} if outer is None else outer
+        try:
+            yield self
+        finally:
+            self._fp_memo = outer
 
     def path_of(self, name: str) -> Path | None:
         """The file holding the graph's current content (unchanged since read), else None."""
@@ -204,11 +233,15 @@ class Package:
 
         Graphs never read, and graphs read but unchanged, give ``file:<path>``; others their fingerprint.
         """
-        out = {}
-        for name in self.manifest["graphs"]:
-            path = self.path_of(name)
-            out[name] = f"file:{path}" if path is not None else (self._current_fp(name) or "missing")
-        return out
+        return {name: self._token(name) for name in self.manifest["graphs"]}
+
+    def _token(self, name: str) -> str:
+        # One fingerprint per graph (path_of and then the token would hash a changed graph twice).
+        path = self._file.get(name)
+        fp = self._current_fp(name)
+        if path is not None and (fp is None or fp == self._file_fp.get(name)):
+            return f"file:{path}"
+        return fp or "missing"
 
     def snapshot(self) -> Package:
         """A view of the package as it is now, for comparing with what a pass makes of it.

@@ -1,4 +1,4 @@
-"""Unit tests beside each pass and rule, on small hand-built onnx-ir graphs.
+"""Unit tests, one file per module, in folders that mirror vlmc/ and passes/ (small hand-built graphs).
 
-A package, so its test files may share basenames with the integration tests in tests/.
+A package, so its test files may share basenames with the topic tests in tests/integration/.
 """

@@ -19,7 +19,7 @@ in a stage graph needs every weight resident at once: its repeated layers (``mod
 
 Peak memory is the reduced model (embeddings, head, the traced layers per stack) plus one tensor
 in flight, whatever the depth. The stitched graph computes what the full-depth trace does, weight
-for weight (tests/test_streaming_export.py compares both on onnxruntime for every family). Where the
+for weight (tests/integration/test_streaming_export.py compares both on onnxruntime for every family). Where the
 structure does not allow it (layers that differ beyond their stated kinds, a skip connection across layers, a checkpoint whose layer weights
 transformers converts rather than renames), :class:`StitchError` is raised and the exporter falls
 back to loading the whole model (vlmc/exporters/__init__.py).

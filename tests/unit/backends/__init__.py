@@ -1,0 +1,1 @@
+"""Unit tests of vlmc/backends/, one file per module."""

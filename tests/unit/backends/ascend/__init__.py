@@ -1,0 +1,1 @@
+"""Unit tests of vlmc/backends/ascend/, one file per module."""

@@ -1,0 +1,1 @@
+"""Unit tests of vlmc/exporters/, one file per module."""

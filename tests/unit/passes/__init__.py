@@ -1,0 +1,1 @@
+"""Unit tests of passes/, one file per module."""

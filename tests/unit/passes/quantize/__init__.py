@@ -1,0 +1,1 @@
+"""Unit tests of passes/quantize/, one file per module."""

@@ -1,0 +1,1 @@
+"""Unit tests of vlmc/runtime/, one file per module."""
