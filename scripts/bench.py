@@ -695,7 +695,9 @@ def host_loop_section(results: list[dict], command: str) -> list[str]:
         f"`{command}` (scripts/bench_host_loop.py): a narrow {r['layers']}-layer LLaVA-architecture decoder "
         "(widths 16, random weights), compiled contiguous and paged in the stacked-KV form, run through "
         "`AclDevice` on the pyACL stand-in (tests/_pyacl_standin.py). The time inside `acl.mdl.execute` (the "
-        "stand-in running the lowered graph) is subtracted within each run; per step is the difference of a "
+        "stand-in running the lowered graph) is subtracted within each run, and times are the main thread's "
+        "CPU time (`time.thread_time`; this machine is shared, so wall time mostly measures waiting for a "
+        "core); per step is the difference of a "
         f"1-token and a {r['steps'] + 1}-token run over the extra decode steps, batch 1, median of "
         f"{r['repeats']} repeats on one warm session. The stand-in's calls are Python functions and its "
         "device copies `bytearray` copies, so this is the host side of the same calls on pyACL at most; "
@@ -716,12 +718,17 @@ def host_loop_section(results: list[dict], command: str) -> list[str]:
     ]
 
 
-def _host_loop_rows() -> list[dict]:
+HOST_LOOP_TOKENS, HOST_LOOP_REPEATS = 17, 3
+
+
+def _host_loop_rows(keep: Path | None = None) -> list[dict]:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import bench_host_loop
 
+    if keep is not None:  # builds kept (and reused) there
+        return bench_host_loop.rows(tokens=HOST_LOOP_TOKENS, out=keep, repeats=HOST_LOOP_REPEATS)
     with tempfile.TemporaryDirectory(prefix="vlmc-hostloop-") as tmp:
-        return bench_host_loop.rows(out=Path(tmp))
+        return bench_host_loop.rows(tokens=HOST_LOOP_TOKENS, out=Path(tmp), repeats=HOST_LOOP_REPEATS)
 
 
 def render(
@@ -863,6 +870,9 @@ def main() -> None:
         "--only-host-loop", action="store_true", help="measure and rewrite only the host-loop section"
     )
     ap.add_argument(
+        "--host-loop-dir", type=Path, help="keep (and reuse) the host-loop builds in this directory"
+    )
+    ap.add_argument(
         "--7b", dest="seven_b", action="store_true", help="add the full LLaVA-1.5-7B row (~45 GB disk)"
     )
     ap.add_argument("--7b-dir", dest="seven_b_dir", type=Path, help="an existing 7B checkpoint to use (kept)")
@@ -916,7 +926,7 @@ def main() -> None:
     if args.only_host_loop:
         previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
         command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
-        lines = host_loop_section(_host_loop_rows(), command)
+        lines = host_loop_section(_host_loop_rows(args.host_loop_dir), command)
         args.out.write_text(splice_section(previous, HOST_LOOP_HEADING, lines))
         print(f"wrote the host-loop section of {args.out}")
         return
@@ -956,7 +966,7 @@ def main() -> None:
         print(f"wrote the scale section of {args.out}")
         return
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
-    host_loop = [] if args.skip_host_loop else _host_loop_rows()
+    host_loop = [] if args.skip_host_loop else _host_loop_rows(args.host_loop_dir)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(cost, plot_dir) if cost else []
