@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -686,6 +687,8 @@ def targets(cost: list[dict]) -> list[str]:
 def host_loop_section(results: list[dict], command: str) -> list[str]:
     """The host loop's own cost per decode step (scripts/bench_host_loop.py), medians."""
     import bench_host_loop
+
+    command = re.sub(r"(--host-loop-dir)[ =]\S+", r"\1 DIR", command)  # no machine path in the docs
 
     r = results[0]
     return [
