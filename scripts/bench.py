@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -457,11 +458,13 @@ def scale_rows(
 
 SCALE_HEADING = "## Scale: the quantized Ascend recipe at 512 M and a full 7B"
 # The sections bench.py writes; docs/benchmarks.md's other sections are hand-written and kept.
+HOST_LOOP_HEADING = "## Host loop of `vlmc run BUILD --executor acl` (pyACL stand-in)"
 GENERATED_HEADINGS = (
     "## Machine",
     "## Pipeline cost: `vlmc build` vs bare `torch.onnx.export`",
     SCALE_HEADING,
     "## What the passes buy",
+    HOST_LOOP_HEADING,
     "## Reproduce",
 )
 
@@ -681,8 +684,65 @@ def targets(cost: list[dict]) -> list[str]:
     return lines
 
 
+def host_loop_section(results: list[dict], command: str) -> list[str]:
+    """The host loop's own cost per decode step (scripts/bench_host_loop.py), medians."""
+    import bench_host_loop
+
+    command = re.sub(r"(--host-loop-dir)[ =]\S+", r"\1 DIR", command)  # no machine path in the docs
+
+    r = results[0]
+    return [
+        "",
+        HOST_LOOP_HEADING,
+        "",
+        f"`{command}` (scripts/bench_host_loop.py): a narrow {r['layers']}-layer LLaVA-architecture decoder "
+        "(widths 16, random weights), compiled contiguous and paged in the stacked-KV form, run through "
+        "`AclDevice` on the pyACL stand-in (tests/_pyacl_standin.py). The time inside `acl.mdl.execute` (the "
+        "stand-in running the lowered graph) is subtracted within each run, and times are the main thread's "
+        "CPU time (`time.thread_time`; this machine is shared, so wall time mostly measures waiting for a "
+        "core); per step is the difference of a "
+        f"1-token and a {r['steps'] + 1}-token run over the extra decode steps, batch 1, median of "
+        f"{r['repeats']} repeats on one warm session. The stand-in's calls are Python functions and its "
+        "device copies `bytearray` copies, so this is the host side of the same calls on pyACL at most; "
+        "nothing here ran on a card.",
+        "",
+        *bench_host_loop.table(results),
+        "",
+        "Device calls per decode step (the same in every step):",
+        "",
+        "| layout | calls per step |",
+        "|---|---|",
+        *(
+            f"| {x['layout']} | "
+            + ", ".join(f"`{k}` {v:g}" for k, v in sorted(x["calls_per_step"].items()))
+            + " |"
+            for x in results
+        ),
+    ]
+
+
+HOST_LOOP_TOKENS, HOST_LOOP_REPEATS = 17, 3
+
+
+def _host_loop_rows(keep: Path | None = None) -> list[dict]:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench_host_loop
+
+    if keep is not None:  # builds kept (and reused) there
+        return bench_host_loop.rows(tokens=HOST_LOOP_TOKENS, out=keep, repeats=HOST_LOOP_REPEATS)
+    with tempfile.TemporaryDirectory(prefix="vlmc-hostloop-") as tmp:
+        return bench_host_loop.rows(tokens=HOST_LOOP_TOKENS, out=Path(tmp), repeats=HOST_LOOP_REPEATS)
+
+
 def render(
-    m: dict, cost: list[dict], pass_rows: list[dict], ran: list[str], plots: list[str], args, scale=()
+    m: dict,
+    cost: list[dict],
+    pass_rows: list[dict],
+    ran: list[str],
+    plots: list[str],
+    args,
+    scale=(),
+    host_loop=(),
 ) -> str:
     lines = [
         "# Benchmarks",
@@ -706,6 +766,8 @@ def render(
         lines += scale_section(list(scale), " ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
     if not args.skip_passes:
         lines += _passes_section(pass_rows, ran)
+    if host_loop:
+        lines += host_loop_section(list(host_loop), " ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
     lines += _reproduce_section()
     with open(args.out.parent / "bench" / "results.json", "w") as f:
         json.dump(
@@ -803,6 +865,17 @@ def main() -> None:
     ap.add_argument("--skip-passes", action="store_true")
     ap.add_argument("--skip-scale", action="store_true", help="leave out the 512 M quantized-recipe row")
     ap.add_argument(
+        "--skip-host-loop",
+        action="store_true",
+        help="leave out the pyACL host-loop rows (bench_host_loop.py)",
+    )
+    ap.add_argument(
+        "--only-host-loop", action="store_true", help="measure and rewrite only the host-loop section"
+    )
+    ap.add_argument(
+        "--host-loop-dir", type=Path, help="keep (and reuse) the host-loop builds in this directory"
+    )
+    ap.add_argument(
         "--7b", dest="seven_b", action="store_true", help="add the full LLaVA-1.5-7B row (~45 GB disk)"
     )
     ap.add_argument("--7b-dir", dest="seven_b_dir", type=Path, help="an existing 7B checkpoint to use (kept)")
@@ -853,6 +926,13 @@ def main() -> None:
         load = os.getloadavg()
         print(f"\nload average at the end: {load[0]:.2f}, {load[1]:.2f}, {load[2]:.2f} (1, 5, 15 min)")
         return
+    if args.only_host_loop:
+        previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
+        command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
+        lines = host_loop_section(_host_loop_rows(args.host_loop_dir), command)
+        args.out.write_text(splice_section(previous, HOST_LOOP_HEADING, lines))
+        print(f"wrote the host-loop section of {args.out}")
+        return
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
     if args.only_7b:
@@ -889,12 +969,13 @@ def main() -> None:
         print(f"wrote the scale section of {args.out}")
         return
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
+    host_loop = [] if args.skip_host_loop else _host_loop_rows(args.host_loop_dir)
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(cost, plot_dir) if cost else []
     previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
     args.out.write_text(
-        splice_generated(previous, render(machine(), cost, pass_rows, ran, plots, args, scale))
+        splice_generated(previous, render(machine(), cost, pass_rows, ran, plots, args, scale, host_loop))
     )
     print(f"wrote {args.out}")
 

@@ -25,7 +25,8 @@ address is given):
   Device memory is a ``bytearray`` per allocation behind a fake address; host memory is a numpy
   array registered by ``acl.util.numpy_to_ptr``.
 - ``acl.create_data_buffer`` / ``acl.destroy_data_buffer`` (aclpythondevg_01_0017) /
-  ``acl.update_data_buffer``; ``acl.mdl.create_dataset`` / ``destroy_dataset`` / ``add_dataset_buffer``
+  ``acl.update_data_buffer`` (aclpythondevg_01_0018, aclUpdateDataBuffer aclcppdevg_03_1436: the new
+  memory is the caller's from ``acl.rt.malloc``, at least 1 byte; anything else is refused); ``acl.mdl.create_dataset`` / ``destroy_dataset`` / ``add_dataset_buffer``
   (``dataset, ret``) / ``get_dataset_num_buffers`` / ``get_dataset_buffer`` (aclmdlDataset,
   aclcppdevg_03_1438/1439; aclDestroyDataBuffer leaves the memory to the caller, aclcppdevg_03_1432):
   a destroyed handle is refused, twice is a double free.
@@ -40,7 +41,9 @@ address is given):
   model's or whose -1 entries are no gear (GeExecutor::GetCurDynamicDims in hicann/ge checks both).
   The gear values are written, as uint64, into the ``ascend_mbatch_shape_data`` buffer of the dataset
   at ``index``, which is where the executed model reads its gear from.
-- ``acl.mdl.execute``: the input dataset holds exactly the model's inputs (the
+- ``acl.mdl.execute``: *stricter than pyACL*, no input buffer may overlap an output buffer (a host
+  that swaps step t's output in as step t+1's input must hand the output another buffer); the input
+  dataset holds exactly the model's inputs (the
   ``ascend_mbatch_shape_data`` buffer last for a model with gears, so a dataset without it is refused),
   every buffer is at least the executed gear's bytes, the output dataset holds every output with room
   for its bytes.
@@ -106,6 +109,7 @@ class _State:
         self.violations: list[str] = []
         self.calls: dict[str, int] = {}
         self.max_dim_count = 0
+        self.copies: dict[str, int] = {}  # acl.rt.memcpy calls by direction ("device->host" ...)
         self._next = 1
         self._next_addr = _DEVICE_BASE
         self._bases: list[int] | None = None  # sorted allocation addresses, rebuilt after malloc/free
@@ -227,6 +231,12 @@ def update_data_buffer(data_buffer: int, data: int, size: int) -> int:
         return _refuse(
             ACL_ERROR_INVALID_PARAM, f"acl.update_data_buffer on {data_buffer:#x}, not a live data buffer"
         )
+    # The memory is the caller's, from acl.rt.malloc (aclpythondevg_01_0018; aclUpdateDataBuffer,
+    # aclcppdevg_03_1436: at least 1 byte, even for an empty tensor).
+    if int(size) < 1:
+        return _refuse(ACL_ERROR_INVALID_PARAM, "acl.update_data_buffer with size 0 (at least 1 byte)")
+    if _device_range(int(data), int(size), "acl.update_data_buffer") is None:
+        return ACL_ERROR_INVALID_PARAM
     STATE.buffers[data_buffer] = [int(data), int(size)]
     return ACL_SUCCESS
 
@@ -344,6 +354,8 @@ def _memcpy(dst: int, dest_max: int, src: int, count: int, kind: int) -> int:
     if count > dest_max:
         return _refuse(ACL_ERROR_INVALID_PARAM, f"acl.rt.memcpy count {count} > dest_max {dest_max}")
     dst_kind, src_kind = _MEMCPY_KINDS[kind]
+    way = f"{src_kind}->{dst_kind}"
+    STATE.copies[way] = STATE.copies.get(way, 0) + 1
     if count == 0:
         return ACL_SUCCESS
     if src_kind == "device":
@@ -643,6 +655,20 @@ def _execute(model_id: int, input_dataset: int, output_dataset: int) -> int:
             ACL_ERROR_MODEL_INPUT_NOT_MATCH,
             f"acl.mdl.execute({m.spec.name}): {len(ins)} input buffers, the model has {m.num_inputs}{missing}",
         )
+    # Stricter than pyACL: no input may share memory with an output (the model reads its inputs while it
+    # writes its outputs, so an aliased pair gives results that depend on the order of its ops; a host
+    # that binds step t's output as step t+1's input must give the output another buffer).
+    spans = sorted(
+        (*STATE.buffers[b], "output" if k >= len(ins) else "input") for k, b in enumerate(ins + outs)
+    )
+    reach = {"input": 0, "output": 0}  # the furthest end seen so far of each role's buffers
+    for addr, size, role in spans:
+        if addr < reach["output" if role == "input" else "input"]:
+            return _refuse(
+                ACL_ERROR_INVALID_PARAM,
+                f"acl.mdl.execute({m.spec.name}): an input and an output share device memory at {addr:#x}",
+            )
+        reach[role] = max(reach[role], addr + size)
     if m.gears:
         addr, size = STATE.buffers[ins[-1]]
         where = _device_range(addr, 8 * m.n_dynamic, f"{DYNAMIC_INPUT} buffer")

@@ -129,3 +129,45 @@ def stack_members(stacked: str, layers: int) -> list[str]:
 def is_stacked(name: str) -> bool:
     """True for a stacked KV input name (``past_key_values.key``, ``value_cache`` ...)."""
     return name in {f"{PAST_PREFIX}{k}" for k in KV_KINDS} | {f"{k}_cache" for k in KV_KINDS}
+
+
+# Where the layers sit in a stacked tensor (vlmc/backends/ascend/stack_kv.py): the contiguous past and
+# presents layer-major, the paged pools and new rows slot-major, so that a slot's rows of every layer are
+# adjacent and a step's rows are stored with one copy for all layers.
+_STACKED_OUTPUTS = {
+    "present.key": (0, "key"),
+    "present.value": (0, "value"),
+    "new_key": (2, "key"),
+    "new_value": (2, "value"),
+}
+# A rolled present (a contiguous decode build's) is [batch, kv_heads, total_sequence, head_dim] per layer
+# with its first position dropped; its real length along that axis is the attention mask's width.
+ROLLED_AXIS = 2
+ROLLED_REAL = "total_sequence"
+
+
+def layer_axis(stacked: str) -> int:
+    """The axis that holds the layers in a stacked KV input or output."""
+    if stacked in _STACKED_OUTPUTS:
+        return _STACKED_OUTPUTS[stacked][0]
+    return 2 if stacked.endswith("_cache") else 0
+
+
+def is_stacked_output(name: str) -> bool:
+    """True for a stacked KV output name (``present.key``, ``new_value`` ...)."""
+    return name in _STACKED_OUTPUTS
+
+
+def output_members(stacked: str, layers: int) -> list[str]:
+    """The per-layer output names a stacked output holds, in layer order."""
+    kind = _STACKED_OUTPUTS[stacked][1]
+    make = present if stacked.startswith(PRESENT_PREFIX) else new_rows
+    return [make(i, kind) for i in range(layers)]
+
+
+def rolled_input(stacked: str) -> str | None:
+    """The stacked past a stacked present is the next step's value of (``present.key`` ->
+    ``past_key_values.key``); None for new rows."""
+    if not stacked.startswith(PRESENT_PREFIX):
+        return None
+    return f"{PAST_PREFIX}{stacked[len(PRESENT_PREFIX) :]}"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from vlmc import pass_api
+from vlmc import pass_api, tensor_names
 from vlmc.backends import ascend
 from vlmc.cli import main
 from vlmc.errors import VlmcError
@@ -313,14 +313,55 @@ def test_a_32_layer_decoder_runs_with_a_short_dims_vector(acl, deep, tmp_path, l
     # The KV inputs are stacked, so the count does not grow with depth (7 + 8 x 32 = 263 per layer).
     assert all(len(b["dims_vector"]) <= 24 for b in decoder), [len(b["dims_vector"]) for b in decoder]
     stacked = {
-        i["name"]: i["shape"][0] for b in decoder for i in b["inputs"] if i["shape"] and i["shape"][0] == DEEP
+        i["name"]
+        for b in decoder
+        for i in b["inputs"]
+        if tensor_names.is_stacked(i["name"]) and i["shape"][tensor_names.layer_axis(i["name"])] == DEEP
     }
     assert set(stacked) == (
         {"past_key_values.key", "past_key_values.value"}
         if layout == "contiguous"
         else {"key_cache", "value_cache"}
     )
-    _same_tokens_no_leak(state, root, ["Describe the image.", "Hi"], [["demo"], []], 4)
+    state.copies.clear()
+    executor = _same_tokens_no_leak(state, root, ["Describe the image.", "Hi"], [["demo"], []], 4)
+    # The KV stays on the device: no layer's KV is copied per step.
+    steps = sum(n for b, n in executor.runs.items() if b.startswith("decoder"))
+    if layout == "contiguous":
+        # A decode step swaps its output and input buffers; only prefill->decode goes through the host.
+        assert state.calls["acl.update_data_buffer"] >= 4 * (executor.runs["decoder_decode"] - 1)
+        assert state.copies.get("device->host", 0) <= sum(executor.runs.values()) + 2
+    else:
+        # The new rows of all layers reach the pools with one copy per sequence and stack, not per layer.
+        assert 0 < state.copies["device->device"] <= 2 * 2 * steps
+
+
+def test_a_kv_output_bound_as_an_input_without_a_swap_is_refused(acl, deep, tmp_path):
+    # The stand-in refuses an execute whose input shares memory with an output (the aliasing a swap avoids),
+    # and the device refuses a KV output read after its buffer was written again.
+    module, state = acl
+    _, root = _deep_build(deep, tmp_path, "contiguous")
+    pkg, executor = runner.open_build(root, "acl")
+    with executor:
+        Pipeline(pkg, executor=executor).generate(["Hi"], [[]], 3)
+        device = executor.device
+        session = device._sessions["decoder_decode"]
+        i = [s["name"] for s in session.build.inputs].index("past_key_values.key")
+        j = [o["name"] for o in session.build.outputs].index("present.key")
+        out = session.out_bufs[j]
+        assert module.update_data_buffer(session.in_data[i], out.ptr, out.size) == 0
+        assert module.mdl.execute(session.model_id, session.inputs, session.outputs) != 0
+        assert "share device memory" in state.violations[-1]
+        assert module.update_data_buffer(session.in_data[i], 12345, 8) != 0  # not acl.rt.malloc memory
+        stale = acl_device.DeviceOutput(session, j, out, [1], np.float16)
+        out.version += 1
+        with pytest.raises(VlmcError, match="after its buffer was reused"):
+            stale.to_host()
+        assert (
+            module.update_data_buffer(session.in_data[i], session.in_bufs[i].ptr, session.in_bufs[i].size)
+            == 0
+        )
+    assert len(state.violations) == 2 and state.finalized == 1 and not any(state.live().values())
 
 
 def test_precheck_refuses_a_dims_vector_over_acl_max_dim_cnt(deep, tmp_path, monkeypatch):

@@ -318,7 +318,8 @@ def test_prefill_graph_shares_weights_and_runs(tmp_path):
         None,
         {"inputs_embeds": x, "attention_mask": np.ones((1, 5), np.int64), "position_ids": np.arange(5)[None]},
     )
-    assert outs[0].shape == (1, 5, VOCAB) and outs[1].shape == (1, HEADS, 5, HEAD_DIM)
+    # The presents come out stacked, [layers, batch, kv_heads, total_sequence, head_dim] (stack_kv.py).
+    assert outs[0].shape == (1, 5, VOCAB) and outs[1].shape == (2, 1, HEADS, 5, HEAD_DIM)
 
 
 def test_paged_decoder_has_static_pool_and_batch_gears(tmp_path):
@@ -326,7 +327,8 @@ def test_paged_decoder_has_static_pool_and_batch_gears(tmp_path):
     decode = next(b for b in summary["builds"] if b["name"] == "decoder_decode")
     # max context 257 with 16-token blocks -> 17 blocks per sequence, 4 sequences and the reserved
     # block 0 -> a pool of 69 blocks.
-    assert "key_cache:2,69,16,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
+    # The pools stacked slot-major: [num_blocks, block_size, layers, kv_heads, head_dim] (stack_kv.py).
+    assert "key_cache:69,16,2,2,4" in decode["input_shape"] and "block_tables:-1,17" in decode["input_shape"]
     assert decode["profiles"] == 3 and decode["bindings"]["sequence"] == [1]
 
 

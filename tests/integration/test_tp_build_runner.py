@@ -145,9 +145,9 @@ def test_paged_tp_build_gives_each_rank_a_pool_of_its_kv_heads(built):
             i["name"]: i["shape"] for i in b["inputs"] if i["name"].startswith(("key_cache.", "value_cache."))
         }
 
-    # The unsharded build takes its pools stacked, [layers, num_blocks, ...] (stack_kv.py).
+    # The unsharded build takes its pools stacked slot-major, [num_blocks, block_size, layers, ...] (stack_kv.py).
     whole = next(
-        i["shape"][1:]
+        i["shape"][:2] + i["shape"][3:]
         for b in ref["builds"]
         if b["name"] == "decoder_decode"
         for i in b["inputs"]

@@ -125,6 +125,8 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
                     f"{name}: the prefill graph feeds an empty past to {empties} non-Concat consumer(s)"
                 )
             stack_kv.stack_inputs(model, name)  # after the prefill clone: the decode build's past, stacked
+            stack_kv.stack_outputs(model, name)  # its presents rolled, the next step's stacked past
+            stack_kv.stack_outputs(prefill, name)
             pfile = f"{name}_prefill.onnx"
             files[pfile] = prefill
             shared[pfile] = file
@@ -139,6 +141,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
                 )
         elif role == "decoder" and any(tensor_names.is_cache(n) for n in input_names):
             stack_kv.stack_inputs(model, name)  # the pools, stacked (one input per kind)
+            stack_kv.stack_outputs(model, name)  # and the new rows, stored with one copy for all layers
             builds.append(
                 _plan(f"{name}_prefill", name, file, "prefill", role, model, opts, _ds(ctx, "prefill"))
             )

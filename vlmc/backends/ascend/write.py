@@ -121,7 +121,10 @@ def dims_vector_order(input_shape: list[tuple[str, list[int]]]) -> list[str]:
 def _pool_shapes(b: gears.Build) -> list[list[int]]:
     """Each key pool's [num_blocks, block_size, kv_heads, head_dim] (a stacked key_cache: one layer's)."""
     per_layer = [dims for name, dims in b.input_shape if name.startswith(tensor_names.CACHE_PREFIX["key"])]
-    return per_layer + [list(dims[1:]) for name, dims in b.input_shape if name == "key_cache"]
+    axis = tensor_names.layer_axis("key_cache")
+    return per_layer + [
+        list(dims[:axis]) + list(dims[axis + 1 :]) for name, dims in b.input_shape if name == "key_cache"
+    ]
 
 
 # Public CANN documentation the host-side write below follows (docs/ascend.md, "Paged decoder builds").

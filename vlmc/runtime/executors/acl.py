@@ -10,25 +10,35 @@ Resource lifecycle (docs/ascend.md "Running on a 910B"): :class:`AclDevice` owns
 and is a context manager. ``acl.init`` / ``acl.rt.set_device`` / ``acl.rt.create_context`` open it; each
 build's model, desc, input and output device buffers, data buffers and datasets are created once at its
 first execution (buffers sized by ``acl.mdl.get_input_size_by_index`` / ``get_output_size_by_index``,
-which report the largest gear) and reused every step: a step copies in only its feeds' bytes at the
-executed gear, sets the gear (``acl.mdl.set_input_dynamic_dims`` into the ``ascend_mbatch_shape_data``
-buffer), executes and copies the outputs back at ``acl.mdl.get_cur_output_dims``. Paged pools are device
-allocations bound by address (their data buffers are made once). :meth:`AclDevice.close` releases in
-reverse order of creation on every path and always ends with ``acl.finalize`` (when this process's
-``acl.init`` succeeded): data buffers, datasets and memory of each build, then ``acl.mdl.unload`` and
+which report the largest gear) and reused every step. :meth:`AclDevice.close` releases in reverse order
+of creation on every path and always ends with ``acl.finalize`` (when this process's ``acl.init``
+succeeded): data buffers, datasets and memory of each build, then ``acl.mdl.unload`` and
 ``acl.mdl.destroy_desc``, the pools, ``destroy_context``, ``reset_device``.
 
-Paged rows are stored with ``acl.rt.memcpy`` host-to-device, one copy per run of consecutive slots
-(a pool is ``[num_blocks, block_size, kv_heads, head_dim]`` ND, slot ``s`` is row ``s`` of its
-``[slots, kv_heads, head_dim]`` view, docs/paged_kv.md); padding slots (< 0) are skipped. No torch or
-torch_npu is involved, so nothing depends on torch's device-backend autoload.
+Per step (docs/ascend.md): only the small inputs (embeddings, mask, positions, block tables, slots) are
+copied in, at the executed gear's bytes; the gear is set with ``acl.mdl.set_input_dynamic_dims`` into the
+``ascend_mbatch_shape_data`` buffer; after ``acl.mdl.execute`` only the outputs the loop reads (logits)
+are copied back, at ``acl.mdl.get_cur_output_dims``. The KV stays on the device (stack_kv.py):
+
+- contiguous: a decode build's stacked, rolled ``present.*`` output has the shape of its stacked past at
+  the same gear, so the next step binds the output buffer as its input and hands the old input buffer to
+  the output (``acl.update_data_buffer`` on both data buffers, no copy). Where the layout differs (prefill
+  to decode, a change of gear) the KV goes through the host once: one copy out, one copy in per stack.
+- paged: the pools are device allocations bound by address (their data buffers made once); a step's
+  stacked new rows ``[batch, sequence, layers, kv_heads, head_dim]`` are stored into the slot-major pool
+  ``[num_blocks, block_size, layers, kv_heads, head_dim]`` with one device-to-device ``acl.rt.memcpy``
+  per run of consecutive slots for all layers (one per stack at batch 1), just before the next execution.
+  Padding slots (< 0) are skipped. No torch or torch_npu is involved, so nothing depends on torch's
+  device-backend autoload.
 
 pyACL pages (https://www.hiascend.com/document/detail/zh/canncommercial/800/apiref/appdevgapi/): init /
 finalize aclpythondevg_01_0006; rt.malloc aclpythondevg_01_0110; rt.memcpy aclpythondevg_01_0120;
 destroy_data_buffer aclpythondevg_01_0017; mdl.get_input_size_by_index aclpythondevg_01_0199;
 mdl.set_input_dynamic_dims aclpythondevg_01_0168 (English 800 book); the C pages they wrap:
 aclmdlCreateDataset / aclmdlDestroyDataset aclcppdevg_03_1438 / 03_1439, aclDestroyDataBuffer
-aclcppdevg_03_1432, aclmdlGetCurOutputDims aclcppdevg_03_1466, aclrtMemcpy aclcppdevg_03_0105.
+aclcppdevg_03_1432, aclmdlGetCurOutputDims aclcppdevg_03_1466, aclrtMemcpy aclcppdevg_03_0105 (kind 3
+ACL_MEMCPY_DEVICE_TO_DEVICE; aclrtMemcpy2d, 03_0108, copies only host<->device, so no strided
+device-to-device copy is used), aclUpdateDataBuffer (acl.update_data_buffer, aclpythondevg_01_0018).
 
 Everything device-side is imported lazily, so this module imports anywhere; :func:`available` says
 whether ``acl`` imports.
@@ -42,13 +52,14 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmc import tensor_names
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 DYNAMIC_INPUT = "ascend_mbatch_shape_data"
 ACL_MAX_DIM_CNT = 128  # acl_mdl.h: aclmdlIODims.dims holds at most this many values
-_MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEVICE_TO_HOST = 1, 2  # aclrtMemcpyKind
+_MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEVICE_TO_HOST, _MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3  # aclrtMemcpyKind
 _MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy ACL_MEM_MALLOC_HUGE_FIRST
 ACL_ERROR_REPEAT_INITIALIZE = 100002  # acl_base.h: aclInit was already called in this process
 
@@ -66,8 +77,9 @@ def _check(ret, what: str) -> None:
 class DevicePool:
     """A paged KV pool in device memory (``acl.rt.malloc``), bound as a build input by address.
 
-    ``[num_blocks, block_size, kv_heads, head_dim]``, or stacked ``[layers, num_blocks, ...]`` for a build
-    that takes all layers in one input (stack_kv.py); a layer of a stack is written with :meth:`write_layer`.
+    ``[num_blocks, block_size, kv_heads, head_dim]``, or stacked slot-major ``[num_blocks, block_size,
+    layers, kv_heads, head_dim]`` for a build that takes all layers in one input (stack_kv.py); a layer of
+    a stack is written with :meth:`write_layer`.
     """
 
     def __init__(self, device: AclDevice, name: str, shape: tuple[int, ...], dtype) -> None:
@@ -76,51 +88,154 @@ class DevicePool:
         if self.dtype != np.float16:
             raise VlmcError(f"{name}: device pools are float16 (the builds' pool dtype), not {self.dtype}")
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.axis = tensor_names.layer_axis(name) if tensor_names.is_stacked(name) else None
+        # A slot's bytes (every layer's row, slot-major) and one layer's row.
+        self.slot_bytes = int(np.prod(self.shape[2:], dtype=np.int64)) * self.dtype.itemsize
         self.row_bytes = int(np.prod(self.shape[-2:], dtype=np.int64)) * self.dtype.itemsize
         self.ptr = device._malloc(self.nbytes, f"pool {name}")
+        self._pending: dict[int, tuple[object, np.ndarray]] = {}  # layer -> (device rows, slots)
         self.zero()
 
     def zero(self) -> None:
+        self._pending.clear()  # rows of the generation before: a zeroed pool stores none of them
         _check(
             self.device.acl.rt.memset(self.ptr, self.nbytes, 0, self.nbytes), f"acl.rt.memset({self.name})"
         )
 
     def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
         """Store a step's rows [batch, seq, kv_heads, head_dim] at ``slot_mapping`` [batch, seq]."""
-        self._write(self.ptr, self.nbytes, rows, slot_mapping)
+        self._write_host(0, rows, slot_mapping, self.row_bytes, self.row_bytes)
 
-    def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """The same, into layer ``layer`` of a stacked pool."""
-        size = self.nbytes // self.shape[0]
-        self._write(self.ptr + layer * size, size, rows, slot_mapping)
+    def write_layer(self, layer: int, rows, slot_mapping: np.ndarray) -> None:
+        """The same, into layer ``layer`` of a stacked pool. Rows the device kept (a layer of a stacked
+        output, runner.OutputLayer) are stored at the next execution, all layers with one copy per run."""
+        handle = getattr(getattr(rows, "parent", None), "handle", None)
+        if isinstance(handle, DeviceOutput):
+            self._pending[layer] = (rows.parent, np.asarray(slot_mapping))
+            self.device._dirty.add(self)
+            return
+        if self.axis == 0:
+            size = self.nbytes // self.shape[0]
+            self._write_host(layer * size, rows, slot_mapping, self.row_bytes, self.row_bytes, size)
+        else:  # slot-major: a layer's rows are one row apart in every slot, no run spans two slots
+            self._write_host(layer * self.row_bytes, rows, slot_mapping, self.slot_bytes, self.row_bytes)
 
-    def _write(self, base: int, size: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
-        acl = self.device.acl
+    def _slots(self, slot_mapping, stride: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         slots = np.asarray(slot_mapping).reshape(-1).astype(np.int64)
+        live = np.flatnonzero(slots >= 0)
+        if live.size and (int(slots[live].max()) + 1) * stride > size:
+            raise VlmcError(f"{self.name}: slot {int(slots[live].max())} is outside the pool")
+        return slots, live
+
+    def _write_host(self, base, rows, slot_mapping, stride, row, size=None) -> None:
+        acl = self.device.acl
+        slots, live = self._slots(slot_mapping, stride, self.nbytes if size is None else size)
         flat = np.ascontiguousarray(rows, dtype=self.dtype).reshape(len(slots), -1)
-        if flat.shape[1] * self.dtype.itemsize != self.row_bytes:
+        if flat.shape[1] * self.dtype.itemsize != row:
             raise VlmcError(
                 f"{self.name}: rows of shape {list(rows.shape)} do not fit the pool {list(self.shape)}"
             )
-        live = np.flatnonzero(slots >= 0)
-        if live.size and (int(slots[live].max()) + 1) * self.row_bytes > size:
-            raise VlmcError(f"{self.name}: slot {int(slots[live].max())} is outside the pool")
         src = acl.util.numpy_to_ptr(flat)
-        # Runs of consecutive slots (a sequence's tokens inside one block) are one copy each.
-        start = 0
-        while start < live.size:
-            end = start + 1
-            while (
-                end < live.size
-                and live[end] == live[end - 1] + 1
-                and slots[live[end]] == slots[live[end - 1]] + 1
-            ):
-                end += 1
-            first, offset = int(live[start]), int(slots[live[start]]) * self.row_bytes
-            ret = acl.rt.memcpy(base + offset, size - offset, src + first * self.row_bytes,
-                                (end - start) * self.row_bytes, _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
+        for first, dst, n in _runs(live, slots, stride == row):
+            offset = base + dst * stride
+            ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src + first * row, n * row,
+                                _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
             _check(ret, f"acl.rt.memcpy({self.name})")
-            start = end
+
+    def flush(self) -> None:
+        """Store the pending device rows: one device-to-device copy per run of consecutive slots for all
+        layers when every layer's rows come from one stacked output at the same slots, else per layer."""
+        pending, self._pending = self._pending, {}
+        if not pending:
+            return
+        acl = self.device.acl
+        layers = self.shape[self.axis]
+        stacks = {id(p) for p, _ in pending.values()}
+        first_stack, first_slots = pending[min(pending)]
+        whole = (
+            len(pending) == layers
+            and len(stacks) == 1
+            and self.axis == 2
+            and all(np.array_equal(s, first_slots) for _, s in pending.values())
+        )
+        groups = (
+            [(first_stack, first_slots, None)]
+            if whole
+            else [(p, s, layer) for layer, (p, s) in pending.items()]
+        )
+        for stack, slot_mapping, layer in groups:
+            handle = stack.handle
+            handle.check_fresh()
+            rows = stack.row_index().reshape(-1)
+            slots, live = self._slots(slot_mapping, self.slot_bytes, self.nbytes)
+            if len(rows) != len(slots):
+                raise VlmcError(f"{self.name}: {len(rows)} rows for {len(slots)} slots")
+            src_slot = int(np.prod(handle.shape[2:], dtype=np.int64)) * handle.dtype.itemsize
+            if src_slot != self.slot_bytes:
+                raise VlmcError(f"{self.name}: the stacked rows do not fit the pool {list(self.shape)}")
+            width, shift = (self.slot_bytes, 0) if layer is None else (self.row_bytes, layer * self.row_bytes)
+            merge = layer is None
+            for first, dst, n in _runs(live, slots, merge, order=rows):
+                offset = dst * self.slot_bytes + shift
+                src = handle.ptr + int(rows[first]) * self.slot_bytes + shift
+                ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src, (n - 1) * self.slot_bytes + width,
+                                    _MEMCPY_DEVICE_TO_DEVICE)  # fmt: skip
+                _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
+
+
+def _runs(live: np.ndarray, slots: np.ndarray, merge: bool, order: np.ndarray | None = None):
+    """(first index, first slot, length) of each run of ``live`` entries whose slots (and, given ``order``,
+    source rows) are consecutive; every entry its own run unless ``merge``."""
+    start = 0
+    while start < live.size:
+        end = start + 1
+        while (
+            merge
+            and end < live.size
+            and live[end] == live[end - 1] + 1
+            and slots[live[end]] == slots[live[end - 1]] + 1
+            and (order is None or order[live[end]] == order[live[end - 1]] + 1)
+        ):
+            end += 1
+        yield int(live[start]), int(slots[live[start]]), end - start
+        start = end
+
+
+class DeviceBuffer:
+    """One device allocation a build binds as a stacked KV input or output; ``version`` counts the
+    executions that wrote it (a :class:`DeviceOutput` of an older version is stale)."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.ptr, self.size, self.version = ptr, size, 0
+
+
+class DeviceOutput:
+    """A stacked KV output left on the device: its buffer, the gear shape it was written at, its dtype."""
+
+    def __init__(self, session: _BuildSession, index: int, buffer: DeviceBuffer, shape, dtype) -> None:
+        self.session, self.index, self.buffer = session, index, buffer
+        self.version = buffer.version
+        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.ptr
+
+    def check_fresh(self) -> None:
+        if self.buffer.version != self.version or self.session.device._closed:
+            raise VlmcError(f"{self.session.build.name}: a KV output was read after its buffer was reused")
+
+    def to_host(self) -> np.ndarray:
+        """The whole buffer at its gear, copied to the host (one ``acl.rt.memcpy``)."""
+        self.check_fresh()
+        acl = self.session.device.acl
+        out = np.empty(self.shape, self.dtype)
+        if out.nbytes:
+            ret = acl.rt.memcpy(acl.util.numpy_to_ptr(out), out.nbytes, self.ptr, out.nbytes,
+                                _MEMCPY_DEVICE_TO_HOST)  # fmt: skip
+            _check(ret, "acl.rt.memcpy(KV output to host)")
+        return out
 
 
 class _BuildSession:
@@ -154,16 +269,25 @@ class _BuildSession:
             _check(ret, f"acl.mdl.get_input_index_by_name({DYNAMIC_INPUT})")
         self.in_sizes = [acl.mdl.get_input_size_by_index(self.desc, i) for i in range(expected)]
         self.out_sizes = [acl.mdl.get_output_size_by_index(self.desc, i) for i in range(len(build.outputs))]
-        self.in_ptrs: list[int | None] = [None] * expected
-        self.out_ptrs = [
-            device._malloc(size, f"{build.name} output {i}") for i, size in enumerate(self.out_sizes)
+        self.in_bufs: list[DeviceBuffer | None] = [None] * expected
+        self.out_bufs = [
+            self._buffer(size, f"{build.name} output {i}", zero=tensor_names.is_stacked_output(o["name"]))
+            for i, (size, o) in enumerate(zip(self.out_sizes, build.outputs))
         ]
-        self.outputs = device._dataset(
-            [(p, s) for p, s in zip(self.out_ptrs, self.out_sizes)], f"{build.name} outputs"
-        )
+        self.outputs = device._dataset([(b.ptr, b.size) for b in self.out_bufs], f"{build.name} outputs")
+        self.out_data = [acl.mdl.get_dataset_buffer(self.outputs, i) for i in range(len(self.out_bufs))]
+        self.out_dtypes = [np.dtype(o["dtype"]) for o in build.outputs]
+        self.kept = [tensor_names.is_stacked_output(o["name"]) for o in build.outputs]  # left on the device
         self.inputs: int | None = None  # made at the first execution, when the pools are known
-        self.in_buffers: list[int] = []
+        self.in_data: list[int] = []
         self.bound: dict[int, int] = {}  # input index -> the pool address its data buffer holds
+        self._dims_spec = {"dimCount": 0, "name": "", "dims": []}
+
+    def _buffer(self, size: int, what: str, zero: bool = False) -> DeviceBuffer:
+        buf = DeviceBuffer(self.device._malloc(size, what), max(int(size), 1))
+        if zero:  # KV padding positions are read (masked): zeros, never stale memory
+            _check(self.device.acl.rt.memset(buf.ptr, buf.size, 0, buf.size), f"acl.rt.memset({what})")
+        return buf
 
     def _make_inputs(self, feeds: list) -> None:
         device, acl = self.device, self.device.acl
@@ -173,16 +297,39 @@ class _BuildSession:
                 pairs.append((value.ptr, value.nbytes))
                 self.bound[i] = value.ptr
             else:
-                self.in_ptrs[i] = device._malloc(self.in_sizes[i], f"{self.build.name} input {i}")
-                pairs.append((self.in_ptrs[i], self.in_sizes[i]))
+                name = self.build.inputs[i]["name"]
+                self.in_bufs[i] = self._buffer(
+                    self.in_sizes[i], f"{self.build.name} input {i}", zero=tensor_names.is_stacked(name)
+                )
+                pairs.append((self.in_bufs[i].ptr, self.in_bufs[i].size))
         if self.dims_index is not None:
             i = self.dims_index
-            self.in_ptrs[i] = device._malloc(self.in_sizes[i], f"{self.build.name} {DYNAMIC_INPUT}")
-            pairs.append((self.in_ptrs[i], self.in_sizes[i]))
+            self.in_bufs[i] = self._buffer(self.in_sizes[i], f"{self.build.name} {DYNAMIC_INPUT}")
+            pairs.append((self.in_bufs[i].ptr, self.in_bufs[i].size))
         self.inputs = device._dataset(pairs, f"{self.build.name} inputs")
-        self.in_buffers = [acl.mdl.get_dataset_buffer(self.inputs, i) for i in range(len(pairs))]
+        self.in_data = [acl.mdl.get_dataset_buffer(self.inputs, i) for i in range(len(pairs))]
 
-    def execute(self, feeds: dict[str, object], dims: list[int] | None) -> dict[str, np.ndarray]:
+    def _bind(self, i: int, value: DeviceOutput) -> None:
+        """Make the KV output ``value`` input ``i``: its buffer becomes the input's and the input's old
+        buffer the producer's output (two ``acl.update_data_buffer``, no copy); where either is too small
+        for the other role, one device-to-device copy into the input's own buffer instead."""
+        acl, mine = self.device.acl, self.in_bufs[i]
+        value.check_fresh()
+        if value.buffer is mine:
+            return  # already this input's (the same output fed twice)
+        producer, j = value.session, value.index
+        if value.buffer.size >= self.in_sizes[i] and mine.size >= producer.out_sizes[j]:
+            _check(acl.update_data_buffer(self.in_data[i], value.buffer.ptr, value.buffer.size),
+                   "acl.update_data_buffer")  # fmt: skip
+            _check(
+                acl.update_data_buffer(producer.out_data[j], mine.ptr, mine.size), "acl.update_data_buffer"
+            )
+            self.in_bufs[i], producer.out_bufs[j] = value.buffer, mine
+            return
+        ret = acl.rt.memcpy(mine.ptr, mine.size, value.ptr, value.nbytes, _MEMCPY_DEVICE_TO_DEVICE)
+        _check(ret, "acl.rt.memcpy(KV, device to device)")
+
+    def execute(self, feeds: dict[str, object], dims: list[int] | None) -> dict[str, object]:
         acl, build = self.device.acl, self.build
         values = list(feeds.values())
         if self.inputs is None:
@@ -191,10 +338,13 @@ class _BuildSession:
             if isinstance(value, DevicePool):
                 if self.bound.get(i) != value.ptr:  # a pool re-allocated since: rebind its data buffer
                     _check(
-                        acl.update_data_buffer(self.in_buffers[i], value.ptr, value.nbytes),
+                        acl.update_data_buffer(self.in_data[i], value.ptr, value.nbytes),
                         "acl.update_data_buffer",
                     )
                     self.bound[i] = value.ptr
+                continue
+            if isinstance(value, DeviceOutput):
+                self._bind(i, value)
                 continue
             host = np.ascontiguousarray(value)
             if host.dtype != np.dtype(spec["dtype"]):
@@ -206,7 +356,7 @@ class _BuildSession:
                     f"{build.name}: input {spec['name']} needs {host.nbytes} bytes, the .om holds {self.in_sizes[i]}"
                 )
             if host.nbytes:
-                ret = acl.rt.memcpy(self.in_ptrs[i], self.in_sizes[i], acl.util.numpy_to_ptr(host), host.nbytes,
+                ret = acl.rt.memcpy(self.in_bufs[i].ptr, self.in_sizes[i], acl.util.numpy_to_ptr(host), host.nbytes,
                                     _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
                 _check(ret, f"acl.rt.memcpy({spec['name']})")
         if dims is not None:
@@ -214,7 +364,8 @@ class _BuildSession:
                 raise VlmcError(
                     f"{build.name}: the dims vector has {len(dims)} values, ACL_MAX_DIM_CNT is {ACL_MAX_DIM_CNT}"
                 )
-            spec = {"dimCount": len(dims), "name": "", "dims": [int(d) for d in dims]}
+            spec = self._dims_spec  # one dict reused: pyACL reads it during the call
+            spec["dimCount"], spec["dims"] = len(dims), dims
             _check(acl.mdl.set_input_dynamic_dims(self.model_id, self.inputs, self.dims_index, spec),
                    "acl.mdl.set_input_dynamic_dims")  # fmt: skip
         _check(acl.mdl.execute(self.model_id, self.inputs, self.outputs), f"acl.mdl.execute({build.name})")
@@ -222,11 +373,20 @@ class _BuildSession:
         for i, spec in enumerate(build.outputs):
             cur, ret = acl.mdl.get_cur_output_dims(self.desc, i)
             _check(ret, "acl.mdl.get_cur_output_dims")
-            out = np.empty([int(d) for d in cur["dims"][: cur["dimCount"]]], np.dtype(spec["dtype"]))
+            shape = cur["dims"][: cur["dimCount"]]
+            buf = self.out_bufs[i]
+            if self.kept[i]:  # the KV: left where it is, for the next step to bind
+                buf.version += 1
+                out = DeviceOutput(self, i, buf, shape, self.out_dtypes[i])
+                if out.nbytes > buf.size:
+                    raise VlmcError(f"{build.name}: output {spec['name']} is larger than its buffer")
+                result[spec["name"]] = out
+                continue
+            out = np.empty(shape, self.out_dtypes[i])
             if out.nbytes > self.out_sizes[i]:
                 raise VlmcError(f"{build.name}: output {spec['name']} is larger than its buffer")
             if out.nbytes:
-                ret = acl.rt.memcpy(acl.util.numpy_to_ptr(out), out.nbytes, self.out_ptrs[i], out.nbytes,
+                ret = acl.rt.memcpy(acl.util.numpy_to_ptr(out), out.nbytes, buf.ptr, out.nbytes,
                                     _MEMCPY_DEVICE_TO_HOST)  # fmt: skip
                 _check(ret, f"acl.rt.memcpy({spec['name']})")
             result[spec["name"]] = out
@@ -250,6 +410,7 @@ class AclDevice:
         self._release: list[tuple[str, object]] = []  # (what, release call), in order of creation
         self._sessions: dict[str, _BuildSession] = {}
         self.pools: dict[str, DevicePool] = {}
+        self._dirty: set[DevicePool] = set()  # pools with rows waiting to be stored (DevicePool.flush)
         self._closed = False
         self._owns_init = False
         try:
@@ -306,8 +467,22 @@ class AclDevice:
         if build.name not in self._sessions:
             self._sessions[build.name] = _BuildSession(self, build, Path(root))
 
-    def execute(self, build, feeds: dict[str, object], dims: list[int] | None) -> dict[str, np.ndarray]:
+    def execute(self, build, feeds: dict[str, object], dims: list[int] | None) -> dict[str, object]:
+        """Run a build; its stacked KV outputs stay on the device (:class:`DeviceOutput`), the rest are
+        copied back. The rows pools wait for are stored first (their source is the last step's output)."""
+        while self._dirty:
+            self._dirty.pop().flush()
         return self._sessions[build.name].execute(feeds, dims)
+
+    def binds(self, value, shape: tuple[int, ...]) -> bool:
+        """Whether a KV output can be bound as an input of this ``shape`` as it is (its buffer holds that
+        layout): the caller otherwise brings it to the host and pads it."""
+        return (
+            isinstance(value, DeviceOutput)
+            and value.session.device is self
+            and value.buffer.version == value.version
+            and value.shape == tuple(shape)
+        )
 
     # ---- paged pools -----------------------------------------------------------------------
     def new_pool(self, name: str, shape: tuple[int, ...], dtype) -> DevicePool:

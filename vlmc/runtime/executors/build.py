@@ -127,10 +127,12 @@ class PoolLayer:
 
     def __init__(self, parent, layer: int) -> None:
         self.parent, self.layer = parent, int(layer)
+        self.axis = tensor_names.layer_axis(parent.name)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return tuple(self.parent.shape[1:])
+        shape = tuple(self.parent.shape)
+        return shape[: self.axis] + shape[self.axis + 1 :]
 
     @property
     def dtype(self) -> np.dtype:
@@ -138,6 +140,45 @@ class PoolLayer:
 
     def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
         self.parent.write_layer(self.layer, rows, slot_mapping)
+
+
+class DeviceStack:
+    """A stacked KV output the device kept (``acl_device.DeviceOutput``, its buffer at the executed gear)
+    and the real part of it: ``shape`` is the real stacked shape, the padding being where the runner puts
+    it (sequence axes on the left, rows at the end). Fed back as a stacked input, it is bound on the device
+    when its buffer already has the input's layout at the chosen gear, else brought to the host once."""
+
+    def __init__(self, handle, shape: tuple[int, ...], dims: list, axis: int) -> None:
+        self.handle, self.shape, self.dims, self.axis = handle, tuple(shape), list(dims), axis
+        self.dtype = handle.dtype
+        self._rows = None
+
+    def to_host(self) -> np.ndarray:
+        """The real part, on the host (one device-to-host copy of the buffer)."""
+        return _take_real(self.handle.to_host(), self.dims, self.shape)
+
+    def row_index(self) -> np.ndarray:
+        """For stacked rows [batch, sequence, layers, ...]: the buffer row (of its first two axes
+        flattened) of each real (batch, sequence) position, [batch, sequence] int64."""
+        if self._rows is None:
+            gs, (b, n) = self.handle.shape[1], self.shape[:2]
+            start = gs - n if self.dims[1] in LEFT_PADDED else 0
+            self._rows = np.arange(b, dtype=np.int64)[:, None] * gs + start + np.arange(n, dtype=np.int64)
+        return self._rows
+
+
+class OutputLayer:
+    """Layer ``layer`` of a :class:`DeviceStack`: what the loop holds as ``present.{i}.*`` / ``new_*.{i}``."""
+
+    def __init__(self, parent: DeviceStack, layer: int) -> None:
+        self.parent, self.layer = parent, layer
+        shape = parent.shape
+        self.shape = shape[: parent.axis] + shape[parent.axis + 1 :]
+        self.dtype = parent.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.take(self.parent.to_host(), self.layer, axis=self.parent.axis)
+        return arr if dtype is None else arr.astype(dtype)
 
 
 class BuildExecutor:
@@ -169,7 +210,7 @@ class BuildExecutor:
         # Stacked KV inputs (stack_kv.py) of each graph: stacked name -> layers.
         self._stacked: dict[str, dict[str, int]] = {
             graph: {
-                i["name"]: int(i["shape"][0])
+                i["name"]: int(i["shape"][tensor_names.layer_axis(i["name"])])
                 for b in builds
                 for i in b.inputs
                 if tensor_names.is_stacked(i["name"])
@@ -177,6 +218,7 @@ class BuildExecutor:
             for graph, builds in self.builds.items()
         }
         self._stack_pools: dict[str, object] = {}
+        self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl_device)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self._device_pool = getattr(device, "new_pool", None)
         self.new_pool = self._new_pool if self._device_pool is not None else None
@@ -201,7 +243,9 @@ class BuildExecutor:
             return self._device_pool(name, shape, dtype)
         stacked, layer = key
         if layer == 0 or stacked not in self._stack_pools:  # layer 0 opens a new generation's pools
-            self._stack_pools[stacked] = self._device_pool(stacked, (layers, *shape), dtype)
+            axis = tensor_names.layer_axis(stacked)
+            full = (*shape[:axis], layers, *shape[axis:])
+            self._stack_pools[stacked] = self._device_pool(stacked, full, dtype)
         return PoolLayer(self._stack_pools[stacked], layer)
 
     def _stack(self, graph: str, feeds: dict[str, object]) -> dict[str, object]:
@@ -219,9 +263,9 @@ class BuildExecutor:
             if parent is not None and all(
                 getattr(v, "parent", None) is parent and v.layer == i for i, v in enumerate(values)
             ):
-                out[name] = parent  # the device's own stack, bound as it is
-            elif all(isinstance(v, np.ndarray) for v in values):
-                out[name] = np.stack(values)
+                out[name] = parent  # the device's own stack (a pool, or the last step's output), as it is
+            elif all(isinstance(v, np.ndarray | OutputLayer) for v in values):
+                out[name] = np.stack([np.asarray(v) for v in values], axis=tensor_names.layer_axis(name))
             else:
                 raise VlmcError(
                     f"graph {graph}: the {name} inputs are not one stacked pool's layers in order"
@@ -243,14 +287,42 @@ class BuildExecutor:
                 "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
             )
         _, gear, values, actual, build = best
-        padded = {i["name"]: self._pad(i, feeds[i["name"]], values, actual) for i in build.inputs}
+        padded = {}
+        for spec in build.inputs:
+            value = feeds[spec["name"]]
+            if isinstance(value, DeviceStack):
+                # The last step's KV, still on the device: bound as it is where its buffer has this gear's
+                # layout (a decode step after a decode step), else brought to the host and padded once.
+                target = tuple(d if isinstance(d, int) else values[d] for d in spec["dims"])
+                value = value.handle if self._binds(value.handle, target) else value.to_host()
+            padded[spec["name"]] = self._pad(spec, value, values, actual)
         if build.name not in self._loaded:
             self.device.load(build, self.root)
             self._loaded.add(build.name)
         dims = dims_vector(build.input_shape, gear) if gear is not None else None
         outs = self.device.execute(build, padded, dims)
         self.runs[build.name] = self.runs.get(build.name, 0) + 1
-        return {o["name"]: _strip(outs[o["name"]], o["dims"], values, actual) for o in build.outputs}
+        result = {}
+        for o in build.outputs:
+            value = outs[o["name"]]
+            if not tensor_names.is_stacked_output(o["name"]):
+                result[o["name"]] = _strip(value, o["dims"], values, actual)
+                continue
+            # A stacked KV output (stack_kv.py): handed to the loop as its per-layer outputs.
+            axis = tensor_names.layer_axis(o["name"])
+            real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in o["dims"]]
+            if tensor_names.rolled_input(o["name"]) in padded:
+                real[tensor_names.ROLLED_AXIS + 1] = actual[tensor_names.ROLLED_REAL]
+            members = tensor_names.output_members(o["name"], int(o["dims"][axis]))
+            if isinstance(value, np.ndarray):
+                real_part = _take_real(value, o["dims"], real)
+                for i, m in enumerate(members):
+                    result[m] = np.ascontiguousarray(np.take(real_part, i, axis=axis))
+            else:
+                stack = DeviceStack(value, real, o["dims"], axis)
+                for i, m in enumerate(members):
+                    result[m] = OutputLayer(stack, i)
+        return result
 
     def close(self) -> None:
         """Release the device session (on an NPU: every buffer, dataset and model, then acl.finalize)."""
@@ -297,8 +369,17 @@ class BuildExecutor:
                         return f"{spec['name']}[{axis}] is {n}, the build's is {d}"
                 elif actual.setdefault(d, int(n)) != n:
                     return f"{d} is {actual[d]} in one input and {n} in {spec['name']}"
+        # A rolled present (stack_kv.py) drops its first position, which must be padding: its past gear
+        # has to exceed the real past, i.e. hold the present's real length.
+        rolled = [
+            (o["dims"][tensor_names.ROLLED_AXIS + 1], actual.get(tensor_names.ROLLED_REAL))
+            for o in build.outputs
+            if tensor_names.is_stacked_output(o["name"]) and tensor_names.rolled_input(o["name"]) in declared
+        ]
         best = None
         for gear, values in build.points():
+            if any(real is not None and values.get(sym, 0) < real for sym, real in rolled):
+                continue
             cost = 0
             for sym, n in actual.items():
                 target = values.get(sym)
@@ -348,6 +429,15 @@ def _strip(arr: np.ndarray, dims: list, values: dict[str, int], actual: dict[str
         index[axis] = slice(extra, None) if d in LEFT_PADDED else slice(0, actual[d])
         arr = arr[tuple(index)]
     return np.ascontiguousarray(arr)
+
+
+def _take_real(arr: np.ndarray, dims: list, real) -> np.ndarray:
+    """The real part of a padded output: the last ``real`` positions of a sequence axis, the first of others."""
+    index = []
+    for axis, (d, n) in enumerate(zip(dims, real)):
+        full = arr.shape[axis]
+        index.append(slice(full - n, None) if d in LEFT_PADDED else slice(0, n))
+    return arr[tuple(index)]
 
 
 def _shape(value) -> tuple[int, ...]:

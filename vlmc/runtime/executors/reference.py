@@ -28,7 +28,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs, interop, ortsession, paths
+from vlmc import ascend_limits, graphs, interop, ortsession, paths, tensor_names
 from vlmc.errors import VlmcError
 from vlmc.runtime.paged import write_rows
 
@@ -458,8 +458,21 @@ class HostPool:
         write_rows(self.array, rows, slot_mapping)
 
     def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Write into layer ``layer`` of a stacked pool [layers, num_blocks, block_size, kv_heads, head_dim]."""
-        write_rows(self.array[layer], rows, slot_mapping)  # a contiguous view: written in place
+        """Write into layer ``layer`` of a stacked pool (its layers on axis tensor_names.layer_axis: slot-major
+        [num_blocks, block_size, layers, kv_heads, head_dim] for the paged builds' pools)."""
+        axis = tensor_names.layer_axis(self.name)
+        if axis == 0:
+            write_rows(self.array[layer], rows, slot_mapping)  # a contiguous view: written in place
+            return
+        slots = np.asarray(slot_mapping).reshape(-1)
+        flat = self.array.reshape(-1, *self.array.shape[axis:])  # [slots, layers, kv_heads, head_dim], a view
+        rows = np.asarray(rows).reshape(len(slots), *flat.shape[2:])
+        live = slots >= 0
+        if live.any() and int(slots[live].max()) >= flat.shape[0]:
+            raise VlmcError(
+                f"paged KV: slot {int(slots[live].max())} is outside the pool of {flat.shape[0]} slots"
+            )
+        flat[slots[live], layer] = rows[live]
 
 
 class ReferenceDevice:
