@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import onnx
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,3 +62,48 @@ def test_a_cell_runs_as_the_matrix_recorded(builtin, recipe, exported, tmp_path)
         assert _unplaced(got[e].get("reason")) == _unplaced(want[e].get("reason"))
         if got[e]["status"] == "ok":
             assert got[e]["tokens"] == want[e]["tokens"]
+
+
+def _agreement(agree: int, cosine: float = 1.0, top1: float = 1.0, top5: float = 1.0) -> dict:
+    return {
+        "tokens_agree": agree,
+        "tokens": 6,
+        "prefill_logits_cosine": cosine,
+        "prefill_top1": top1,
+        "prefill_top5": top5,
+    }
+
+
+def test_the_judge_is_token_exact_unless_lossy_and_then_holds_the_fidelity_rule():
+    # not lossy: every token
+    assert matrix.judge(_agreement(6), None) is None
+    assert "5 of 6 tokens agree" in matrix.judge(_agreement(5), None)
+    # lossy: every token in exact arithmetic, and the fidelity bounds with fp16
+    assert matrix.judge(_agreement(4, cosine=0.9999, top5=0.8), _agreement(6)) is None
+    assert "exact arithmetic 5 of 6" in matrix.judge(_agreement(6), _agreement(5))
+    assert "first token agreement 0 < 1" in matrix.judge(_agreement(0, top1=0.0), _agreement(6))
+    assert "cosine 0.98 < 0.99" in matrix.judge(_agreement(4, cosine=0.98), _agreement(6))
+    assert "top-5 overlap 0.4 < 0.6" in matrix.judge(_agreement(4, top5=0.4), _agreement(6))
+    assert matrix.judge(_agreement(4, cosine=float("nan")), _agreement(6)) is not None
+
+
+def test_a_lossy_build_with_a_wrong_activation_scale_fails_both_legs(exported, tmp_path):
+    """The rule can fail: the INT8 vision build with AscendQuant's scale s where the deploy form has 1/s
+    (docs/atc-facts.md, "Quantized models") runs, and the matrix calls it FAIL in exact arithmetic and
+    with fp16 alike, where the build as compiled is ok."""
+    work = tmp_path / "cell"
+    cell = matrix.run_cell(exported("tiny-llava"), "int8-vision", work)["reference"]
+    assert cell["status"] == "ok" and cell["lossy"] == ["vision_encoder"], cell
+    assert not matrix.shortfalls(cell["fidelity"]) and cell["fidelity"]["exact_agree"] == "6/6"
+    graph = work / "build" / "graphs" / "vision_encoder.onnx"
+    model = onnx.load(graph, load_external_data=False)  # the weights stay in the .data file beside it
+    quants = [n for n in model.graph.node if n.op_type == "AscendQuant"]
+    assert quants
+    for node in quants:
+        scale = next(a for a in node.attribute if a.name == "scale")
+        scale.f = 1.0 / scale.f
+    onnx.save(model, graph)
+    broken = matrix.reference_cell(work / "package", work / "build")
+    assert broken["status"] == "FAIL", broken
+    assert "in exact arithmetic" in broken["reason"]
+    assert matrix.shortfalls(broken["fidelity"]), broken["fidelity"]

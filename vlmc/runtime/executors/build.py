@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from vlmc import compile_schema, interop, limits, parsing, paths, tensor_names
+from vlmc import compile_schema, interop, limits, metrics, parsing, paths, tensor_names
 from vlmc import manifest as manifest_io
 from vlmc.errors import VlmcError
 from vlmc.outdir import BUILD_MARKER
@@ -458,7 +458,8 @@ def agreement(reference, got) -> dict:
     """How far a build's generation is from the package's on onnxruntime (two GenerationResults).
 
     Tokens are compared position by position up to the first divergence (after it the two runs decode
-    different contexts); logits are compared where both decoded the same context.
+    different contexts); logits are compared where both decoded the same context, and the first token's
+    logits also by cosine, top-1 and top-5 agreement (vlmc.metrics.logits_agreement).
     """
     agree, total, first = 0, 0, None
     for r, g in zip(reference.tokens, got.tokens):
@@ -474,12 +475,17 @@ def agreement(reference, got) -> dict:
     diff = max(
         float(np.abs(a - b).max()) for a, b in zip(reference.step_logits[:steps], got.step_logits[:steps])
     )
+    prefill = metrics.logits_agreement(reference.prefill_logits, got.prefill_logits)
     return {
         "tokens_agree": agree,
         "tokens": total,
         "first_divergence": first,
         "max_logit_diff": diff,
         "prefill_logit_diff": float(np.abs(reference.prefill_logits - got.prefill_logits).max()),
+        # the first token's logits (what fp16/int8 arithmetic moves even where the tokens agree)
+        "prefill_logits_cosine": prefill["cosine"],
+        "prefill_top1": prefill["top1"],
+        "prefill_top5": prefill["top5"],
     }
 
 
