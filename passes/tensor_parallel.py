@@ -596,7 +596,8 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
         mlp_idx = np.arange(rank * w, (rank + 1) * w)
         for c in cut.columns:
             idx = {"q": q_idx, "kv": kv_idx, "mlp": mlp_idx}[c.role]
-            if c.role == "mlp":  # a fused projection's parts, each sliced alike
+            if c.role == "mlp" and c.proj.width > inner:  # a fused projection's parts, each sliced alike
+                _set_chunks(graph, c.proj, c.proj.width, lay.size)
                 idx = np.concatenate([part * inner + idx for part in range(c.proj.width // inner)])
             targets = [(c.proj.weight, c.proj.out_axis)] + (
                 [(c.proj.bias, 0)] if c.proj.bias is not None else []
@@ -616,6 +617,35 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
             folded = _set_head_counts(graph, cut, lay, visited)
             if lay.kv_mode == "replicated":
                 _set_repeat(graph, cut, lay, dec, folded)
+
+
+def _set_chunks(graph: ir.Graph, proj: _Proj, width: int, size: int) -> None:
+    """The chunks of a fused projection's output, made the rank's: a Slice's or Split's constant bounds
+    (what fold_constants leaves of ``torch.chunk``) divided by ``size``. Bounds computed from the output's
+    shape shrink with the sharded weight by themselves."""
+    out = proj.bias_add.outputs[0] if proj.bias_add is not None else proj.node.outputs[0]
+    for user, i in out.uses():
+        if i != 0 or user.op_type not in ("Slice", "Split"):
+            continue
+        last = {-1, len(out.shape) - 1} if out.shape is not None else {-1, 2}
+        if user.op_type == "Slice":
+            axes = _int_const(user.inputs[3]) if len(user.inputs) > 3 else None
+            along = axes is not None and set(axes.reshape(-1).tolist()) <= last
+        else:
+            along = int(user.attributes["axis"].value if "axis" in user.attributes else 0) in last
+        if not along:
+            continue  # not a chunk of the features
+        slots = (1, 2) if user.op_type == "Slice" else (1,)
+        for slot in slots:
+            c = _int_const(user.inputs[slot]) if slot < len(user.inputs) else None
+            if c is None:
+                continue
+            # Ends past the width (INT64_MAX, "to the end") stay; the bounds are multiples of size.
+            new = np.where(np.abs(c) <= width, c // size, c).astype(c.dtype)
+            value = ir.Value(name=f"{user.name}/tp_chunk_{slot}", const_value=ir.Tensor(new))
+            value.shape, value.dtype = ir.Shape(new.shape), ir.DataType.from_numpy(new.dtype)
+            graph.register_initializer(value)
+            user.replace_input_with(slot, value)
 
 
 def _zeroed(value: ir.Value) -> None:
