@@ -23,8 +23,11 @@ segments also return their layer's ``present.{i}.key/value``; the last segment r
 Embedding, vision and the final norm + lm_head are replicated (every rank holds and runs them whole): a
 vocab-parallel head would need an all-gather of the logits per step for a few hundred MB per card.
 
-Layers are found structurally (the residual Adds whose other operand is a MatMul with a constant weight),
-never by node names; the heads count comes from the query projection's width and ``kv.head_dim``.
+Layers are found structurally, never by node names or order (``_find_cuts``): the residual Adds whose
+other operand is a projection's output (through its bias, a post-norm, casts, reshapes); Adds of
+what does not read the stream (learned positions, Qwen3-VL's deepstack rows) stay in the replicated
+stream. The heads count comes from the query projection's width and ``kv.head_dim``. The scheme is
+Megatron-LM's (Shoeybi et al., arXiv:1909.08053, section 3).
 """
 
 from __future__ import annotations
