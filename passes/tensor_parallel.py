@@ -602,20 +602,17 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
             if c.role == "mlp" and c.proj.width > inner:  # a fused projection's parts, each sliced alike
                 _set_chunks(graph, c.proj, c.proj.width, lay.size)
                 idx = np.concatenate([part * inner + idx for part in range(c.proj.width // inner)])
-            targets = [(c.proj.weight, c.proj.out_axis)] + (
-                [(c.proj.bias, 0)] if c.proj.bias is not None else []
-            )
-            for v, axis in targets:
-                if v in seen or len(v.uses()) != 1:
-                    raise VlmcError(
-                        f"tensor_parallel: graph {dec!r}: weight {v.name!r} is shared; cannot shard it"
-                    )
-                seen.add(v)
-                _sliced(v, axis, idx)
-        _sliced(cut.row.weight, 1 - cut.row.out_axis, q_idx if cut.kind == "attention" else mlp_idx)
-        if cut.row.bias is not None and cut.row.bias_add is None and rank > 0:
+            targets = [(c.proj.node, c.proj.weight, c.proj.out_axis)]
+            if c.proj.bias is not None:
+                targets.append((c.proj.bias_add or c.proj.node, c.proj.bias, 0))
+            for node, v, axis in targets:
+                _sliced(_own(graph, node, v, seen), axis, idx)
+        row = cut.row
+        weight = _own(graph, row.node, row.weight, seen)
+        _sliced(weight, 1 - row.out_axis, q_idx if cut.kind == "attention" else mlp_idx)
+        if row.bias is not None and row.bias_add is None and rank > 0:
             # A Gemm's bias is inside the partial sum: rank 0 alone adds it, so the sum holds it once.
-            _zeroed(cut.row.bias)
+            _zeroed(_own(graph, row.node, row.bias, seen))
         if cut.kind == "attention":
             folded = _set_head_counts(graph, cut, lay, visited)
             if lay.kv_mode == "replicated":
@@ -649,6 +646,23 @@ def _set_chunks(graph: ir.Graph, proj: _Proj, width: int, size: int) -> None:
             value.shape, value.dtype = ir.Shape(new.shape), ir.DataType.from_numpy(new.dtype)
             graph.register_initializer(value)
             user.replace_input_with(slot, value)
+
+
+def _own(graph: ir.Graph, node: ir.Node, value: ir.Value, seen: set[ir.Value]) -> ir.Value:
+    """``value`` as ``node``'s own constant, to be sliced for this rank. simplify gives equal constants one
+    initializer (OPT's zero-initialized biases, a tied weight); a shared one is copied for ``node`` (the
+    copy reads the same memory-mapped source), so slicing it leaves the other users whole."""
+    if value not in seen and len(value.uses()) == 1:
+        seen.add(value)
+        return value
+    own = ir.Value(name=f"{value.name}/tp_{len(seen)}", const_value=value.const_value)
+    own.shape, own.dtype = value.shape, value.dtype
+    graph.register_initializer(own)
+    for i, inp in enumerate(node.inputs):
+        if inp is value:
+            node.replace_input_with(i, own)
+    seen.add(own)
+    return own
 
 
 def _zeroed(value: ir.Value) -> None:
