@@ -23,8 +23,11 @@ segments also return their layer's ``present.{i}.key/value``; the last segment r
 Embedding, vision and the final norm + lm_head are replicated (every rank holds and runs them whole): a
 vocab-parallel head would need an all-gather of the logits per step for a few hundred MB per card.
 
-Layers are found structurally (the residual Adds whose other operand is a MatMul with a constant weight),
-never by node names; the heads count comes from the query projection's width and ``kv.head_dim``.
+Layers are found structurally, never by node names or order (``_find_cuts``): the residual Adds whose
+other operand is a projection's output (through its bias, a post-norm, casts, reshapes); Adds of
+what does not read the stream (learned positions, Qwen3-VL's deepstack rows) stay in the replicated
+stream. The heads count comes from the query projection's width and ``kv.head_dim``. The scheme is
+Megatron-LM's (Shoeybi et al., arXiv:1909.08053, section 3).
 """
 
 from __future__ import annotations
@@ -55,10 +58,28 @@ def segment_name(decoder: str, rank: int, k: int) -> str:
 
 
 @dataclass
-class _Column:
+class _Proj:
+    """A projection ``x @ W (+ b)``: a MatMul or Gemm with a constant 2-D weight, and its constant bias."""
+
     node: ir.Node
+    weight: ir.Value
+    out_axis: int  # the weight's output-feature axis (1 for MatMul, 0 for a Gemm with transB)
+    bias: ir.Value | None = None  # the 1-D constant added to the output
+    bias_add: ir.Node | None = None  # the Add holding it (None when it is the Gemm's C)
+
+    @property
+    def width(self) -> int:
+        return int(self.weight.shape[self.out_axis])
+
+    @property
+    def fan_in(self) -> int:
+        return int(self.weight.shape[1 - self.out_axis])
+
+
+@dataclass
+class _Column:
+    proj: _Proj
     role: str  # "q", "kv" (k or v: reaches a present output) or "mlp"
-    bias: ir.Node | None = None
 
 
 @dataclass
@@ -70,8 +91,8 @@ class _Cut:
     layer: int
     add: ir.Node
     residual: ir.Value
-    row: ir.Node  # the row-parallel MatMul; its output is the partial sum
-    row_bias: ir.Node | None
+    row: _Proj  # the row-parallel projection
+    partial: ir.Value  # its output as the all-reduce takes it (this rank's share of the sum)
     columns: list[_Column] = field(default_factory=list)
     presents: list[str] = field(default_factory=list)
 
@@ -154,7 +175,7 @@ class TensorParallel(Pass):
                 f"tensor_parallel: graph {dec!r} is already quantized ({info.get('precision')}); run "
                 "tensor_parallel before quantize, so each rank's weights get their own scales and groups"
             )
-        model = package.model(dec)
+        model = package.model(dec).clone()  # finding the layers may rewrite an OPT-style flattened Add
         cuts = _find_cuts(model.graph, dec, int(m["kv"]["layers"]))
         layout = _layout(cuts, m, n, dec)
         return dec, layout
@@ -240,18 +261,98 @@ def _const_weight(v: ir.Value | None, ndim: int) -> bool:
     return v is not None and v.const_value is not None and v.is_initializer() and len(v.shape or ()) == ndim
 
 
-def _projection(v: ir.Value) -> tuple[ir.Node, ir.Node | None] | None:
-    """The MatMul (x, W constant 2-D) producing ``v``, directly or through a bias Add; else None."""
-    node = v.producer()
-    bias = None
-    if node is not None and node.op_type == "Add":
-        consts = [i for i in node.inputs if _const_weight(i, 1)]
-        if len(consts) == 1:
-            other = next(i for i in node.inputs if i is not consts[0])
-            bias, node = node, other.producer()
-    if node is not None and node.op_type == "MatMul" and _const_weight(node.inputs[1], 2):
-        return node, bias
+def _as_projection(node: ir.Node | None) -> _Proj | None:
+    """``node`` as a projection: a MatMul by a constant 2-D weight (with the bias Add after it, if any) or
+    a Gemm (its C is the bias); else None."""
+    if node is None:
+        return None
+    if node.op_type == "MatMul" and _const_weight(node.inputs[1], 2):
+        proj = _Proj(node, node.inputs[1], 1)
+        users = node.outputs[0].uses()
+        if len(users) == 1 and users[0][0].op_type == "Add":
+            add = users[0][0]
+            consts = [i for i in add.inputs if _const_weight(i, 1)]
+            if len(consts) == 1 and int(consts[0].shape[0]) == proj.width:
+                proj.bias, proj.bias_add = consts[0], add
+        return proj
+    if node.op_type == "Gemm" and _const_weight(node.inputs[1], 2):
+        attrs = {name: a.value for name, a in node.attributes.items()}
+        if attrs.get("transA", 0):
+            return None
+        proj = _Proj(node, node.inputs[1], 0 if attrs.get("transB", 0) else 1)
+        c = node.inputs[2] if len(node.inputs) > 2 else None
+        if c is not None:
+            if not _const_weight(c, 1) or int(c.shape[0]) != proj.width:
+                return None
+            proj.bias = c
+        return proj
     return None
+
+
+# What may sit between a row-parallel projection and its residual Add: its bias, a post-norm (Gemma3's
+# post_attention_layernorm, GLM-4's post_self_attn_layernorm: RMSNorm or LayerNorm, as primitive ops or
+# one normalization op), casts and reshapes. Each of these ops sees the whole hidden state, so the
+# all-reduce comes before them.
+_TO_RESIDUAL = frozenset(
+    {
+        "Add",
+        "Cast",
+        "Constant",
+        "Div",
+        "Identity",
+        "LayerNormalization",
+        "Mul",
+        "Pow",
+        "Reciprocal",
+        "ReduceMean",
+        "Reshape",
+        "RMSNormalization",
+        "SimplifiedLayerNormalization",
+        "Sqrt",
+        "Sub",
+    }
+)
+
+
+def _row_projection(v: ir.Value) -> _Proj | None:
+    """The one projection whose output reaches ``v`` through only :data:`_TO_RESIDUAL` ops, else None."""
+    found: set[ir.Node] = set()
+    seen: set[ir.Node] = set()
+    todo = [v]
+    while todo:
+        x = todo.pop()
+        node = x.producer()
+        if node is None:
+            if x.const_value is None:
+                return None  # a graph input: not a projection's output
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        proj = _as_projection(node)
+        if proj is not None:
+            found.add(node)
+            continue
+        if node.op_type not in _TO_RESIDUAL:
+            return None
+        # A Reshape's target shape is not data; the other ops' constant operands are weights.
+        data = node.inputs[:1] if node.op_type == "Reshape" else node.inputs
+        todo += [i for i in data if i is not None and i.const_value is None]
+    if len(found) != 1:
+        return None
+    return _as_projection(found.pop())
+
+
+def _partial(proj: _Proj) -> ir.Value:
+    """The row projection's output as the ranks' partial sums: past reshapes only (linear, so they commute
+    with the sum), never past the bias (added once, after the all-reduce) or a norm."""
+    v = proj.node.outputs[0]
+    while True:
+        users = v.uses()
+        if len(users) == 1 and users[0][0].op_type == "Reshape" and users[0][1] == 0:
+            v = users[0][0].outputs[0]
+        else:
+            return v
 
 
 def _through_casts(v: ir.Value) -> list[ir.Value]:
@@ -289,67 +390,131 @@ def _forward(values: list[ir.Value]) -> set[ir.Node]:
     return seen
 
 
+def _reads(v: ir.Value, stream: set[ir.Value]) -> bool:
+    """Whether ``v`` depends on a residual-stream value other than through its shape."""
+    nodes = _backward([v], set(), through_shape=False)
+    return any(n.op_type != "Shape" and any(i in stream for i in n.inputs) for n in nodes) or v in stream
+
+
+def _unflatten(graph: ir.Graph, cur: ir.Value) -> bool:
+    """Rewrite a residual Add done on the flattened stream into one on the stream itself.
+
+    OPT's decoder layer (BLIP-2's language model) flattens the hidden state to ``[tokens, hidden]`` for
+    its MLP and adds the residual there, then views the sum back (transformers ``OPTDecoderLayer``:
+    ``hidden_states.reshape(-1, hidden)``, ``(residual + hidden_states).view(shape)``). The segments pass
+    ``[batch, sequence, hidden]`` tensors, so the MLP's output is viewed as the stream before the Add and
+    the Add takes the stream; the Add is elementwise, so the sum is the same. Returns whether it applied.
+    """
+    for v in _through_casts(cur):
+        for flat_node, i in v.uses():
+            if flat_node.op_type != "Reshape" or i != 0:
+                continue
+            flat = flat_node.outputs[0]
+            for add, j in flat.uses():
+                if add.op_type != "Add" or len(add.inputs) != 2 or _row_projection(add.inputs[1 - j]) is None:
+                    continue
+                back = add.outputs[0].uses()
+                if len(back) != 1 or back[0][0].op_type != "Reshape" or back[0][1] != 0:
+                    continue
+                view = back[0][0]
+                shapes = [n for n in _backward([view.inputs[1]], set(), through_shape=False)]
+                if any(
+                    n.op_type == "Shape" and n.inputs[0] not in _through_casts(cur) for n in shapes
+                ) or any(
+                    i is not None and i.producer() is None and i.const_value is None
+                    for n in shapes
+                    for i in n.inputs
+                ):
+                    continue  # the view back is not to the stream's own shape
+                shape = ir.node("Shape", [v], name=f"{add.name}/tp_stream_shape")
+                viewed = ir.node("Reshape", [add.inputs[1 - j], shape.outputs[0]], name=f"{add.name}/tp_view")
+                summed = ir.node("Add", [v, viewed.outputs[0]], name=f"{add.name}/tp_stream_add")
+                graph.insert_after(add, [shape, viewed, summed])
+                for node in (shape, viewed, summed):
+                    node.outputs[0].name = f"{node.name}_output_0"
+                if v.dtype is not None:
+                    summed.outputs[0].dtype = viewed.outputs[0].dtype = v.dtype
+                view.outputs[0].replace_all_uses_with(summed.outputs[0])
+                # The flattened Add and its view are dead now; removed, so the projection has one use.
+                graph.remove([view, add], safe=True)
+                return True
+    return False
+
+
 def _find_cuts(graph: ir.Graph, dec: str, layers: int) -> list[_Cut]:
-    """The 2*layers residual projections in order, with the column projections each one's block holds."""
+    """The 2*layers residual projections in order, with the column projections each one's block holds.
+
+    The residual stream is followed from ``inputs_embeds`` through its Adds. An Add whose other operand
+    is a projection's output (through its bias, a post-norm, casts, reshapes) ends a block; an Add of
+    something that does not read the stream (BLIP-2's learned positions, Qwen3-VL's deepstack visual
+    rows) is part of the replicated stream and followed through.
+    """
     inputs = {v.name: v for v in graph.inputs}
     if "inputs_embeds" not in inputs:
         raise VlmcError(f"tensor_parallel: graph {dec!r} has no inputs_embeds input")
     outputs = {v.name: v for v in graph.outputs}
     cur = inputs["inputs_embeds"]
+    stream: set[ir.Value] = set()
     cuts: list[_Cut] = []
     attention = 0
     while True:
-        found = []
+        stream |= set(_through_casts(cur))
+        found, passed = [], []
         for v in _through_casts(cur):
             for user, idx in v.uses():
-                if user.op_type == "Add" and len(user.inputs) == 2:
-                    proj = _projection(user.inputs[1 - idx])
-                    if proj is not None:
-                        found.append((user, v, *proj))
-        if not found:
+                if user.op_type != "Add" or len(user.inputs) != 2 or user.inputs[1 - idx] is v:
+                    continue
+                other = user.inputs[1 - idx]
+                proj = _row_projection(other)
+                if proj is not None and _reads(proj.node.inputs[0], stream):
+                    found.append((user, v, proj))
+                elif not _reads(other, stream):
+                    passed.append(user)
+        if not found and not passed:
+            if _unflatten(graph, cur):
+                continue
             break
-        if len(found) > 1:
+        if len(found) > 1 or (not found and len(passed) > 1):
             raise VlmcError(
                 f"tensor_parallel: graph {dec!r}: the residual stream after projection {len(cuts)} feeds "
-                f"{len(found)} projection Adds; the decoder does not have the standard layer structure"
+                f"{len(found) or len(passed)} Adds; the decoder does not have the standard layer structure"
             )
-        add, residual, row, row_bias = found[0]
-        block = _backward([row.inputs[0]], set()) & _forward([residual])
-        presents_of: dict[ir.Node, list[str]] = {}
-        columns = []
+        if not found:
+            cur = passed[0].outputs[0]  # replicated: every rank adds the same rows to its whole stream
+            continue
+        add, residual, row = found[0]
+        block = _backward([row.node.inputs[0]], set()) & _forward([residual])
+        columns: list[_Column] = []
+        presents: set[str] | list[str] = set()
         for node in graph:
-            if node in block and node.op_type == "MatMul" and _const_weight(node.inputs[1], 2):
-                # Within the block only: everything later in the decoder depends on every projection.
-                reach = _forward([node.outputs[0]]) & block
-                reached = sorted(
-                    o.name
-                    for o in outputs.values()
-                    if o.name.startswith(PRESENT_PREFIX) and o.producer() in reach
-                )
-                presents_of[node] = reached
-                bias = None
-                users = node.outputs[0].uses()
-                if len(users) == 1 and users[0][0].op_type == "Add":
-                    cand = users[0][0]
-                    if any(_const_weight(i, 1) for i in cand.inputs):
-                        bias = cand
-                columns.append(_Column(node, "kv" if reached else "q", bias))
-        presents = sorted({p for ps in presents_of.values() for p in ps})
-        kind = "attention" if presents else "mlp"
+            proj = _as_projection(node) if node in block else None
+            if proj is None:
+                continue
+            # Within the block only: everything later in the decoder depends on every projection.
+            reach = _forward([node.outputs[0]]) & block
+            reached = {
+                o.name
+                for o in outputs.values()
+                if o.name.startswith(PRESENT_PREFIX) and o.producer() in reach
+            }
+            columns.append(_Column(proj, "kv" if reached else "q"))
+            presents |= reached
+        presents = sorted(presents)
+        kind = "attention" if any(c.role == "kv" for c in columns) else "mlp"
         if kind == "mlp":
             for c in columns:
                 c.role = "mlp"
         layer = attention - 1 if kind == "mlp" else attention
         if kind == "attention":
             attention += 1
-        cuts.append(_Cut(len(cuts), kind, layer, add, residual, row, row_bias, columns, presents))
+        cuts.append(_Cut(len(cuts), kind, layer, add, residual, row, _partial(row), columns, presents))
         cur = add.outputs[0]
     kinds = [c.kind for c in cuts]
     if len(cuts) != 2 * layers or kinds != ["attention", "mlp"] * layers:
         raise VlmcError(
             f"tensor_parallel: graph {dec!r}: found {len(cuts)} residual projections ({', '.join(kinds) or 'none'}), "
             f"expected attention and MLP for each of the {layers} layers; the decoder does not have the "
-            "Llama/Qwen2-style layer structure tensor_parallel supports (LLaVA, Qwen2-VL decoders)"
+            "pre-norm or post-norm transformer layer structure tensor_parallel supports"
         )
     return cuts
 
@@ -364,18 +529,27 @@ def _layout(cuts: list[_Cut], m: dict, n: int, dec: str) -> _Layout:
             f"tensor_parallel: graph {dec!r}: layer 0's attention has {len(q)} query and {len(kvc)} key/value "
             "projections, expected 1 and 2 (a fused qkv projection is not supported)"
         )
-    heads = int(q[0].node.inputs[1].shape[1]) // hd
+    heads = q[0].proj.width // hd
     for c in kvc:
-        if int(c.node.inputs[1].shape[1]) != kv * hd:
+        if c.proj.width != kv * hd:
             raise VlmcError(
-                f"tensor_parallel: graph {dec!r}: a key/value projection is {c.node.inputs[1].shape[1]} wide, "
+                f"tensor_parallel: graph {dec!r}: a key/value projection is {c.proj.width} wide, "
                 f"not kv_heads*head_dim = {kv * hd}"
             )
     mlp = cuts[1]
-    widths = {int(c.node.inputs[1].shape[1]) for c in mlp.columns}
-    if len(widths) != 1 or not mlp.columns:
-        raise VlmcError(f"tensor_parallel: graph {dec!r}: the MLP projections have widths {sorted(widths)}")
-    inter = widths.pop()
+    inter = mlp.row.fan_in
+    for c in mlp.columns:
+        # gate and up fused into one projection (GLM-4's gate_up_proj, chunked in two): each rank takes
+        # its slice of every part, so its chunks are its gate and its up slices.
+        if c.proj.width % inter:
+            raise VlmcError(
+                f"tensor_parallel: graph {dec!r}: an MLP projection is {c.proj.width} wide, not a multiple "
+                f"of the down projection's {inter} inputs"
+            )
+    if not mlp.columns:
+        raise VlmcError(
+            f"tensor_parallel: graph {dec!r}: the MLP has no projections before its down projection"
+        )
     if heads % n:
         raise VlmcError(
             f"tensor_parallel: size {n} does not divide the {heads} attention heads; use one of "
@@ -388,7 +562,10 @@ def _layout(cuts: list[_Cut], m: dict, n: int, dec: str) -> _Layout:
     elif n % kv == 0:
         mode = "replicated"
     else:
-        raise VlmcError(f"tensor_parallel: size {n} neither divides nor is a multiple of the {kv} KV heads")
+        raise VlmcError(
+            f"tensor_parallel: size {n} neither divides nor is a multiple of the {kv} KV heads "
+            f"({heads} attention heads)"
+        )
     return _Layout(n, len(cuts) // 2, heads, kv, hd, inter, mode)
 
 
@@ -414,27 +591,83 @@ def _head_cols(heads: list[int], hd: int) -> np.ndarray:
 def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str) -> None:
     q_idx = _head_cols(list(lay.q_heads(rank)), lay.head_dim)
     kv_idx = _head_cols(lay.kv_of_rank(rank), lay.head_dim)
-    w = lay.intermediate // lay.size
-    mlp_idx = np.arange(rank * w, (rank + 1) * w)
     seen: set[ir.Value] = set()
     visited: dict[ir.Node, bool] = {}  # target-shape Concats already rewritten (simplify may share them)
     for cut in cuts:
+        inner = cut.row.fan_in  # this block's width (heads*head_dim or the MLP's intermediate size)
+        w = inner // lay.size
+        mlp_idx = np.arange(rank * w, (rank + 1) * w)
         for c in cut.columns:
             idx = {"q": q_idx, "kv": kv_idx, "mlp": mlp_idx}[c.role]
-            for v, axis in [(c.node.inputs[1], 1)] + (
-                [(next(i for i in c.bias.inputs if _const_weight(i, 1)), 0)] if c.bias is not None else []
-            ):
-                if v in seen or len(v.uses()) != 1:
-                    raise VlmcError(
-                        f"tensor_parallel: graph {dec!r}: weight {v.name!r} is shared; cannot shard it"
-                    )
-                seen.add(v)
-                _sliced(v, axis, idx)
-        _sliced(cut.row.inputs[1], 0, q_idx if cut.kind == "attention" else mlp_idx)
+            if c.role == "mlp" and c.proj.width > inner:  # a fused projection's parts, each sliced alike
+                _set_chunks(graph, c.proj, c.proj.width, lay.size)
+                idx = np.concatenate([part * inner + idx for part in range(c.proj.width // inner)])
+            targets = [(c.proj.node, c.proj.weight, c.proj.out_axis)]
+            if c.proj.bias is not None:
+                targets.append((c.proj.bias_add or c.proj.node, c.proj.bias, 0))
+            for node, v, axis in targets:
+                _sliced(_own(graph, node, v, seen), axis, idx)
+        row = cut.row
+        weight = _own(graph, row.node, row.weight, seen)
+        _sliced(weight, 1 - row.out_axis, q_idx if cut.kind == "attention" else mlp_idx)
+        if row.bias is not None and row.bias_add is None and rank > 0:
+            # A Gemm's bias is inside the partial sum: rank 0 alone adds it, so the sum holds it once.
+            _zeroed(_own(graph, row.node, row.bias, seen))
         if cut.kind == "attention":
             folded = _set_head_counts(graph, cut, lay, visited)
             if lay.kv_mode == "replicated":
                 _set_repeat(graph, cut, lay, dec, folded)
+
+
+def _set_chunks(graph: ir.Graph, proj: _Proj, width: int, size: int) -> None:
+    """The chunks of a fused projection's output, made the rank's: a Slice's or Split's constant bounds
+    (what fold_constants leaves of ``torch.chunk``) divided by ``size``. Bounds computed from the output's
+    shape shrink with the sharded weight by themselves."""
+    out = proj.bias_add.outputs[0] if proj.bias_add is not None else proj.node.outputs[0]
+    for user, i in out.uses():
+        if i != 0 or user.op_type not in ("Slice", "Split"):
+            continue
+        last = {-1, len(out.shape) - 1} if out.shape is not None else {-1, 2}
+        if user.op_type == "Slice":
+            axes = _int_const(user.inputs[3]) if len(user.inputs) > 3 else None
+            along = axes is not None and set(axes.reshape(-1).tolist()) <= last
+        else:
+            along = int(user.attributes["axis"].value if "axis" in user.attributes else 0) in last
+        if not along:
+            continue  # not a chunk of the features
+        slots = (1, 2) if user.op_type == "Slice" else (1,)
+        for slot in slots:
+            c = _int_const(user.inputs[slot]) if slot < len(user.inputs) else None
+            if c is None:
+                continue
+            # Ends past the width (INT64_MAX, "to the end") stay; the bounds are multiples of size.
+            new = np.where(np.abs(c) <= width, c // size, c).astype(c.dtype)
+            value = ir.Value(name=f"{user.name}/tp_chunk_{slot}", const_value=ir.Tensor(new))
+            value.shape, value.dtype = ir.Shape(new.shape), ir.DataType.from_numpy(new.dtype)
+            graph.register_initializer(value)
+            user.replace_input_with(slot, value)
+
+
+def _own(graph: ir.Graph, node: ir.Node, value: ir.Value, seen: set[ir.Value]) -> ir.Value:
+    """``value`` as ``node``'s own constant, to be sliced for this rank. simplify gives equal constants one
+    initializer (OPT's zero-initialized biases, a tied weight); a shared one is copied for ``node`` (the
+    copy reads the same memory-mapped source), so slicing it leaves the other users whole."""
+    if value not in seen and len(value.uses()) == 1:
+        seen.add(value)
+        return value
+    own = ir.Value(name=f"{value.name}/tp_{len(seen)}", const_value=value.const_value)
+    own.shape, own.dtype = value.shape, value.dtype
+    graph.register_initializer(own)
+    for i, inp in enumerate(node.inputs):
+        if inp is value:
+            node.replace_input_with(i, own)
+    seen.add(own)
+    return own
+
+
+def _zeroed(value: ir.Value) -> None:
+    src = value.const_value
+    value.const_value = ir.Tensor(np.zeros(tuple(src.shape), dtype=src.dtype.numpy()), name=value.name)
 
 
 def _int_const(v: ir.Value | None) -> np.ndarray | None:
@@ -466,8 +699,8 @@ def _set_head_counts(graph: ir.Graph, cut: _Cut, lay: _Layout, visited: dict[ir.
     held the query heads; simplify may share one Concat between layers). Returns the nodes whose target
     shape had its query-head count rewritten.
     """
-    outs = [c.node.outputs[0] for c in cut.columns]
-    block = _forward(outs) & _backward([cut.row.inputs[0]], set())
+    outs = [c.proj.node.outputs[0] for c in cut.columns]
+    block = _forward(outs) & _backward([cut.row.node.inputs[0]], set())
     done: set[ir.Node] = set()
     for node in (n for n in block if n.op_type in ("Reshape", "Expand")):
         for concat in _shape_concats(node):
@@ -504,8 +737,8 @@ def _set_repeat(graph: ir.Graph, cut: _Cut, lay: _Layout, dec: str, folded: set[
     of the Reshape after it (transformers' ``repeat_kv``: expand to [b, kv, n_rep, s, d], reshape to
     [b, kv*n_rep, s, d]). A Reshape in ``folded`` already had its folded head count rewritten
     (_set_head_counts)."""
-    kv_outs = [c.node.outputs[0] for c in cut.columns if c.role == "kv"]
-    block = _forward(kv_outs) & _backward([cut.row.inputs[0]], set())
+    kv_outs = [c.proj.node.outputs[0] for c in cut.columns if c.role == "kv"]
+    block = _forward(kv_outs) & _backward([cut.row.node.inputs[0]], set())
     expands = [n for n in block if n.op_type == "Expand"]
     changed = 0
     for e in expands:
@@ -567,7 +800,7 @@ def _segments(model: ir.Model, cuts: list[_Cut], dec: str, kv_per_rank: int) -> 
     shared = [v for n, v in ins.items() if not n.startswith("past_key_values.") and n != "inputs_embeds"]
     outs = list(g.outputs)
     for cut in cuts:  # the tensors passed between segments have the residual stream's type
-        for v in (cut.row.outputs[0], cut.residual):
+        for v in (cut.partial, cut.residual):
             # The residual stream is [batch, sequence, hidden] like inputs_embeds, whatever an earlier
             # pass's shape inference recorded (fold_constants/simplify leave unk__N dims there, which
             # become segment inputs no backend can size).
@@ -580,10 +813,10 @@ def _segments(model: ir.Model, cuts: list[_Cut], dec: str, kv_per_rank: int) -> 
             bounds = []
         else:
             prev = cuts[k - 1]
-            bounds = [prev.residual, prev.row.outputs[0]]
+            bounds = [prev.residual, prev.partial]
         if k < len(cuts):
             cut = cuts[k]
-            targets = [cut.row.outputs[0], cut.residual] + [o for o in outs if o.name in cut.presents]
+            targets = [cut.partial, cut.residual] + [o for o in outs if o.name in cut.presents]
         else:
             claimed = {p for c in cuts for p in c.presents}
             targets = [o for o in outs if o.name not in claimed]
@@ -629,10 +862,10 @@ def _name_boundaries(sub: ir.Graph, cuts: list[_Cut], k: int) -> None:
         prev = cuts[k - 1]
         by = {v.name: v for v in sub.inputs}
         by[prev.residual.name].name = RESIDUAL.format(k - 1)
-        by[prev.row.outputs[0].name].name = REDUCED.format(k - 1)
+        by[prev.partial.name].name = REDUCED.format(k - 1)
     if k < len(cuts):
         cut = cuts[k]
-        names = {cut.row.outputs[0].name: PARTIAL.format(k), cut.residual.name: RESIDUAL.format(k)}
+        names = {cut.partial.name: PARTIAL.format(k), cut.residual.name: RESIDUAL.format(k)}
         inputs = set(sub.inputs)
         for i, o in enumerate(list(sub.outputs)):
             if o.name not in names:

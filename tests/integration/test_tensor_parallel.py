@@ -158,6 +158,159 @@ def test_ranks_are_token_exact_with_the_unsharded_package(name, built, groups):
     assert [a - b for a, b in zip(group.collectives(), before)] == [2 * layers * steps] * group.size
 
 
+# Every other built-in's decoder (tiny-llava and tiny-qwen2-vl are above): Qwen2.5-VL, Qwen3-VL (deepstack
+# rows added to the replicated stream, q/k norms), GLM-4.1V (post norms, partial rotary, fused gate_up),
+# Gemma3 (sliding and global layers, pre/post norms), BLIP-2's OPT (biases in Gemms, learned positions,
+# LayerNorm, the MLP's flattened residual), InternVL's Qwen2, LLaVA-NeXT's and OneVision's decoders.
+FAMILIES = [
+    "tiny-qwen2.5-vl",
+    "tiny-qwen3-vl",
+    "tiny-glm4v",
+    "tiny-gemma3",
+    "tiny-blip2",
+    "tiny-internvl",
+    "tiny-llava-next",
+    "tiny-llava-onevision",
+]
+FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS = ["Describe the image."], [["demo:1"]], 4
+
+
+@pytest.fixture(scope="module")
+def family_run(exported, tmp_path_factory):
+    """(family, passes) -> (the ranks' generation, the unsharded package's); one rank group per size."""
+    root = tmp_path_factory.mktemp("tp-families")
+    started: dict[int, RankGroup] = {}
+
+    def run(family: str, passes: list[dict]):
+        src = exported(family)
+        out = _build(src, root / f"{family}-{len(list(root.iterdir()))}", passes)
+        size = passes[0]["tensor_parallel"]["size"]
+        if size not in started:
+            started[size] = RankGroup(out)
+        else:
+            started[size].open(out)
+        want = Pipeline(Package.load(src)).generate(FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS)
+        return out, started[size].generate(FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS), want
+
+    yield run
+    for g in started.values():
+        g.close()
+
+
+def _assert_same_generation(got, want) -> None:
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.prefill_logits, want.prefill_logits, rtol=1e-4, atol=1e-4)
+    for a, b in zip(got.step_logits, want.step_logits):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_tp2_paged_is_token_exact(family, family_run):
+    out, got, want = family_run(family, [{"tensor_parallel": {"size": 2}}, {"paged_kv": {"block_size": 16}}])
+    _assert_same_generation(got, want)
+    m = Package.load(out).manifest
+    assert (
+        m["kv"]["layout"] == "paged"
+        and m["tensor_parallel"]["heads_per_rank"] * 2 == m["tensor_parallel"]["heads"]
+    )
+    reduces = [s for s in m["tensor_parallel"]["plan"] if s["step"] == "all_reduce"]
+    assert len(reduces) == 2 * m["kv"]["layers"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_contiguous_is_token_exact(family, size, family_run):
+    """TP=2 and TP=4 (every tiny decoder has 4 heads and 2 or 4 KV heads) on the contiguous cache."""
+    out, got, want = family_run(family, [{"tensor_parallel": {"size": size}}])
+    _assert_same_generation(got, want)
+    tp = Package.load(out).manifest["tensor_parallel"]
+    assert tp["size"] == size and tp["kv"] == ("split" if tp["kv_heads"] % size == 0 else "replicated")
+
+
+@pytest.mark.slow
+def test_gemma3_with_soft_capping_is_token_exact(tmp_path):
+    """Gemma-2-style soft-capping on Gemma3: the attention scores' cap is per head (it shards with the
+    heads), the logits' cap is in the replicated head segment."""
+    import torch
+
+    from vlmc.exporters import gemma3
+
+    torch.manual_seed(0)
+    config = gemma3.tiny_gemma3_config(attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    model = gemma3.build_tiny(config).eval()
+    exporters._eager(model)
+    source = exporters.Source(
+        name="tiny-gemma3-softcap", model=model, config=model.config, family="gemma3", builtin=True
+    )
+    src = tmp_path / "pkg"
+    exporters.export(source).save(src)
+    out = _build(src, tmp_path / "tp2", [{"tensor_parallel": {"size": 2}}])
+    want = Pipeline(Package.load(src)).generate(FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS)
+    group = RankGroup(out)
+    try:
+        got = group.generate(FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS)
+    finally:
+        group.close()
+    _assert_same_generation(got, want)
+    assert float(np.abs(np.asarray(want.prefill_logits)).max()) <= 3.0  # the cap is in the graph
+
+
+def test_row_biases_are_added_once(exported):
+    """BLIP-2's OPT: column biases are sliced with their columns; a row projection's bias is added once
+    (a Gemm's C on rank 0 only, a MatMul's bias Add after the all-reduce, in the next segment). The tiny
+    OPT's biases are zeros, so they are made random here first."""
+    from vlmc.passes import tensor_parallel
+
+    src = exported("tiny-blip2")
+    manifest = Package.load(src).manifest
+    rng = np.random.default_rng(0)
+    source = ir.load(src / "decoder.onnx")
+    biases = {}
+    for name, v in source.graph.initializers.items():
+        if name.endswith(".bias") and ("fc" in name or "proj" in name):
+            biases[name] = rng.standard_normal(tuple(v.shape)).astype(np.float32)
+            v.const_value = ir.Tensor(biases[name], name=name)
+    for rank in range(2):
+        model = source.clone()
+        cuts = tensor_parallel._find_cuts(model.graph, "decoder", 2)
+        layout = tensor_parallel._layout(cuts, manifest, 2, "decoder")
+        tensor_parallel._shard(model.graph, cuts, layout, rank, "decoder")
+        mlp = cuts[1]
+        (fc1,) = [c.proj for c in mlp.columns]
+        assert fc1.node.op_type == mlp.row.node.op_type == "Gemm"
+        full = biases[fc1.bias.name.split("/")[0]]
+        half = len(full) // 2
+        np.testing.assert_array_equal(fc1.bias.const_value.numpy(), full[rank * half : (rank + 1) * half])
+        row_bias = mlp.row.node.inputs[2].const_value.numpy()
+        want = biases[mlp.row.bias.name.split("/")[0]] if rank == 0 else np.zeros_like(row_bias)
+        np.testing.assert_array_equal(row_bias, want)
+        # out_proj's bias is a MatMul + Add after the partial sum: the Add reads the reduced value.
+        attention = cuts[0]
+        assert attention.row.bias_add is not None and attention.partial is attention.row.node.outputs[0]
+        assert np.any(attention.row.bias.const_value.numpy())
+
+
+def test_fused_gate_up_gives_each_rank_its_gate_and_up_slices(exported, tmp_path):
+    """GLM-4.1V's gate_up_proj is chunked in two: rank r's weight is [gate_r | up_r]."""
+    src = exported("tiny-glm4v")
+    full = ir.load(src / "decoder.onnx")
+    name = next(k for k in full.graph.initializers if "layers.0.mlp.gate_up_proj" in k)
+    w = full.graph.initializers[name].const_value.numpy()
+    inter = w.shape[1] // 2
+    out = _build(src, tmp_path / "pkg", [{"tensor_parallel": {"size": 2}}])
+    m = Package.load(out).manifest
+    mlp = next(s for s in m["tensor_parallel"]["plan"] if s["step"] == "segment" and s["kind"] == "mlp")
+    for rank, graph in enumerate(mlp["graphs"]):
+        got = ir.load(out / m["graphs"][graph]["file"]).graph.initializers[name].const_value.numpy()
+        half = inter // 2
+        cols = [
+            *range(rank * half, (rank + 1) * half),
+            *range(inter + rank * half, inter + (rank + 1) * half),
+        ]
+        np.testing.assert_array_equal(got, w[:, cols])
+
+
 def test_segments_after_fold_and_simplify_have_only_named_dims(built):
     """Every segment input and output dim is a number or a name the backends size (no unk__N)."""
     for name in ("gqa-fold-simplify-tp2-paged", "gqa-fold-simplify-tp4"):
@@ -290,14 +443,20 @@ def test_orders_that_make_no_sense_are_refused(tiny_llava, passes, message):
         manager.run(Package.load(tiny_llava), recipe.from_dict({"passes": passes}).steps)
 
 
-def test_a_decoder_of_another_structure_is_refused(exported):
-    """BLIP-2's OPT decoder (learned positions added first, Gemm MLP with biases) is not split."""
-    with pytest.raises(PassFailed, match="Llama/Qwen2-style layer structure") as err:
-        manager.run(
-            Package.load(exported("tiny-blip2")),
-            recipe.from_dict({"passes": [{"tensor_parallel": {"size": 2}}]}).steps,
-        )
-    assert err.value.exit_code == 2
+def test_a_decoder_without_residual_projections_is_refused():
+    """A decoder whose layers are not residual blocks of projections is refused in one line."""
+    from vlmc.passes.tensor_parallel import _find_cuts
+
+    x = ir.Value(
+        name="inputs_embeds", shape=ir.Shape(["batch", "sequence", 8]), type=ir.TensorType(ir.DataType.FLOAT)
+    )
+    w = ir.Value(name="w", const_value=ir.Tensor(np.ones((8, 8), np.float32)))
+    w.shape = ir.Shape([8, 8])
+    matmul = ir.node("MatMul", [x, w], name="proj")
+    graph = ir.Graph([x], matmul.outputs, nodes=[matmul], initializers=[w], opset_imports={"": 17})
+    with pytest.raises(VlmcError, match="found 0 residual projections") as err:
+        _find_cuts(graph, "decoder", 1)
+    assert err.value.exit_code == 2 and "\n" not in str(err.value)
 
 
 def test_single_process_runtime_refuses_a_sharded_package(built):

@@ -330,3 +330,26 @@ def test_a_plan_naming_other_builds_than_the_build_list_is_refused(built, tmp_pa
         VlmcError, match=r"'decoder.rank0.0_prefill' is not a build of decoder.rank1.0 for rank 1"
     ):
         _Target(build, "reference").open(1, None, None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["tiny-qwen3-vl", "tiny-glm4v", "tiny-gemma3", "tiny-blip2"])
+def test_tp2_paged_build_of_every_decoder_structure_is_token_exact(family, exported, tmp_path):
+    """The decoders found structurally (deepstack, post norms and fused gate_up, pre/post norms, OPT's
+    Gemms and biases): each rank's builds compile and the ranks on the reference executor give the
+    unsharded build's tokens."""
+    src = exported(family)
+    pkg = _package(src, tmp_path / "tp", [{"tensor_parallel": {"size": 2}}, PAGED])
+    build = tmp_path / "tp-910b"
+    ascend.compile(Package.load(pkg), build, dict(TARGET))
+    c = json.loads((build / "compile.json").read_text())
+    assert {b["rank"] for b in c["builds"] if "rank" in b} == {0, 1}
+    # Ground truth on the same executor: the unsharded build (a resolution gear may resize the image).
+    ascend.compile(Package.load(src), tmp_path / "ref-910b", dict(TARGET))
+    want = _build_run(tmp_path / "ref-910b")
+    group = RankGroup(build, executor="reference")
+    try:
+        got = group.generate(PROMPTS, IMAGES, TOKENS)
+    finally:
+        group.close()
+    assert got.tokens == want.tokens
