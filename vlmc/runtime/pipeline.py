@@ -442,6 +442,11 @@ class Pipeline:
         else:
             out = self.run_chain(chain, available)
         state.update(out)
+        # A graph that computes part of its positions (merged pruned M-RoPE) returns the ones it used:
+        # decode continues from those.
+        used = self.m["graphs"].get(chain[-1], {}).get("positions_output")
+        if used and used in out:
+            available["position_ids"] = out[used]
         # a copy, not a view: a view kept the whole prefill logits ([batch, prompt, vocab]:
         # 77 MB at a 600-token LLaVA prompt) alive in step_logits for the result's life
         return out["logits"][:, -1, :].copy()
@@ -489,7 +494,7 @@ class Pipeline:
                     break
                 embeds = self.embed(nxt[:, None].astype(np.int64))
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
-                pos = positions.next_positions(pos)
+                pos = positions.next_positions(available["position_ids"])
                 extra = extras.decode(self.m, nxt[:, None].astype(np.int64))
         finally:
             state.release()
