@@ -161,6 +161,81 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
         np.testing.assert_array_equal(out[measure.INDICES_OUTPUT][i], expected)
 
 
+ANYRES = {"tiny-llava-next": "cls_attention", "tiny-llava-onevision": "attention_received"}
+
+
+def _anyres_feeds(pkg: Package) -> dict:
+    """Two images of different aspect ratios (different tile grids, unpadding and newline counts)."""
+    rng = np.random.default_rng(0)
+    images = [preprocess.demo_image(64, seed=1), rng.integers(0, 256, (40, 90, 3)).astype(np.uint8)]
+    pipe = Pipeline(pkg)
+    return pipe.vision_feeds(preprocess.preprocess(images, pkg.manifest["vision"]["preprocess"]))
+
+
+def _anyres_expected(pkg: Package, feeds: dict, method: str, keep: int, seed: int = 0) -> list[np.ndarray]:
+    """Per image, in numpy: every newline token, and the best keep - rows content tokens, ascending."""
+    index, weight = feeds["image_feature_index"], feeds["image_feature_weight"]
+    images, tiles = feeds["pixel_values"].shape[:2]
+    per_tile = pkg.manifest["vision"]["token_table"]["tile_tokens"]
+    newline = images * tiles * per_tile
+    counts = preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"])
+    if method in ("cls_attention", "attention_received"):
+        att = pkg.manifest["vision"]["attention"]
+        sess = ortsession.from_model(pkg.model("vision_encoder"), extra_outputs=[att["probs"]])
+        graph_feeds = {k: v for k, v in feeds.items() if k != "image_sizes"}
+        probs = sess.run([att["probs"]], graph_feeds)[0]  # [tiles, heads, queries, keys]
+        a = probs[:, :, 0] if method == "cls_attention" else probs.mean(2)
+        off = att["token_offset"]
+        table = np.concatenate([a.mean(1)[:, off : off + per_tile].reshape(-1), [0.0]]).astype(np.float32)
+        w = weight
+        token_scores = (table[index[:, 0]] * w[:, 0] + table[index[:, 1]] * w[:, 1]) + (
+            table[index[:, 2]] * w[:, 2] + table[index[:, 3]] * w[:, 3]
+        )
+    out, start = [], 0
+    for n in counts:
+        is_nl = index[start : start + n, 0] == newline
+        content = np.flatnonzero(~is_nl)
+        slots = keep - int(is_nl.sum())
+        if method == "uniform":
+            chosen = content[((2 * np.arange(slots) + 1) * len(content)) // (2 * slots)]
+        elif method == "random":
+            table = np.random.default_rng(seed).random(1 << 16).astype(np.float32)
+            chosen = content[np.sort(np.argsort(-table[: len(content)], kind="stable")[:slots])]
+        else:
+            chosen = content[_topk_sorted(token_scores[start : start + n][content], slots)]
+        out.append(np.sort(np.concatenate([np.flatnonzero(is_nl), chosen])))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("method", ["attention", "uniform", "random"])
+@pytest.mark.parametrize("name", sorted(ANYRES))
+def test_anyres_keeps_every_newline_and_the_best_tokens_per_image(exported, name, method):
+    method = ANYRES[name] if method == "attention" else method
+    keep = 30
+    pkg = Package.load(exported(name))
+    feeds = _anyres_feeds(pkg)
+    pruned = _prune(exported(name), keep=keep, method=method, seed=3)
+    assert pruned.manifest["vision"]["tokens_per_image"] == keep
+    graph_feeds = {k: v for k, v in feeds.items() if k != "image_sizes"}
+    out = Pipeline(pruned).run_graph("vision_encoder", graph_feeds)
+    full = Pipeline(pkg).run_graph("vision_encoder", graph_feeds)["image_features"]
+    expected = _anyres_expected(pkg, feeds, method, keep, seed=3)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], np.stack(expected))
+    counts = preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"])
+    starts = np.cumsum([0, *counts[:-1]])
+    rows = np.concatenate([s + e for s, e in zip(starts, expected)])
+    np.testing.assert_array_equal(out["image_features"], full[rows])  # kept tokens, exact, in order
+
+
+def test_anyres_keep_below_the_newline_rows_is_refused(exported):
+    most = Package.load(exported("tiny-llava-next")).manifest["vision"]["token_table"]["most_rows"]
+    with pytest.raises(PassFailed, match=f"keep={most} must be above the {most} feature rows"):
+        _prune(exported("tiny-llava-next"), keep=most, method="uniform")
+    with pytest.raises(PassFailed, match="give keep"):
+        _prune(exported("tiny-llava-next"), ratio=0.5, method="uniform")
+
+
 # ---- graph properties ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name,opts",

@@ -160,6 +160,14 @@ class Pipeline:
                             f"image {i} gives {int(np.prod(g)) // (merge * merge)} visual tokens, fewer than "
                             f"the {k} this pruned package keeps per image; use a larger image"
                         )
+            elif v.get("pruning"):
+                # A pruned anyres package keeps k of each image's tokens (its size's count); it needs k.
+                for i, n in enumerate(preprocess.token_counts(vision, v["preprocess"]) or []):
+                    if n < k:
+                        raise VlmcError(
+                            f"image {i} gives {n} visual tokens, fewer than the {k} this pruned package "
+                            "keeps per image; use a larger image"
+                        )
             return [k] * n_images
         counts = preprocess.token_counts(vision, v["preprocess"])
         if counts is not None:
