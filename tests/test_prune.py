@@ -161,6 +161,52 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
         np.testing.assert_array_equal(out[measure.INDICES_OUTPUT][i], expected)
 
 
+def _tower_attentions(name: str, pixels: np.ndarray):
+    model = load_source(name).model
+    with torch.no_grad():
+        return model, model.model.vision_tower(torch.from_numpy(pixels), output_attentions=True).attentions
+
+
+def test_internvl_cls_attention_scores_each_pixel_shuffle_group(exported):
+    """transformers' CLS attention of the feature layer, shuffled like the features, mean per token."""
+    pkg = Package.load(exported("tiny-internvl"))
+    images = [preprocess.load_image("demo:0")]
+    pixels = preprocess.preprocess(images, pkg.manifest["vision"]["preprocess"])["pixel_values"]
+    k = 6
+    out = Pipeline(_prune(exported("tiny-internvl"), keep=k)).run_graph(
+        "vision_encoder", {"pixel_values": pixels}
+    )
+    model, att = _tower_attentions("tiny-internvl", pixels)
+    cls = att[-1][:, :, 0, 1:].mean(1)  # feature layer -1: the last layer's CLS row, head mean
+    side = int(round(cls.shape[1] ** 0.5))
+    shuffled = model.model.pixel_shuffle(cls.reshape(-1, side, side, 1), scale_factor=0.5)
+    scores = shuffled.reshape(cls.shape[0], -1, shuffled.shape[-1]).mean(-1).numpy()
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], _topk_sorted(scores, k))
+
+
+def test_gemma3_attention_received_scores_each_pooled_token_and_runs(exported):
+    """The last layer's received attention, average-pooled like the features; the image block follows."""
+    pkg = Package.load(exported("tiny-gemma3"))
+    pixels = preprocess.preprocess(
+        [preprocess.load_image(f"demo:{i}") for i in range(2)], pkg.manifest["vision"]["preprocess"]
+    )["pixel_values"]
+    k = 2
+    pruned = _prune(exported("tiny-gemma3"), keep=k, method="attention_received")
+    out = Pipeline(pruned).run_graph("vision_encoder", {"pixel_values": pixels})
+    _, att = _tower_attentions("tiny-gemma3", pixels)
+    received = att[-1].mean(2).mean(1)  # [images, patches]
+    side = int(round(received.shape[1] ** 0.5))
+    tokens_side = int(round(pkg.manifest["vision"]["tokens_per_image"] ** 0.5))
+    pooled = torch.nn.functional.avg_pool2d(received.reshape(-1, 1, side, side), side // tokens_side)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], _topk_sorted(pooled.flatten(1).numpy(), k))
+    pipe = Pipeline(pruned)
+    inp = pipe.prepare(["Describe the image."], [["demo:0"]])
+    res = pipe.generate_from(inp, 3)
+    assert res.image_tokens == k
+    types = inp.extra[pruned.manifest["text"]["token_type_ids"]]
+    np.testing.assert_array_equal(types, (inp.input_ids == pruned.manifest["vision"]["image_token_id"]))
+
+
 ANYRES = {"tiny-llava-next": "cls_attention", "tiny-llava-onevision": "attention_received"}
 
 

@@ -11,6 +11,8 @@ Scores (``method``):
   (FasterVLM); needs a CLS query (``vision.attention.query_index``).
 - ``attention_received``: the mean attention each patch receives at the recorded layer, averaged
   over heads and queries and grouped by the spatial merge (encoders without CLS, e.g. Qwen2-VL).
+A token that pools patches (``vision.attention.groups``: InternVL's pixel shuffle, Gemma3's pool) scores
+the mean of its group's patches.
 - ``uniform`` (bin centres, a fixed stride) and ``random`` (seeded): baselines with constant indices.
 
 Attention comes from the tensors the exporter recorded in ``vision.attention``: the Softmax output
@@ -169,6 +171,11 @@ def _scores(
     group = int(att.get("merge_group", 1) or 1)
     offset = int(att.get("token_offset", 0))
     a = b.one("Reshape", [a, b.const([-1, keys])])
+    if att.get("groups"):
+        # each token pools a group of patches that need not be consecutive (InternVL's pixel shuffle,
+        # Gemma3's average pool): its score is the mean over the group's key columns
+        columns = np.asarray(att["groups"], np.int64).reshape(-1, int(att["group_size"])) + offset
+        return b.reduce_mean(b.one("Gather", [a, b.const(columns)], {"axis": 1}), [2]), source
     a = b.slice(a, offset, offset + tokens * group, axis=1)
     if group > 1:
         a = b.one("Reshape", [a, b.const([-1, tokens, group])])
