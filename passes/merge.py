@@ -170,6 +170,7 @@ def _compose(
     parts = {s: compose.copy_model(models[s]).graph for s in models}
     for s, g in parts.items():
         compose.prefix_internal(g, f"{s}/")
+        _own_unknown_dims(g, f"{s}/")
     embed_outputs = [o for o in parts[embed].outputs if o.name == tensor_names.INPUTS_EMBEDS]
     for o in embed_outputs:
         o.name = _embed_out(embed)
@@ -222,6 +223,25 @@ def _compose(
             available.setdefault(o.name, o)
     graph = ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers, opset_imports=opsets, name=name)
     return compose.model_like(graph, *models.values(), producer="vlmc merge")
+
+
+def _own_unknown_dims(graph: ir.Graph, prefix: str) -> None:
+    """Give the placeholder dims shape inference made up (``unk__N``) in one stage a name of its own.
+
+    Each stage's inference numbers them from 1 (e.g. float16 conversion), so two stages' ``unk__1`` may be
+    different sizes; in one graph onnxruntime's memory planner would take them for the same size.
+    """
+    for node in graph:
+        for value in node.outputs:
+            if value.shape is None or not any(str(d).startswith("unk__") for d in value.shape):
+                continue
+            dims = [
+                ir.SymbolicDim(prefix + str(d))
+                if isinstance(d, ir.SymbolicDim) and str(d).startswith("unk__")
+                else d
+                for d in value.shape
+            ]
+            value.shape = ir.Shape(dims)
 
 
 def _check_interfaces(pkg: Package, image: list[str], embed: str, decoder: list[str]) -> None:
