@@ -28,6 +28,8 @@ from vlmc.passes import _graph_compose as compose
 logger = logging.getLogger(__name__)
 
 SHARED_WEIGHTS_FILE = "weights.onnx.data"
+# The [images, 3] (t, h, w) grid input of dynamic-resolution vision graphs (docs/architecture.md).
+_GRID_INPUT = "image_grid_thw"
 # Manifest keys of a graph entry that describe the graph itself (recomputed or restored by split).
 _OWN_KEYS = ("file", "role", "precision", "inputs", "outputs")
 
@@ -71,20 +73,12 @@ class Merge(Pass):
                 f"merge: the package already has a graph named {self.opts['graph']!r}; "
                 "choose another name with the graph option"
             )
-        pruned = package.manifest["vision"].get("pruning") or {}
-        if pruned.get("positions") == "original":
-            # The kept tokens' positions come from the vision graph's indices output, which is internal
-            # to the merged graph, so every run of the merged package would fail.
-            raise VlmcError(
-                f"merge: this pruned package computes {package.manifest['text'].get('position')} "
-                f"positions from the vision graph's {pruned.get('indices_output')!r} output, which "
-                "a merged graph hides; deploy the pruned package unmerged, or merge it unpruned"
-            )
         image, embed, decoder = list(p["image"]), p["embed"], list(p["decoder"])
+        offsets = _position_plan(package, image, decoder)
         _check_interfaces(package, image, embed, decoder)
         stages = [*image, embed, *decoder]
         opsets = compose.merged_opsets([package.model(s) for s in stages], "merge")
-        return {"image": image, "embed": embed, "decoder": decoder, "opsets": opsets}
+        return {"image": image, "embed": embed, "decoder": decoder, "opsets": opsets, "positions": offsets}
 
     def run(self, package: Package, plan: dict | None = None) -> PassResult:
         plan = self.check_package(package) if plan is None else plan
@@ -94,7 +88,8 @@ class Merge(Pass):
         stages = [*image, embed, *decoder]
         models = {s: package.model(s) for s in stages}
         name = self.opts["graph"]
-        merged = _compose(package, models, image, embed, decoder, name, opsets)
+        positions = plan.get("positions")
+        merged = _compose(package, models, image, embed, decoder, name, opsets, positions)
         NameFixPass()(merged)  # unique names, whatever the stages called their values
         RemoveUnusedNodesPass()(merged)  # e.g. image-chain outputs only the stage package returned
         dedupe = compose.dedupe_initializers(merged.graph)
@@ -116,6 +111,9 @@ class Merge(Pass):
             )
         precisions = {package.info(s)["precision"] for s in stages}
         sample = _sample_inputs(package, image, decoder)
+        # A pruned M-RoPE package: the graph adds the kept tokens' (t, h, w) offsets to the position_ids
+        # it is given and returns the positions it used (the runtime continues decode from them).
+        facts = {"positions_output": tensor_names.PREFILL_POSITIONS} if positions else {}
         package.set_graph(
             name,
             merged,
@@ -124,6 +122,7 @@ class Merge(Pass):
             stages=records,
             pipeline=pipeline,
             weights_file=SHARED_WEIGHTS_FILE,
+            **facts,
         )
         for s in image:
             package.remove_graph(s)
@@ -156,6 +155,7 @@ def _compose(
     decoder: list[str],
     name: str,
     opsets: dict[str, int],
+    positions: dict | None = None,
 ) -> ir.Model:
     """One graph from copies of the stage graphs, joined by their interface names.
 
@@ -163,11 +163,14 @@ def _compose(
     they are, for the text-only decode path and for anything holding the package as it was), its
     internals get a ``<stage>/`` prefix, and each stage input is bound to the value of that name an
     earlier stage returns, or becomes an input of the merged graph. The decoder's ``inputs_embeds``
-    is bound to the scatter's output, and its deepstack inputs (Qwen3-VL) to the nodes computing them.
+    is bound to the scatter's output, its deepstack inputs (Qwen3-VL) to the nodes computing them, and
+    (``positions``, a pruned M-RoPE package) its ``position_ids`` to the given positions plus the kept
+    image tokens' offsets, which the merged graph also returns.
     """
     parts = {s: compose.copy_model(models[s]).graph for s in models}
     for s, g in parts.items():
         compose.prefix_internal(g, f"{s}/")
+        _own_unknown_dims(g, f"{s}/")
     embed_outputs = [o for o in parts[embed].outputs if o.name == tensor_names.INPUTS_EMBEDS]
     for o in embed_outputs:
         o.name = _embed_out(embed)
@@ -181,17 +184,27 @@ def _compose(
     nodes: list[ir.Node] = []
     initializers: list[ir.Value] = []
     inside: dict[str, ir.Value] = {}  # decoder inputs the merged graph computes itself
+    given: dict[str, ir.Value] = {}  # merged-graph inputs those computations read in their place
     for s in [*image, embed, *decoder]:
         g = parts[s]
         if s == decoder[0]:
-            scatter, embeds = _scatter_nodes(pkg, available, _embed_out(embed))
+            scatter, embeds, slots = _scatter_nodes(pkg, available, _embed_out(embed))
             deepstack, fed = _deepstack_nodes(pkg, decoder, available)
             nodes += scatter + deepstack
             inside = {tensor_names.INPUTS_EMBEDS: embeds, **fed}
+            if positions:
+                offset, raw, used = _position_nodes(pkg, decoder, available, slots, positions)
+                nodes += offset
+                inside[tensor_names.POSITION_IDS] = used
+                given[tensor_names.POSITION_IDS] = raw
+                outputs.append(used)
         for v in list(g.inputs):
             if v.is_initializer():
                 continue  # an input with a default stays an initializer
             bound = inside.get(v.name) if s in decoder else None
+            if v.name in given and given[v.name] not in inputs:
+                inputs.append(given[v.name])
+                available[v.name] = given[v.name]
             if bound is None:
                 bound = available.get(v.name)
             if bound is None:
@@ -210,6 +223,25 @@ def _compose(
             available.setdefault(o.name, o)
     graph = ir.Graph(inputs, outputs, nodes=nodes, initializers=initializers, opset_imports=opsets, name=name)
     return compose.model_like(graph, *models.values(), producer="vlmc merge")
+
+
+def _own_unknown_dims(graph: ir.Graph, prefix: str) -> None:
+    """Give the placeholder dims shape inference made up (``unk__N``) in one stage a name of its own.
+
+    Each stage's inference numbers them from 1 (e.g. float16 conversion), so two stages' ``unk__1`` may be
+    different sizes; in one graph onnxruntime's memory planner would take them for the same size.
+    """
+    for node in graph:
+        for value in node.outputs:
+            if value.shape is None or not any(str(d).startswith("unk__") for d in value.shape):
+                continue
+            dims = [
+                ir.SymbolicDim(prefix + str(d))
+                if isinstance(d, ir.SymbolicDim) and str(d).startswith("unk__")
+                else d
+                for d in value.shape
+            ]
+            value.shape = ir.Shape(dims)
 
 
 def _check_interfaces(pkg: Package, image: list[str], embed: str, decoder: list[str]) -> None:
@@ -249,8 +281,11 @@ class _Nodes:
 
 def _scatter_nodes(
     pkg: Package, available: dict[str, ir.Value], embeds_name: str
-) -> tuple[list[ir.Node], ir.Value]:
+) -> tuple[list[ir.Node], ir.Value, dict[str, ir.Value]]:
     """inputs_embeds = embedding rows, with placeholder rows replaced by image features in order.
+
+    Also returns the flattened placeholder mask and feature-row index (``is_image``, ``index``: [batch*seq]),
+    which the position block reuses.
 
     Placeholders are counted over the flattened batch (row-major), the order the image chain emits
     features in: the k-th placeholder takes feature row k. CumSum(mask) - 1 is that k; it is clamped at
@@ -299,7 +334,96 @@ def _scatter_nodes(
     out = b.op("Reshape", [mixed, shape], tensor_names.INPUTS_EMBEDS, "Reshape_out")
     out.name = tensor_names.INPUTS_EMBEDS  # the decoder's input, computed here
     compose.set_signature(out, emb_sig)
-    return b.nodes, out
+    return b.nodes, out, {"is_image": is_image, "index": index}
+
+
+def _position_plan(pkg: Package, image: list[str], decoder: list[str]) -> dict | None:
+    """What the merged graph needs to place a pruned package's kept tokens at their original positions.
+
+    A pruned M-RoPE package (``vision.pruning.positions`` "original") gives each kept token the (t, h, w)
+    position it had before pruning, picked by the vision graph's kept indices. Those indices exist only
+    inside a merged graph, so the graph adds them to the positions itself; None for other packages.
+    """
+    pruned = pkg.manifest["vision"].get("pruning") or {}
+    if pruned.get("positions") != "original":
+        return None
+    where = "merge: a pruned package with original positions"
+    indices = pruned.get("indices_output")
+    if indices not in [o["name"] for o in pkg.info(image[-1])["outputs"]]:
+        raise VlmcError(f"{where} needs the last image graph {image[-1]!r} to output {indices!r}")
+    grid = next((i for s in image for i in pkg.info(s)["inputs"] if i["name"] == _GRID_INPUT), None)
+    if grid is None:
+        raise VlmcError(f"{where} needs the image grid input {_GRID_INPUT!r} to place the kept tokens")
+    pos = next((i for i in pkg.info(decoder[0])["inputs"] if i["name"] == tensor_names.POSITION_IDS), None)
+    if pos is None or len(pos["shape"]) != 3:
+        raise VlmcError(f"{where} needs the decoder's [axes, batch, seq] {tensor_names.POSITION_IDS!r} input")
+    return {
+        "indices": indices,
+        "grid": _GRID_INPUT,
+        "keep": int(pruned["keep"]),
+        "merge": int(pkg.manifest["vision"].get("spatial_merge_size", 1) or 1),
+        "signature": pos,
+    }
+
+
+def _position_nodes(
+    pkg: Package, decoder: list[str], available: dict[str, ir.Value], slots: dict, plan: dict
+) -> tuple[list[ir.Node], ir.Value, ir.Value]:
+    """position_ids (the runtime's, each kept token at its image's start) + the kept tokens' offsets.
+
+    Feature row r of the scatter is kept token r % k of image r // k, whose index into its image's merged
+    (t, h/merge, w/merge) grid is ``local``; its offset is (local // hw, local % hw // w, local % w) with
+    hw = h·w of the merged grid, on the placeholder rows only. Integer Div/Mul/Sub only (ATC parses them).
+    Returns the nodes, the new ``position_ids`` input and the positions the decoder gets (an output too).
+    """
+    b = _Nodes("vlm_positions/")
+    c = {
+        k: b.const(k, v)
+        for k, v in {
+            "flat": np.array([-1], np.int64),
+            "keep": np.array(plan["keep"], np.int64),
+            "merge": np.array(plan["merge"], np.int64),
+            "t": np.array(0, np.int64),
+            "h": np.array(1, np.int64),
+            "w": np.array(2, np.int64),
+            "axis0": np.array([0], np.int64),
+            "zero": np.array(0, np.int64),
+        }.items()
+    }
+    raw = ir.Value(name=tensor_names.POSITION_IDS)
+    compose.set_signature(raw, plan["signature"])
+    grid = available[plan["grid"]]
+    if grid.dtype != ir.DataType.INT64:
+        grid = b.op("Cast", [grid], "grid_i64", "Cast_grid", to=int(ir.DataType.INT64))
+    kept = b.op("Reshape", [available[plan["indices"]], c["flat"]], "kept", "Reshape_kept")
+    local = b.op("Gather", [kept, slots["index"]], "local", "Gather_local", axis=0)
+    which = b.op("Div", [slots["index"], c["keep"]], "image", "Div_image")
+    rows = b.op("Gather", [grid, which], "grid_rows", "Gather_grid", axis=0)  # [batch*seq, 3]
+
+    def side(axis: str) -> ir.Value:
+        full = b.op("Gather", [rows, c[axis]], f"{axis}_full", f"Gather_{axis}", axis=1)
+        return full if axis == "t" else b.op("Div", [full, c["merge"]], f"{axis}_merged", f"Div_{axis}")
+
+    h, w = side("h"), side("w")
+    hw = b.op("Mul", [h, w], "hw", "Mul_hw")
+    tt = b.op("Div", [local, hw], "tt", "Div_tt")
+    rest = b.op("Sub", [local, b.op("Mul", [tt, hw], "tt_hw", "Mul_tt")], "rest", "Sub_rest")
+    hh = b.op("Div", [rest, w], "hh", "Div_hh")
+    ww = b.op("Sub", [rest, b.op("Mul", [hh, w], "hh_w", "Mul_hh")], "ww", "Sub_ww")
+    axes = [
+        b.op("Unsqueeze", [x, c["axis0"]], f"{n}_row", f"Unsqueeze_{n}")
+        for n, x in (("t", tt), ("h", hh), ("w", ww))
+    ]
+    offset = b.op("Concat", axes, "offset", "Concat_offset", axis=0)  # [3, batch*seq]
+    mask = b.op("Unsqueeze", [slots["is_image"], c["axis0"]], "is_image_row", "Unsqueeze_mask")
+    offset = b.op("Where", [mask, offset, c["zero"]], "offset_images", "Where_offset")
+    offset = b.op(
+        "Reshape", [offset, b.op("Shape", [raw], "shape", "Shape")], "offset_shaped", "Reshape_offset"
+    )
+    used = b.op("Add", [raw, offset], tensor_names.PREFILL_POSITIONS, "Add")
+    used.name = tensor_names.PREFILL_POSITIONS
+    compose.set_signature(used, plan["signature"])
+    return b.nodes, raw, used
 
 
 def _deepstack_nodes(

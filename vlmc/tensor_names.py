@@ -35,6 +35,9 @@ INPUT_IDS = "input_ids"
 INPUTS_EMBEDS = "inputs_embeds"
 IMAGE_FEATURES = "image_features"
 LOGITS = "logits"
+POSITION_IDS = "position_ids"
+# The positions a merged pruned M-RoPE graph used in prefill (position_ids + kept tokens' offsets).
+PREFILL_POSITIONS = "prefill_position_ids"
 HIDDEN_PREFIX = "hidden_states."
 
 

@@ -11,6 +11,8 @@ Scores (``method``):
   (FasterVLM); needs a CLS query (``vision.attention.query_index``).
 - ``attention_received``: the mean attention each patch receives at the recorded layer, averaged
   over heads and queries and grouped by the spatial merge (encoders without CLS, e.g. Qwen2-VL).
+A token that pools patches (``vision.attention.groups``: InternVL's pixel shuffle, Gemma3's pool) scores
+the mean of its group's patches.
 - ``uniform`` (bin centres, a fixed stride) and ``random`` (seeded): baselines with constant indices.
 
 Attention comes from the tensors the exporter recorded in ``vision.attention``: the Softmax output
@@ -169,6 +171,11 @@ def _scores(
     group = int(att.get("merge_group", 1) or 1)
     offset = int(att.get("token_offset", 0))
     a = b.one("Reshape", [a, b.const([-1, keys])])
+    if att.get("groups"):
+        # each token pools a group of patches that need not be consecutive (InternVL's pixel shuffle,
+        # Gemma3's average pool): its score is the mean over the group's key columns
+        columns = np.asarray(att["groups"], np.int64).reshape(-1, int(att["group_size"])) + offset
+        return b.reduce_mean(b.one("Gather", [a, b.const(columns)], {"axis": 1}), [2]), source
     a = b.slice(a, offset, offset + tokens * group, axis=1)
     if group > 1:
         a = b.one("Reshape", [a, b.const([-1, tokens, group])])
@@ -257,6 +264,100 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
     return kept, b.one("Sub", [indices, starts]), source
 
 
+def _anyres(b: _Builder, x, method, keep, packed, attention, seed, recompute, tensors) -> tuple:
+    """Anyres tokens gathered from a tile feature table (``packed["table"]``, LLaVA-NeXT / OneVision).
+
+    x is [all image tokens, hidden]: per image, in order, the base tile's tokens, then the unpadded
+    (maybe downscaled) grid row by row, each row ending in image_newline. Output token t mixes table
+    rows ``index[t]`` with ``weight[t]``; image i's tiles start at table row i·tiles·tile_tokens (its
+    base tile's first token is the only token at such a row) and the table's last row is image_newline.
+    Per image, every newline token is kept (the rows stay rows) and the k − rows best content tokens
+    (base tile and grid), all in their original order: k tokens per image.
+    """
+    t = packed["table"]
+    index, weight, pixels = (tensors.get(t[k]) for k in ("index_input", "weight_input", "pixels_input"))
+    if index is None or weight is None or pixels is None:
+        raise VlmcError("the vision graph lacks the token-table inputs named in vision.token_table")
+    per_tile = int(t["tile_tokens"])
+    n_img = b.one("Shape", [pixels], {"start": 0, "end": 1})
+    stride = b.one("Mul", [b.one("Shape", [pixels], {"start": 1, "end": 2}), b.const([per_tile])])
+    newline_row = b.one("Mul", [n_img, stride])
+    first = b.one("Squeeze", [b.slice(index, 0, 1, axis=1), b.const([1])])  # [tokens]: each token's first row
+    is_nl = b.one("Equal", [first, newline_row])
+    rem = b.one("Sub", [first, b.one("Mul", [b.one("Div", [first, stride]), stride])])
+    is_start = b.one("And", [b.one("Equal", [rem, b.const(0)]), b.one("Not", [is_nl])])
+    which = b.one(
+        "Sub",
+        [
+            b.one("CumSum", [b.one("Cast", [is_start], {"to": int(ir.DataType.INT64)}), b.const(0)]),
+            b.const(1),
+        ],
+    )
+    images = b.one("Range", [b.const(0), b.one("Squeeze", [n_img, b.const([0])]), b.const(1)])
+    member = b.one("Equal", [b.unsqueeze(images, [1]), b.unsqueeze(which, [0])])  # [images, tokens]
+    line = b.one("And", [member, b.unsqueeze(is_nl, [0])])
+    content = b.one("And", [member, b.one("Not", [line])])
+
+    def count(mask: ir.Value) -> ir.Value:  # per image, [images, 1]
+        ones = b.one("Cast", [mask], {"to": int(ir.DataType.INT64)})
+        if b.opset >= 13:  # ReduceSum takes its axes as an input from opset 13 (the others from 18)
+            return b.one("ReduceSum", [ones, b.const([1])], {"keepdims": 1})
+        return b.one("ReduceSum", [ones], {"axes": [1], "keepdims": 1})
+
+    def running(mask: ir.Value) -> ir.Value:  # the index of each masked token among its image's masked ones
+        return b.one(
+            "Sub",
+            [
+                b.one("CumSum", [b.one("Cast", [mask], {"to": int(ir.DataType.INT64)}), b.const(1)]),
+                b.const(1),
+            ],
+        )
+
+    local = running(member)
+    cloc = running(content)
+    slots = b.one("Max", [b.one("Sub", [b.const(keep), count(line)]), b.const(1)])  # k - rows content tokens
+    m = b.one("Max", [count(content), b.const(1)])
+    if method == "uniform":
+        # content token c is a bin centre floor((2j+1)·m / 2k') for j = (2k'c + m - 1) div 2m, if j < k'
+        two_k = b.one("Mul", [slots, b.const(2)])
+        j = b.one(
+            "Div",
+            [
+                b.one(
+                    "Add",
+                    [b.one("Mul", [two_k, b.one("Max", [cloc, b.const(0)])]), b.one("Sub", [m, b.const(1)])],
+                ),
+                b.one("Mul", [m, b.const(2)]),
+            ],
+        )
+        centre = b.one(
+            "Div", [b.one("Mul", [b.one("Add", [b.one("Mul", [j, b.const(2)]), b.const(1)]), m]), two_k]
+        )
+        hit = b.one("And", [b.one("Equal", [centre, cloc]), b.one("Less", [j, slots])])
+        scores, source = b.one("Cast", [hit], {"to": int(ir.DataType.FLOAT)}), "constant"
+    elif method == "random":
+        size = int(packed["max_tokens"])
+        table = b.const(random_table(seed, size), np.float32)
+        scores = b.one("Gather", [table, b.one("Clip", [cloc, b.const(0), b.const(size - 1)])], {"axis": 0})
+        source = "constant"
+    else:
+        a, source = _attention(b, tensors, attention, method, recompute)
+        a = b.one("Reshape", [_head_mean(b, a), b.const([-1, int(attention["keys_per_image"])])])
+        offset = int(attention.get("token_offset", 0))
+        a = b.one("Reshape", [b.slice(a, offset, offset + per_tile, axis=1), b.const([-1])])
+        a = b.one("Concat", [a, b.const([0.0], np.float32)], {"axis": 0})  # image_newline's row
+        # each token's score mixes its table rows' scores as the token mixes their features
+        g = b.one("Mul", [b.one("Gather", [a, index], {"axis": 0}), weight])
+        w = [b.one("Squeeze", [b.slice(g, i, i + 1, axis=1), b.const([1])]) for i in range(4)]
+        scores = b.unsqueeze(b.one("Add", [b.one("Add", [w[0], w[1]]), b.one("Add", [w[2], w[3]])]), [0])
+    # every score is in [0, 1]: newlines (2) always win, tokens of other images (-1) never do
+    scores = b.one("Where", [content, scores, b.const(np.float32(-1.0), np.float32)])
+    scores = b.one("Where", [line, b.const(np.float32(2.0), np.float32), scores])
+    indices = _sorted_topk(b, scores, keep)  # positions on the packed axis [images, k]
+    kept = b.one("Gather", [x, b.one("Reshape", [indices, b.const([-1])])], {"axis": 0})
+    return kept, b.one("GatherElements", [local, indices], {"axis": 1}), source
+
+
 def _output(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((o for o in graph.outputs if o.name == name), None)
 
@@ -312,7 +413,10 @@ def rewrite(
     shape = list(feats.shape) if feats.shape is not None else [None] * (2 if packed else 3)
     feats.name = f"{FEATURES}_unpruned"
     b = _Builder(graph, PREFIX)
-    if packed:
+    if packed and packed.get("table"):
+        kept, indices, source = _anyres(b, feats, method, keep, packed, attention, seed, recompute, tensors)
+        kept_shape, idx_shape = ["image_tokens", shape[-1]], ["images", keep]
+    elif packed:
         kept, indices, source = _packed(b, feats, method, keep, packed, attention, seed, recompute, tensors)
         kept_shape, idx_shape = ["image_tokens", shape[-1]], ["images", keep]
     else:
@@ -459,6 +563,21 @@ class PruneVisualTokens(Pass):
                 raise VlmcError(
                     f"keep={k} is not below the {tokens} visual tokens per image; nothing to prune"
                 )
+        elif v.get("token_table"):
+            # anyres: each image's count depends on its size; every row's image_newline is kept
+            table = v["token_table"]
+            if self.opts["keep"] is None:
+                raise VlmcError(
+                    "the token count per image depends on the image size here (anyres tiles); "
+                    "give keep (tokens per image) instead of ratio"
+                )
+            k = int(self.opts["keep"])
+            if k <= int(table["most_rows"]):
+                raise VlmcError(
+                    f"keep={k} must be above the {table['most_rows']} feature rows an image can have: every "
+                    "row's image_newline token is kept, and at least one image token besides them"
+                )
+            packed = {"table": table, "max_tokens": MAX_PACKED_TOKENS}
         else:
             inputs = [i["name"] for i in pkg.info(target)["inputs"]]
             if not (v.get("packed_features") and GRID_INPUT in inputs):
@@ -558,7 +677,9 @@ class PruneVisualTokens(Pass):
             report["tokens_before"] = (
                 f"{report['savings']['visual_tokens_before']} (demo:0; depends on the image size)"
             )
-        if self.opts["picture"]:
+        if self.opts["picture"] and package.manifest["vision"].get("token_table"):
+            report["picture"] = "not drawn: anyres tokens come from several tiles, not one patch grid"
+        elif self.opts["picture"]:
             image = "demo:0"
             package.files["pruning.png"] = measure.picture(package, image)
             report["picture"] = "pruning.png"

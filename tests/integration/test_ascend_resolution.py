@@ -186,6 +186,31 @@ def test_a_pruned_build_runs_every_image_on_gears_that_hold_its_kept_tokens(expo
     assert got.tokens == Pipeline(pkg).generate(PROMPTS, [fitted], NEW_TOKENS).tokens
 
 
+@pytest.mark.parametrize(
+    "name, merged",
+    [("tiny-qwen3-vl", False), ("tiny-qwen2-vl", True), ("tiny-qwen3-vl", True)],
+    ids=["deepstack", "merged", "deepstack-merged"],
+)
+def test_a_pruned_build_holds_the_kept_rows_and_positions(exported, tmp_path, name, merged):
+    # The deepstack rows of a pruned package are images x kept tokens, whatever the patch gear; a merged
+    # pruned M-RoPE build places the kept tokens itself and returns its positions.
+    from vlmc import pass_api
+
+    pkg = Package.load(exported(name))
+    pass_api.get("prune_visual_tokens")(keep=8, method="attention_received", picture=False).run(pkg)
+    if merged:
+        pass_api.get("merge")().run(pkg)
+    pkg.save(tmp_path / "pruned")
+    pkg = Package.load(tmp_path / "pruned")
+    summary = _compile(pkg, tmp_path / "b")
+    ds = pkg.manifest["text"].get("deepstack")
+    if ds:
+        assert any(b["bindings"].get(ds.get("rows_dim", "visual_tokens")) == [8] for b in summary["builds"])
+    got, run_pkg, _ = _run_build(tmp_path / "b", ["demo"])
+    fitted, _ = preprocess.fit_to_gears(["demo"], run_pkg.manifest["vision"]["preprocess"])
+    assert got.tokens == Pipeline(pkg).generate(PROMPTS, [fitted], NEW_TOKENS).tokens
+
+
 def test_dims_keep_their_exact_sizes_and_fit_nothing(exported, tmp_path):
     pkg = Package.load(exported("tiny-qwen2-vl"))
     own = int(Pipeline(pkg).prepare(PROMPTS, [["demo"]]).vision["pixel_values"].shape[0])

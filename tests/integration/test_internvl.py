@@ -201,9 +201,15 @@ def test_pruned_package_keeps_k_tokens_per_tile(internvl, pictures):
     assert res.inputs["ids_equal"] and res.visual_tokens["reference"] == 7 * TOKENS_PER_TILE
 
 
-def test_pruning_by_attention_refuses_with_the_reason(internvl):
-    with pytest.raises(VlmcError, match="internvl: pixel shuffle"):
-        _prune(Package.load(internvl.pkg_dir), keep=4, method="cls_attention")
+def test_pruning_by_attention_scores_the_pixel_shuffle_groups(internvl, pictures):
+    # each token scores the CLS attention of the 2x2 patches its pixel shuffle folds (numerics:
+    # tests/test_prune.py against transformers' attentions)
+    out = _prune(Package.load(internvl.pkg_dir), keep=4, method="cls_attention")
+    att = out.manifest["vision"]["attention"]
+    assert att["group_size"] == 4 and len(att["groups"]) == 4 * TOKENS_PER_TILE
+    assert sorted(att["groups"]) == list(range(1, 4 * TOKENS_PER_TILE + 1))  # every patch once, CLS is 0
+    inp = Pipeline(out).prepare(["What is in the image?"], [[pictures[0]]])
+    assert int((inp.input_ids == out.manifest["vision"]["image_token_id"]).sum()) == 7 * 4
 
 
 def test_mismatched_image_seq_length_is_refused(tmp_path):

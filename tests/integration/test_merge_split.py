@@ -15,7 +15,7 @@ from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.pass_api import get
-from vlmc.runtime import Pipeline
+from vlmc.runtime import Pipeline, kv
 
 exporters.families()  # family modules register their built-ins on import
 BUILTINS = sorted(zoo.BUILTINS)
@@ -300,26 +300,36 @@ def test_lossy_pass_after_merge_is_refused(step, merged, source, tmp_path):
     assert "vlm" not in pkg.manifest["graphs"]
 
 
-def test_merge_refuses_a_pruned_package_whose_positions_need_the_kept_indices(source):
-    pruned = _run(source("tiny-qwen2-vl"), [PRUNE])
+MROPE = ["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-glm4v"]
+
+
+@pytest.mark.parametrize("name", MROPE)
+def test_merge_of_a_pruned_mrope_package_places_the_kept_tokens(name, source, tmp_path):
+    """The merged graph adds the kept tokens' offsets itself: token-exact against the unmerged pruned package."""
+    step = {
+        "prune_visual_tokens": {**PRUNE["prune_visual_tokens"], "keep": 5, "method": "attention_received"}
+    }
+    pruned = _saved(_run(source(name), [step]), tmp_path, "pruned")
     assert pruned.manifest["vision"]["pruning"]["positions"] == "original"
-    with pytest.raises(
-        PassFailed,
-        match=r"merge: this pruned package computes mrope positions from the vision "
-        r"graph's 'image_token_indices' output, which a merged graph hides; deploy "
-        r"the pruned package unmerged, or merge it unpruned",
-    ):
-        manager.run(pruned, recipe.from_dict({"passes": [{"merge": {}}]}).steps)
-    assert _generate(pruned).prefill_logits.shape[0] == len(PROMPTS)  # unmerged, it runs
-    # Why: merged anyway (run with the plan check_package makes when the pruning fact is hidden from
-    # it), no run of the package can compute its positions.
-    merge = get("merge")()
-    facts = pruned.manifest["vision"].pop("pruning")
-    plan = merge.check_package(pruned)
-    pruned.manifest["vision"]["pruning"] = facts
-    forced = merge.run(pruned, plan).package
-    with pytest.raises(VlmcError, match="needs the vision graph's kept token indices"):
-        _generate(forced)
+    merged_pkg = _saved(_run(pruned.root, [{"merge": {}}]), tmp_path, "merged")
+    vlm = merged_pkg.manifest["pipeline"]["vlm"]
+    assert merged_pkg.info(vlm)["positions_output"] == "prefill_position_ids"
+    assert "prefill_position_ids" in [o["name"] for o in merged_pkg.info(vlm)["outputs"]]
+    _assert_same_generation(_generate(pruned), _generate(merged_pkg), tol=1e-4)
+    # The positions the merged graph used are the unmerged package's, kept tokens at their original
+    # (t, h, w) and not at their image's start (what the runtime feeds the merged graph).
+    unmerged, one = Pipeline(pruned), Pipeline(merged_pkg)
+    inp_a, inp_b = unmerged.prepare(PROMPTS, IMAGES), one.prepare(PROMPTS, IMAGES)
+    _, _, expected, _ = unmerged.start(inp_a)
+    chain, _, given, extra = one.start(inp_b)
+    feeds, _ = one.merged_inputs(inp_b, chain, inp_b.attention_mask, given, extra)
+    state = kv.make(merged_pkg.manifest["kv"], len(PROMPTS), attention_mask=inp_b.attention_mask)
+    one.step(feeds, [chain], state)
+    assert not np.array_equal(given, expected)
+    np.testing.assert_array_equal(feeds["position_ids"], expected)
+    split_pkg = _run(merged_pkg.root, [{"split": {}}])
+    assert "vlm" not in split_pkg.manifest["graphs"]
+    _assert_same_generation(_generate(pruned), _generate(split_pkg), tol=1e-4)
 
 
 def test_split_then_quantize_equals_quantize_then_split(source, tmp_path):

@@ -161,6 +161,127 @@ def test_qwen_baselines_adapt_to_each_image_size(tiny_qwen, qwen_inputs, method)
         np.testing.assert_array_equal(out[measure.INDICES_OUTPUT][i], expected)
 
 
+def _tower_attentions(name: str, pixels: np.ndarray):
+    model = load_source(name).model
+    with torch.no_grad():
+        return model, model.model.vision_tower(torch.from_numpy(pixels), output_attentions=True).attentions
+
+
+def test_internvl_cls_attention_scores_each_pixel_shuffle_group(exported):
+    """transformers' CLS attention of the feature layer, shuffled like the features, mean per token."""
+    pkg = Package.load(exported("tiny-internvl"))
+    images = [preprocess.load_image("demo:0")]
+    pixels = preprocess.preprocess(images, pkg.manifest["vision"]["preprocess"])["pixel_values"]
+    k = 6
+    out = Pipeline(_prune(exported("tiny-internvl"), keep=k)).run_graph(
+        "vision_encoder", {"pixel_values": pixels}
+    )
+    model, att = _tower_attentions("tiny-internvl", pixels)
+    cls = att[-1][:, :, 0, 1:].mean(1)  # feature layer -1: the last layer's CLS row, head mean
+    side = int(round(cls.shape[1] ** 0.5))
+    shuffled = model.model.pixel_shuffle(cls.reshape(-1, side, side, 1), scale_factor=0.5)
+    scores = shuffled.reshape(cls.shape[0], -1, shuffled.shape[-1]).mean(-1).numpy()
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], _topk_sorted(scores, k))
+
+
+def test_gemma3_attention_received_scores_each_pooled_token_and_runs(exported):
+    """The last layer's received attention, average-pooled like the features; the image block follows."""
+    pkg = Package.load(exported("tiny-gemma3"))
+    pixels = preprocess.preprocess(
+        [preprocess.load_image(f"demo:{i}") for i in range(2)], pkg.manifest["vision"]["preprocess"]
+    )["pixel_values"]
+    k = 2
+    pruned = _prune(exported("tiny-gemma3"), keep=k, method="attention_received")
+    out = Pipeline(pruned).run_graph("vision_encoder", {"pixel_values": pixels})
+    _, att = _tower_attentions("tiny-gemma3", pixels)
+    received = att[-1].mean(2).mean(1)  # [images, patches]
+    side = int(round(received.shape[1] ** 0.5))
+    tokens_side = int(round(pkg.manifest["vision"]["tokens_per_image"] ** 0.5))
+    pooled = torch.nn.functional.avg_pool2d(received.reshape(-1, 1, side, side), side // tokens_side)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], _topk_sorted(pooled.flatten(1).numpy(), k))
+    pipe = Pipeline(pruned)
+    inp = pipe.prepare(["Describe the image."], [["demo:0"]])
+    res = pipe.generate_from(inp, 3)
+    assert res.image_tokens == k
+    types = inp.extra[pruned.manifest["text"]["token_type_ids"]]
+    np.testing.assert_array_equal(types, (inp.input_ids == pruned.manifest["vision"]["image_token_id"]))
+
+
+ANYRES = {"tiny-llava-next": "cls_attention", "tiny-llava-onevision": "attention_received"}
+
+
+def _anyres_feeds(pkg: Package) -> dict:
+    """Two images of different aspect ratios (different tile grids, unpadding and newline counts)."""
+    rng = np.random.default_rng(0)
+    images = [preprocess.demo_image(64, seed=1), rng.integers(0, 256, (40, 90, 3)).astype(np.uint8)]
+    pipe = Pipeline(pkg)
+    return pipe.vision_feeds(preprocess.preprocess(images, pkg.manifest["vision"]["preprocess"]))
+
+
+def _anyres_expected(pkg: Package, feeds: dict, method: str, keep: int, seed: int = 0) -> list[np.ndarray]:
+    """Per image, in numpy: every newline token, and the best keep - rows content tokens, ascending."""
+    index, weight = feeds["image_feature_index"], feeds["image_feature_weight"]
+    images, tiles = feeds["pixel_values"].shape[:2]
+    per_tile = pkg.manifest["vision"]["token_table"]["tile_tokens"]
+    newline = images * tiles * per_tile
+    counts = preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"])
+    if method in ("cls_attention", "attention_received"):
+        att = pkg.manifest["vision"]["attention"]
+        sess = ortsession.from_model(pkg.model("vision_encoder"), extra_outputs=[att["probs"]])
+        graph_feeds = {k: v for k, v in feeds.items() if k != "image_sizes"}
+        probs = sess.run([att["probs"]], graph_feeds)[0]  # [tiles, heads, queries, keys]
+        a = probs[:, :, 0] if method == "cls_attention" else probs.mean(2)
+        off = att["token_offset"]
+        table = np.concatenate([a.mean(1)[:, off : off + per_tile].reshape(-1), [0.0]]).astype(np.float32)
+        w = weight
+        token_scores = (table[index[:, 0]] * w[:, 0] + table[index[:, 1]] * w[:, 1]) + (
+            table[index[:, 2]] * w[:, 2] + table[index[:, 3]] * w[:, 3]
+        )
+    out, start = [], 0
+    for n in counts:
+        is_nl = index[start : start + n, 0] == newline
+        content = np.flatnonzero(~is_nl)
+        slots = keep - int(is_nl.sum())
+        if method == "uniform":
+            chosen = content[((2 * np.arange(slots) + 1) * len(content)) // (2 * slots)]
+        elif method == "random":
+            table = np.random.default_rng(seed).random(1 << 16).astype(np.float32)
+            chosen = content[np.sort(np.argsort(-table[: len(content)], kind="stable")[:slots])]
+        else:
+            chosen = content[_topk_sorted(token_scores[start : start + n][content], slots)]
+        out.append(np.sort(np.concatenate([np.flatnonzero(is_nl), chosen])))
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("method", ["attention", "uniform", "random"])
+@pytest.mark.parametrize("name", sorted(ANYRES))
+def test_anyres_keeps_every_newline_and_the_best_tokens_per_image(exported, name, method):
+    method = ANYRES[name] if method == "attention" else method
+    keep = 30
+    pkg = Package.load(exported(name))
+    feeds = _anyres_feeds(pkg)
+    pruned = _prune(exported(name), keep=keep, method=method, seed=3)
+    assert pruned.manifest["vision"]["tokens_per_image"] == keep
+    graph_feeds = {k: v for k, v in feeds.items() if k != "image_sizes"}
+    out = Pipeline(pruned).run_graph("vision_encoder", graph_feeds)
+    full = Pipeline(pkg).run_graph("vision_encoder", graph_feeds)["image_features"]
+    expected = _anyres_expected(pkg, feeds, method, keep, seed=3)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], np.stack(expected))
+    counts = preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"])
+    starts = np.cumsum([0, *counts[:-1]])
+    rows = np.concatenate([s + e for s, e in zip(starts, expected)])
+    np.testing.assert_array_equal(out["image_features"], full[rows])  # kept tokens, exact, in order
+
+
+def test_anyres_keep_below_the_newline_rows_is_refused(exported):
+    most = Package.load(exported("tiny-llava-next")).manifest["vision"]["token_table"]["most_rows"]
+    with pytest.raises(PassFailed, match=f"keep={most} must be above the {most} feature rows"):
+        _prune(exported("tiny-llava-next"), keep=most, method="uniform")
+    with pytest.raises(PassFailed, match="give keep"):
+        _prune(exported("tiny-llava-next"), ratio=0.5, method="uniform")
+
+
 # ---- graph properties ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name,opts",

@@ -105,3 +105,43 @@ def locate(model: ir.Model, softmax: ir.Node) -> dict:
     raise VlmcError(
         f"Softmax {softmax.name!r} is not fed by a Q·Kᵀ MatMul; cannot locate its attention inputs"
     )
+
+
+def feature_layer_index(feature_layer: int | None, layers: int) -> int:
+    """The encoder layer whose output ``hidden_states[feature_layer]`` is (None: the last layer's).
+
+    hidden_states[0] is the embeddings, so hidden_states[f] (f < 0: L + f) is the output of encoder
+    layer L + f (f > 0: f - 1).
+    """
+    f = -1 if feature_layer is None else int(feature_layer)
+    return layers + f if f < 0 else f - 1
+
+
+def grouped_facts(
+    vision_graph: ir.Model, scope: str, keys: int, query_index: int | None, groups, where: str
+) -> dict | None:
+    """Attention facts of the one Softmax under ``scope`` whose feature tokens each pool a group of patches.
+
+    ``groups`` [tokens, group]: the key columns (CLS included) whose attention scores each feature token
+    (pixel shuffle or pooling folds those patches into it). None, with a warning, unless exactly one
+    Softmax is found.
+    """
+    nodes = softmax_nodes(vision_graph, scope=scope)
+    if len(nodes) != 1:
+        logger.warning(
+            "%s: found %d Softmax nodes under %s; attention facts not written", where, len(nodes), scope
+        )
+        return None
+    facts = locate(vision_graph, nodes[0])
+    facts.update(
+        {
+            "graph": "vision_encoder",
+            "query_index": query_index,
+            "token_offset": 0,
+            "keys_per_image": int(keys),
+            # flat (the manifest's facts nest two levels): token t pools groups[t·g : (t+1)·g]
+            "groups": [int(x) for row in groups for x in row],
+            "group_size": len(groups[0]),
+        }
+    )
+    return facts

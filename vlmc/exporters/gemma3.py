@@ -19,7 +19,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, streaming, zoo
+from vlmc.exporters import attention, base, generic, streaming, zoo
 from vlmc.exporters._facts import image_processor_config
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,8 @@ class Gemma3(generic.Family):
             "boi_token_id": int(cfg.boi_token_id),
             "eoi_token_id": int(cfg.eoi_token_id),
             "has_cls_token": False,
+            # the pooled tokens run row-major over the image (the pruning picture draws them)
+            "token_grid": [int(round(self.tokens_per_image(cfg) ** 0.5))] * 2,
             "processor_images": "per_prompt",  # Gemma3Processor takes a batch's images per prompt
             "preprocess": {
                 "kind": "resize",
@@ -81,12 +83,28 @@ class Gemma3(generic.Family):
                 "rescale_factor": pc.get("rescale_factor", 1 / 255),
                 "resample": _PIL_RESAMPLE.get(pc.get("resample", 2), "bilinear"),
             },
-            "prune": {
-                "supported": False,
-                "reason": "gemma3: image tokens attend bidirectionally within their image block "
-                "(token_type_ids), and the decoder graph takes that input; pruning is not wired for it",
-            },
+            # Pruning needs nothing more: the runtime's token_type_ids mark the k kept placeholders, so the
+            # image block the decoder attends bidirectionally is the kept tokens' run.
         }
+
+    def after_export(self, source, pkg, vision_graph) -> None:
+        """The last encoder layer's attention; a token scores the patches its average pool covers."""
+        v = source.config.vision_config
+        side = int(v.image_size) // int(v.patch_size)
+        tokens_side = int(round(self.tokens_per_image(source.config) ** 0.5))
+        kernel = side // tokens_side
+        groups = [
+            [(ti * kernel + a) * side + tj * kernel + b for a in range(kernel) for b in range(kernel)]
+            for ti in range(tokens_side)
+            for tj in range(tokens_side)
+        ]
+        layers = int(v.num_hidden_layers)
+        facts = attention.grouped_facts(
+            vision_graph, f"/encoder/layers.{layers - 1}/", side * side, None, groups, "gemma3"
+        )
+        if facts:
+            facts.update({"layer": layers - 1, "layers": layers})
+        pkg.manifest["vision"]["attention"] = facts
 
     def text_facts(self, source) -> dict:
         return {

@@ -15,7 +15,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, processor, zoo
+from vlmc.exporters import attention, base, generic, processor, zoo
 from vlmc.runtime import tiles
 
 logger = logging.getLogger(__name__)
@@ -34,11 +34,6 @@ IMAGENET_STD = [0.229, 0.224, 0.225]
 # What InternVLProcessor asks of GotOcr2's image processor unless told otherwise, and GotOcr2's defaults.
 DEFAULT_TILING = {"crop_to_patches": True, "min_patches": 1, "max_patches": 12}
 _PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
-# Why vision.attention is null: what prune_visual_tokens says when asked for an attention method.
-ATTENTION_NOTE = (
-    "internvl: pixel shuffle folds each 2x2 patch group into one token, and those groups are not "
-    "consecutive patches, so one layer's CLS attention does not score the tokens"
-)
 
 
 def _model_class():
@@ -200,9 +195,40 @@ def vision_facts(config, directory) -> dict:
         "feature_layer": config.vision_feature_layer,
         "select_strategy": config.vision_feature_select_strategy,
         "downsample_ratio": float(config.downsample_ratio),
-        "attention": None,
-        "attention_note": ATTENTION_NOTE,
+        "attention": None,  # written after export (_attention_facts), from the traced graph
     }
+
+
+def _shuffle_groups(model, config) -> list[list[int]]:
+    """[tokens, fold²] the patch each token's pixel-shuffle channels come from (the model's own shuffle
+    applied to patch numbers), plus 1 for the CLS key column."""
+    v = config.vision_config
+    (th, tw), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
+    rows, cols = th // ph, tw // pw
+    numbers = torch.arange(rows * cols, dtype=torch.float32).reshape(1, rows, cols, 1)
+    shuffled = model.model.pixel_shuffle(numbers, scale_factor=float(config.downsample_ratio))
+    groups = shuffled.reshape(-1, shuffled.shape[-1]).round().long() + 1  # key 0 is CLS
+    return groups.tolist()
+
+
+def _attention_facts(source, vision_graph) -> dict | None:
+    """The feature layer's CLS attention, each token scored by the patches its pixel-shuffle group folds."""
+    cfg = source.config
+    v = cfg.vision_config
+    layers = int(v.num_hidden_layers)
+    layer = attention.feature_layer_index(cfg.vision_feature_layer, layers)
+    (th, tw), (ph, pw) = _pair(v.image_size), _pair(v.patch_size)
+    facts = attention.grouped_facts(
+        vision_graph,
+        f"/encoder/layer.{layer}/",
+        (th // ph) * (tw // pw) + 1,
+        0,
+        _shuffle_groups(source.model, cfg),
+        "internvl",
+    )
+    if facts:
+        facts.update({"layer": layer, "layers": layers})
+    return facts
 
 
 def _has_tokenizer(source) -> bool:
@@ -226,6 +252,9 @@ class InternVL(generic.Family):
         if isinstance(source.config.vision_feature_layer, list):
             raise VlmcError("internvl: a list of vision_feature_layer is not exported yet (one layer only)")
         return vision_facts(source.config, source.directory)
+
+    def after_export(self, source, pkg, vision_graph) -> None:
+        pkg.manifest["vision"]["attention"] = _attention_facts(source, vision_graph)
 
     def text_facts(self, source) -> dict:
         if not _has_tokenizer(source):

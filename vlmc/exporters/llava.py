@@ -92,11 +92,12 @@ def tokens_per_image(config) -> int:
     return n if config.vision_feature_select_strategy == "default" else n + 1
 
 
-def attention_facts(vision_graph, config) -> dict | None:
+def attention_facts(vision_graph, config, cls: bool = True) -> dict | None:
     """Where the attention of the feature layer lives in the vision graph (read by prune_visual_tokens).
 
     hidden_states[0] is the embeddings, so hidden_states[f] (f < 0: L + f) is the output of encoder
     layer L + f (f > 0: f - 1); FasterVLM scores tokens with that same layer's CLS attention row.
+    ``cls``: the tower has a CLS token (CLIP) as key 0; without one (SigLIP) the keys are the patches.
     """
     v = config.vision_config
     n_layers = int(v.num_hidden_layers)
@@ -124,9 +125,9 @@ def attention_facts(vision_graph, config) -> dict | None:
             "graph": "vision_encoder",
             "layer": layer,
             "layers": n_layers,
-            "query_index": 0,
-            "token_offset": 1 if config.vision_feature_select_strategy == "default" else 0,
-            "keys_per_image": n_patches + 1,
+            "query_index": 0 if cls else None,
+            "token_offset": 1 if cls and config.vision_feature_select_strategy == "default" else 0,
+            "keys_per_image": n_patches + (1 if cls else 0),
         }
     )
     return facts

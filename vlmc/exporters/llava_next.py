@@ -128,14 +128,24 @@ class LlavaNext(generic.Family):
             "patch_grid": [side, side],
             "feature_layer": cfg.vision_feature_layer,
             "select_strategy": cfg.vision_feature_select_strategy,
-            # Tokens are gathered from tiles, unpadded and (OneVision) interpolated: no per-image token
-            # set for prune_visual_tokens to score and keep.
-            "prune": {
-                "supported": False,
-                "reason": f"{self.name}: anyres tiles, unpadding and image_newline "
-                "give each image its own token layout, which pruning to k tokens per image would break",
+            "has_cls_token": "clip" in v.model_type,
+            # How the output tokens are gathered from the tiles' feature table (read by prune_visual_tokens):
+            # row r of the table is tile r // tile_tokens's feature r % tile_tokens, image i's tiles start at
+            # row i * tiles * tile_tokens, and the table's last row is image_newline.
+            "token_table": {
+                "index_input": "image_feature_index",
+                "weight_input": "image_feature_weight",
+                "pixels_input": "pixel_values",
+                "tile_tokens": side * side,
+                "most_rows": _most_rows(self.anyres_facts(cfg, source.directory)),
             },
         }
+
+    def after_export(self, source, pkg, vision_graph) -> None:
+        from vlmc.exporters import llava
+
+        cls = bool(pkg.manifest["vision"].get("has_cls_token"))
+        pkg.manifest["vision"]["attention"] = llava.attention_facts(vision_graph, source.config, cls=cls)
 
     def text_facts(self, source) -> dict:
         return {"prompt_template": self.template, "image_marker": "<image>"}
@@ -170,6 +180,18 @@ class LlavaNext(generic.Family):
             },
             output_axes={0: IMAGE_TOKENS},
         )
+
+
+def _most_rows(facts: dict) -> int:
+    """The most feature-grid rows (each ends in image_newline) one image can give: over every pinpoint's
+    grid and every unpadded part of it, as ``anyres.most_tokens`` (a narrow part may escape the downscale)."""
+    tile, side = int(facts["tile_size"]), int(facts["tile_tokens_side"])
+    most = 0
+    for ph, pw in facts["grid_pinpoints"]:
+        rows, cols = int(ph) // tile * side, int(pw) // tile * side
+        for h, w in [(rows, c) for c in range(1, cols + 1)] + [(r, cols) for r in range(1, rows + 1)]:
+            most = max(most, anyres._downscaled(h, w, facts)[0])
+    return most
 
 
 def raise_full_cls(name: str):

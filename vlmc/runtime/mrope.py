@@ -38,16 +38,21 @@ def positions_mrope(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict
     # A pruned package keeps k tokens per image (vision.pruning): they keep their original (t, h, w)
     # positions, picked by the indices the vision graph outputs; text after the image continues
     # where it would without pruning.
+    # A merged graph that returns its positions (graph entry ``positions_output``) adds the kept tokens'
+    # offsets itself: it is given every kept token at its image's start.
     pruned = v.get("pruning")
     kept = None
+    at_start = False
     if pruned:
-        kept = ctx.get("image_outputs", {}).get(pruned.get("indices_output", "image_token_indices"))
-        if kept is None:
+        kept = (ctx.get("image_outputs") or {}).get(pruned.get("indices_output", "image_token_indices"))
+        at_start = kept is None and _offsets_in_graph(ctx["manifest"])
+        if kept is None and not at_start:
             raise VlmcError(
                 "a pruned M-RoPE package needs the vision graph's kept token indices for positions, "
                 "and the image chain did not provide them"
             )
-        kept = np.asarray(kept).reshape(-1, int(pruned["keep"]))
+        if kept is not None:
+            kept = np.asarray(kept).reshape(-1, int(pruned["keep"]))
     batch, seq = input_ids.shape
     out = np.ones((3, batch, seq), np.int64)
     k = 0
@@ -70,6 +75,8 @@ def positions_mrope(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict
             full = image_positions(cur, grid, merge)
             if kept is not None:
                 full = full[:, kept[k]]
+            elif at_start:
+                full = np.full((3, int(pruned["keep"])), cur, np.int64)
             n = full.shape[1]
             if not np.all(ids[i : i + n] == image_id):
                 raise VlmcError(f"prompt {b}: image {k} needs {n} placeholder tokens in a row")
@@ -81,3 +88,9 @@ def positions_mrope(input_ids: np.ndarray, attention_mask: np.ndarray, ctx: dict
     if k != len(grids):
         raise VlmcError(f"{len(grids)} image grid(s) but {k} image placeholder run(s) in the prompts")
     return out
+
+
+def _offsets_in_graph(manifest: dict) -> bool:
+    """True if the package's merged graph places the kept image tokens itself (it returns its positions)."""
+    merged = manifest.get("pipeline", {}).get("vlm")
+    return bool(merged and manifest["graphs"].get(merged, {}).get("positions_output"))

@@ -160,6 +160,14 @@ class Pipeline:
                             f"image {i} gives {int(np.prod(g)) // (merge * merge)} visual tokens, fewer than "
                             f"the {k} this pruned package keeps per image; use a larger image"
                         )
+            elif v.get("pruning"):
+                # A pruned anyres package keeps k of each image's tokens (its size's count); it needs k.
+                for i, n in enumerate(preprocess.token_counts(vision, v["preprocess"]) or []):
+                    if n < k:
+                        raise VlmcError(
+                            f"image {i} gives {n} visual tokens, fewer than the {k} this pruned package "
+                            "keeps per image; use a larger image"
+                        )
             return [k] * n_images
         counts = preprocess.token_counts(vision, v["preprocess"])
         if counts is not None:
@@ -442,6 +450,11 @@ class Pipeline:
         else:
             out = self.run_chain(chain, available)
         state.update(out)
+        # A graph that computes part of its positions (merged pruned M-RoPE) returns the ones it used:
+        # decode continues from those.
+        used = self.m["graphs"].get(chain[-1], {}).get("positions_output")
+        if used and used in out:
+            available["position_ids"] = out[used]
         # a copy, not a view: a view kept the whole prefill logits ([batch, prompt, vocab]:
         # 77 MB at a 600-token LLaVA prompt) alive in step_logits for the result's life
         return out["logits"][:, -1, :].copy()
@@ -489,7 +502,7 @@ class Pipeline:
                     break
                 embeds = self.embed(nxt[:, None].astype(np.int64))
                 mask = np.concatenate([mask, np.ones((batch, 1), mask.dtype)], axis=1)
-                pos = positions.next_positions(pos)
+                pos = positions.next_positions(available["position_ids"])
                 extra = extras.decode(self.m, nxt[:, None].astype(np.int64))
         finally:
             state.release()

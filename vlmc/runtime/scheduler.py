@@ -349,7 +349,9 @@ class Scheduler:
         logits = pipe.step(available, chain, state)
         seq.request.cached_tokens = cached
         self._remember(seq, ids)
-        seq.next_pos = positions.next_positions(pos)
+        seq.next_pos = positions.next_positions(
+            available["position_ids"]
+        )  # a merged graph's own, if it returns them
         self._emit(seq, logits[0])
 
     def _image_keys(self, inp) -> list[str]:

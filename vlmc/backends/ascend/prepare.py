@@ -252,8 +252,9 @@ def _deepstack_rows(
 
     A decode step has no image token, so the runtime feeds one zero row (the graph gathers row 0, a zero
     row of its own, at every non-image position); prefill carries the image tokens of the vision build:
-    its patches (the target's ``dims`` or the vision sample) over merge². A ``dims`` entry for the rows
-    dim itself wins for prefill.
+    its patches (the target's ``dims`` or the vision sample) over merge², or, for a pruned package
+    (``vision.pruning``), the ``tokens_per_image`` it keeps of each image times each images gear, whatever
+    the patches. A ``dims`` entry for the rows dim itself wins for prefill.
     """
     ds = package.manifest.get("text", {}).get("deepstack")
     if not ds:
@@ -261,6 +262,11 @@ def _deepstack_rows(
     dim = ds.get("rows_dim", "visual_tokens")
     if dim in fixed:
         return dim, fixed[dim]
+    vision = package.manifest.get("vision") or {}
+    kept = vision.get("tokens_per_image")
+    if vision.get("pruning") and isinstance(kept, int):
+        images = fixed.get("images", opts.get("images") or [1])
+        return dim, sorted({n * kept for n in (images if isinstance(images, list) else [images])})
     merge = int(package.manifest["vision"].get("spatial_merge_size", 1) or 1) ** 2
     patches = fixed.get("patches")
     if patches is None and "patches" in resolution:
