@@ -329,14 +329,7 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
             raise VlmcError(f"{path}: {family} is exported from safetensors weights; convert the .bin files")
         checkpoint.tensors(path)
         model = mod.load_local(path, config)
-        return Source(
-            name=str(path),
-            model=model,
-            config=model.config,
-            family=family,
-            directory=path,
-            extra=mod.source_extra(path) if hasattr(mod, "source_extra") else {},
-        )
+        return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
     if has_safetensors:
         held = checkpoint.tensors(path)
         try:

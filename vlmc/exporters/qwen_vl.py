@@ -32,7 +32,7 @@ from transformers import PretrainedConfig
 
 from vlmc import samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, zoo
+from vlmc.exporters import base, processor, qwen_vl_tokenizer, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -44,6 +44,11 @@ ARCHITECTURES = ("QWenLMHeadModel",)
 # tokenization_qwen.py: the image tags follow ENDOFTEXT, IM_START, IM_END and 205 extras; visual.image_start_id
 # is <img>, then </img>, then <imgpad>.
 IMG_START, IMG_END, IMG_PAD = "<img>", "</img>", "<imgpad>"
+ENDOFTEXT, IM_START, IM_END = (
+    qwen_vl_tokenizer.ENDOFTEXT,
+    qwen_vl_tokenizer.IM_START,
+    qwen_vl_tokenizer.IM_END,
+)
 IMG_TOKEN_SPAN = 256
 SYSTEM = "You are a helpful assistant."
 # qwen_generation_utils.make_context (chatml) for one user turn without history; tokenization_qwen.py's
@@ -326,8 +331,12 @@ class QwenVLForConditionalGeneration(nn.Module):
         embeds = self.get_input_embeddings()(input_ids)
         if pixel_values is not None:
             feats = self.visual(pixel_values.to(embeds.dtype)).reshape(-1, embeds.shape[-1])
-            slots = input_ids == self.image_token_id
-            embeds = embeds.masked_scatter(slots.unsqueeze(-1), feats)
+            # every row strictly between <img> and </img> (the remote code's hidden_states[i][a + 1 : b]), whatever
+            # ids the prompt put there: pads (vlmc's layout) or the picture's path bytes (the remote processor's)
+            start = input_ids == self.image_token_id - 2
+            end = input_ids == self.image_token_id - 1
+            inside = ((start.cumsum(-1) - end.cumsum(-1) > 0) & ~start) | (input_ids == self.image_token_id)
+            embeds = embeds.masked_scatter(inside.unsqueeze(-1), feats)
         return embeds
 
     def forward(self, input_ids, attention_mask=None, pixel_values=None, **_):
@@ -456,6 +465,12 @@ def load_local(path: Path, config) -> QwenVLForConditionalGeneration:
             )
     converted = {k: v.float() for k, v in converted.items() if k in expected}
     model.load_state_dict(converted, strict=True, assign=True)
+    # the rotary table is a non-persistent buffer (in no checkpoint): made again off the meta device
+    lm = model.language_model
+    lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
+    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
+    if left:
+        raise VlmcError(f"{path}: {left[0]} was not loaded")
     model.language_model.config._attn_implementation = "eager"
     return model.eval()
 
@@ -509,21 +524,37 @@ def export(source, pkg: Package) -> None:
         "has_cls_token": False,
         "hidden_size": int(tcfg.hidden_size),
     }
-    eos = getattr(source, "extra", {}).get("eos_token_id")
+    converted = None if source.directory is None else qwen_vl_tokenizer.from_directory(source.directory)
+    ids = converted[1] if converted is not None else {}
+    # generation_config.json's eos (<|endoftext|>) and make_context's chatml stop words (<|im_end|>, <|im_start|>)
+    eos = [ids[t] for t in (ENDOFTEXT, IM_END, IM_START)] if ids else getattr(cfg, "eos_token_id", None)
     m["text"] = text_facts(
         cfg,
         tcfg,
-        eos_token_id=eos if eos is not None else tcfg.eos_token_id,
+        eos_token_id=eos,
         bos_token_id=None,
-        pad_token_id=getattr(source, "extra", {}).get("pad_token_id", 0),
+        pad_token_id=ids.get(ENDOFTEXT, getattr(cfg, "pad_token_id", None) or 0),
         max_positions=int(cfg.seq_length),
         prompt_template=CHATML_TEMPLATE,
         image_marker=IMAGE_MARKER,
         image_token=IMG_PAD,
         image_expansion=IMG_START + "{tokens}" + IMG_END,
         image_turn=IMAGE_TURN,
+        image_row_ids="free",
         add_bos=False,
     )
+    if converted is not None:
+        if ids[IMG_PAD] != model.image_token_id:
+            raise VlmcError(
+                f"{source.name}: {qwen_vl_tokenizer.RANKS_FILE} gives {IMG_PAD} the id {ids[IMG_PAD]}, but "
+                f"config.json's visual.image_start_id + 2 is {model.image_token_id}: they do not belong together"
+            )
+        pkg.files[processor.TOKENIZER_FILE] = converted[0].to_str().encode("utf-8")
+        m["text"].update(
+            tokenizer="source",
+            tokenizer_file=processor.TOKENIZER_FILE,
+            special_tokens={"eos_token": ENDOFTEXT},
+        )
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
@@ -544,6 +575,83 @@ def export(source, pkg: Package) -> None:
     base.export_decoder(
         pkg, lm.model, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], tcfg.hidden_size
     )
+
+
+def reference_inputs(directory, manifest: dict, prompts: list[str], images: list[list]) -> dict:
+    """What Qwen-VL-Chat's own code feeds its model (for `vlmc verify`), written with the tiktoken library as
+    tokenization_qwen.py and qwen_generation_utils.make_context do: "Picture N: <img>REF</img>\\n" per picture
+    (REF the picture's path, or "image N"), its bytes then <imgpad> up to 256 rows, the chatml turns; pixels as
+    visual.py's image_transform (PIL bicubic to S², /255, CLIP mean/std)."""
+    import unicodedata
+
+    from PIL import Image
+
+    from vlmc import paths
+
+    try:
+        import tiktoken
+    except ModuleNotFoundError:
+        raise VlmcError(
+            "verify of a qwen_vl package needs the tiktoken library: pip install tiktoken"
+        ) from None
+    data = paths.model_bytes(directory, qwen_vl_tokenizer.RANKS_FILE)
+    if data is None:
+        raise VlmcError(f"{directory}: no {qwen_vl_tokenizer.RANKS_FILE}, so no reference tokenizer")
+    ranks = qwen_vl_tokenizer.read_ranks(data)
+    sp = qwen_vl_tokenizer.special_ids(len(ranks))
+    enc = tiktoken.Encoding(
+        "Qwen", pat_str=qwen_vl_tokenizer.PAT_STR, mergeable_ranks=ranks, special_tokens=sp
+    )
+    image_st = set(qwen_vl_tokenizer.SPECIAL_TOKENS[-9:])
+
+    def encode(text: str) -> list[int]:
+        ids = enc.encode(unicodedata.normalize("NFC", text), allowed_special=image_st, disallowed_special=())
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i] != sp[IMG_START]:
+                out.append(ids[i])
+                i += 1
+                continue
+            end = ids.index(sp[IMG_END], i)
+            url = b"".join(enc.decode_single_token_bytes(t) for t in ids[i + 1 : end])
+            out += [sp[IMG_START]] + list(url) + [sp[IMG_PAD]] * (IMG_TOKEN_SPAN - len(url)) + [sp[IMG_END]]
+            i = end + 1
+        return out
+
+    nl = encode("\n")
+
+    def turn(role: str, content: str) -> list[int]:
+        return [sp[IM_START]] + encode(role) + nl + encode(content) + [sp[IM_END]]
+
+    size = int(manifest["vision"]["image_size"][0])
+    mean, std = np.array(CLIP_MEAN, np.float32), np.array(CLIP_STD, np.float32)
+    seqs, pixels = [], []
+    for prompt, per in zip(prompts, images):
+        refs = [str(i) if isinstance(i, str) else f"image {n + 1}" for n, i in enumerate(per)]
+        if IMAGE_MARKER in prompt:
+            pieces = prompt.split(IMAGE_MARKER)
+            query = pieces[0] + "".join(f"{IMG_START}{r}{IMG_END}{p}" for r, p in zip(refs, pieces[1:]))
+        else:
+            query = (
+                "".join(f"Picture {n + 1}: {IMG_START}{r}{IMG_END}\n" for n, r in enumerate(refs)) + prompt
+            )
+        seqs.append(
+            turn("system", SYSTEM) + nl + turn("user", query) + nl + [sp[IM_START]] + encode("assistant") + nl
+        )
+        for img in per:
+            img = (Image.open(img) if isinstance(img, str) else img).convert("RGB")
+            x = np.asarray(img.resize((size, size), Image.BICUBIC), np.float32) / 255.0
+            pixels.append(((x - mean) / std).transpose(2, 0, 1))
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), sp[ENDOFTEXT], dtype=torch.long)
+    mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+    for b, s in enumerate(seqs):  # left padding, as a decoder-only batch is generated
+        ids[b, longest - len(s) :] = torch.tensor(s)
+        mask[b, longest - len(s) :] = 1
+    out = {"input_ids": ids, "attention_mask": mask}
+    if pixels:
+        out["pixel_values"] = torch.from_numpy(np.stack(pixels))
+    return out
 
 
 # ---------------------------------------------------------------- the tiny built-in
