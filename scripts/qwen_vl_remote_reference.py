@@ -5,7 +5,7 @@ unmodified), on a model directory that holds the repository's Python files next 
 
     .venv-remote/bin/python scripts/qwen_vl_remote_reference.py DIR IMAGE "question" 8
 
-The generated ids are read from the model's generate call inside chat (a wrapper records them; the remote code
+The query is "Picture 1: <img>IMAGE</img>\n" + question, as the hub's from_list_format writes it. The generated ids are read from the model's generate call inside chat (a wrapper records them; the remote code
 itself is not changed). This script imports nothing from vlmc.
 """
 
@@ -32,7 +32,10 @@ def main() -> None:
         return out
 
     model.generate = recording
-    query = tok.from_list_format([{"image": image}, {"text": question}])
+    # the query as the hub's current tokenization_qwen.from_list_format writes it ("Picture 1: <img>...</img>\n");
+    # some older copies of that file (e.g. the x1ngzai/Qwen-VL-Chat-Int4 mirror) write "Picture 1:" without the
+    # space, so the text is laid out here and everything after it (tokenize, make_context, chat) is the remote's
+    query = f"Picture 1: <img>{image}</img>\n{question}"
     with torch.no_grad():
         response, _ = model.chat(tok, query=query, history=None, do_sample=False, max_new_tokens=new)
     new_ids = recorded["out"][len(recorded["prompt"]) :]

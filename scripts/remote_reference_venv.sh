@@ -20,5 +20,5 @@ else
 fi
 "$venv/bin/pip" install -q "${torch_pair[@]}"
 "$venv/bin/pip" install -q transformers==4.44.2 tiktoken einops pillow matplotlib safetensors accelerate \
-  "numpy<3" pytest
+  "numpy<3" pytest transformers_stream_generator==0.0.4
 echo "remote reference venv ready: $venv"
