@@ -129,7 +129,9 @@ def narrow_config(n_ranks: int) -> dict:
     cfg["initializer_range"] = 0.2
     # tokenization_qwen: <img> is special token 214 (3 + 205 extras + 6 ref/box/quad tags) after the ranks
     cfg["visual"].update(heads=4, layers=2, output_dim=256, width=64, image_start_id=n_ranks + 214)
-    cfg["vocab_size"] = (n_ranks + 217 + 63) // 64 * 64
+    # no padding rows past the last special token (the published 151936 pads 151860 ids): a random-weight model
+    # may emit any id, and the remote tokenizer's decode (in model.chat) fails on an id it does not know
+    cfg["vocab_size"] = n_ranks + 217
     return cfg
 
 
