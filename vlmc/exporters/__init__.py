@@ -34,6 +34,8 @@ FAMILY_MODULES = {
     "llava_onevision": "vlmc.exporters.llava_onevision",
     "gemma3": "vlmc.exporters.gemma3",
     "internvl": "vlmc.exporters.internvl",
+    # native rebuilds of remote-code repositories (their own load_local: no repo code runs)
+    "qwen_vl": "vlmc.exporters.qwen_vl",
 }
 
 
@@ -287,7 +289,12 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
     if not path.is_dir() or not os.path.lexists(path / "config.json"):
         raise VlmcError(f"{path} is not a Hugging Face model directory (no config.json)")
     paths.model_files(path)
-    check_config(paths.model_json(path, "config.json"), f"{path}/config.json")
+    raw = paths.model_json(path, "config.json")
+    check_config(raw, f"{path}/config.json")
+    native = _native_family(raw)
+    if native is not None:
+        # a remote-code repository vlmc rebuilds natively: its code never runs, --trust-remote-code or not
+        trust_remote_code = False
     try:
         with streaming.quiet_loading():
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
@@ -313,6 +320,12 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
         if not has_pickle:
             raise VlmcError(f"{path} has no weights (*.safetensors)")
     mod = families()[family]
+    if native is not None:
+        if not has_safetensors:
+            raise VlmcError(f"{path}: {family} is exported from safetensors weights; convert the .bin files")
+        checkpoint.tensors(path)
+        model = mod.load_local(path, config)
+        return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
     if has_safetensors:
         held = checkpoint.tensors(path)
         try:
@@ -351,6 +364,15 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
         directory=path,
         trusted=trust_remote_code,
     )
+
+
+def _native_family(raw) -> str | None:
+    """The family of a config.json whose model_type a family rebuilds natively (a ``load_local``), else None."""
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    for name, mod in families().items():
+        if model_type in mod.MODEL_TYPES and hasattr(mod, "load_local"):
+            return name
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

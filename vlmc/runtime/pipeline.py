@@ -200,7 +200,7 @@ class Pipeline:
             text = chat.render(template, prompt, n_images, t.get("special_tokens"))
             bos = (t.get("special_tokens") or {}).get("bos_token")
             return text, add and not (bos and text.startswith(bos))
-        template = t.get("prompt_template", "{prompt}")
+        template = _place_images(t, t.get("prompt_template", "{prompt}"), n_images)
         if not n_images:
             template = template.replace(marker, "")
         return template.replace("{prompt}", prompt), add
@@ -244,7 +244,10 @@ class Pipeline:
                 out.append(text)
                 continue
             n = sum(1 for p in parts if p["type"] == "image")
-            turn = template.replace(marker, marker * n) if marker in template else marker * n + template
+            if "{images}" in template:
+                turn = _place_images(t, template, n)
+            else:
+                turn = template.replace(marker, marker * n) if marker in template else marker * n + template
             out.append(turn.replace("{prompt}", text))
         return "".join(out), add
 
@@ -525,3 +528,12 @@ def pixels_key(vision: dict[str, np.ndarray], preprocess_facts: dict) -> str:
         digest.update(f"{name}:{arr.dtype.str}:{arr.shape}".encode())
         digest.update(arr.data)
     return digest.hexdigest()
+
+
+def _place_images(text_facts: dict, template: str, n_images: int) -> str:
+    """A template's ``{images}``: one ``text.image_turn`` per image, numbered from 1 (Qwen-VL's
+    "Picture N: <img></img>\\n"; its marker is where the picture goes)."""
+    if "{images}" not in template:
+        return template
+    turn = text_facts.get("image_turn") or text_facts.get("image_marker", "<image>")
+    return template.replace("{images}", "".join(turn.replace("{n}", str(i + 1)) for i in range(n_images)))

@@ -1,0 +1,246 @@
+"""Qwen-VL (native rebuild of Qwen-VL-Chat's remote code): tokenizer conversion against tiktoken, the chatml
+prompt layout with numbered pictures, 448² bicubic + CLIP preprocessing, and a hub-directory copy exported and run.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+import numpy as np
+import pytest
+import torch
+from _qwen_vl_hub import ranks_file, train_ranks, write_hub_copy
+from PIL import Image
+
+from vlmc import exporters
+from vlmc.errors import VlmcError
+from vlmc.exporters import qwen_vl, qwen_vl_tokenizer
+from vlmc.package import Package
+from vlmc.runtime import Pipeline, preprocess
+
+TEXTS = [
+    "Hello world! 12345 你好，世界。",
+    "<|im_start|>user\nPicture 1: <img></img>\nWhat is it?<|im_end|>\n<|im_start|>assistant\n",
+    "  leading spaces\n\n\nnewlines\t tabs   trailing   ",
+    "I'M sure WE'LL see they've said it's 2024-06-01.",
+    "cafe\u0301 caf\u00e9 \u212b 🤖🙂 ﬁ",  # NFC composes e + combining acute and the angstrom sign
+    "<imgpad><imgpad></img><ref>x</ref><box>(1,2),(3,4)</box><|extra_7|><|endoftext|>",
+    "    indented = [1, 2, 3]\r\n\tdone!!!??",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return train_ranks()
+
+
+def test_converted_tokenizer_equals_tiktoken(ranks):
+    tiktoken = pytest.importorskip("tiktoken")
+    specials = qwen_vl_tokenizer.special_ids(len(ranks))
+    # tokenization_qwen.QWenTokenizer: tiktoken.Encoding("Qwen", PAT_STR, ranks, specials) on the NFC text
+    enc = tiktoken.Encoding(
+        "Qwen", pat_str=qwen_vl_tokenizer.PAT_STR, mergeable_ranks=ranks, special_tokens=specials
+    )
+    tok = qwen_vl_tokenizer.convert(qwen_vl_tokenizer.read_ranks(ranks_file(ranks)))
+    for text in TEXTS:
+        want = enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+        assert tok.encode(text).ids == want, text
+        assert tok.decode(want, skip_special_tokens=False) == enc.decode(want)
+    assert len(specials) == 217
+    assert specials["<img>"] == len(ranks) + 214 and specials["<imgpad>"] == len(ranks) + 216
+
+
+def test_rank_file_damage_is_one_line(ranks):
+    data = ranks_file(ranks)
+    with pytest.raises(VlmcError, match="line 2 is not"):
+        qwen_vl_tokenizer.read_ranks(data.replace(b"\n", b"\n!!! x\n", 1))
+    dropped = b"".join(line + b"\n" for line in data.splitlines()[1:])
+    with pytest.raises(VlmcError, match="ranks are not 0"):
+        qwen_vl_tokenizer.read_ranks(dropped)
+
+
+@pytest.fixture(scope="module")
+def hub_copy(tmp_path_factory):
+    return write_hub_copy(tmp_path_factory.mktemp("qwen_vl_hub") / "Qwen-VL-Chat")
+
+
+@pytest.fixture(scope="module")
+def hub_package(hub_copy, tmp_path_factory):
+    source = exporters.load_source(str(hub_copy), trust_remote_code=True)
+    out = tmp_path_factory.mktemp("qwen_vl_pkg") / "pkg"
+    exporters.export(source).save(out)
+    return Package.load(out), source
+
+
+def _make_context_ids(ranks, query: str, image_refs: list[str]) -> list[int]:
+    """qwen_generation_utils.make_context (chatml, no history) over QWenTokenizer.tokenize's image spans, written
+    with tiktoken here as the remote code does: the picture's reference text goes inside <img>...</img> as bytes,
+    padded with <imgpad> to 256."""
+    tiktoken = pytest.importorskip("tiktoken")
+    sp = qwen_vl_tokenizer.special_ids(len(ranks))
+    enc = tiktoken.Encoding(
+        "Qwen", pat_str=qwen_vl_tokenizer.PAT_STR, mergeable_ranks=ranks, special_tokens=sp
+    )
+    image_st = {"<ref>", "</ref>", "<box>", "</box>", "<quad>", "</quad>", "<img>", "</img>", "<imgpad>"}
+
+    def encode(text):
+        ids = enc.encode(unicodedata.normalize("NFC", text), allowed_special=image_st, disallowed_special=())
+        out, i = [], 0
+        while i < len(ids):
+            if ids[i] == sp["<img>"]:
+                end = ids.index(sp["</img>"], i)
+                url = b"".join(enc.decode_single_token_bytes(t) for t in ids[i + 1 : end])
+                span = list(url) + [sp["<imgpad>"]] * (256 - len(url))
+                out += [sp["<img>"]] + span + [sp["</img>"]]
+                i = end + 1
+            else:
+                out.append(ids[i])
+                i += 1
+        return out
+
+    # tokenization_qwen.from_list_format: "Picture N: <img>ref</img>\n" per picture, then the text
+    listed = "".join(f"Picture {n + 1}: <img>{ref}</img>\n" for n, ref in enumerate(image_refs)) + query
+    nl = encode("\n")
+
+    def turn(role, content):
+        return [sp["<|im_start|>"]] + encode(role) + nl + encode(content) + [sp["<|im_end|>"]]
+
+    return (
+        turn("system", "You are a helpful assistant.")
+        + nl
+        + turn("user", listed)
+        + nl
+        + [sp["<|im_start|>"]]
+        + encode("assistant")
+        + nl
+    )
+
+
+def _check_same_but_image_rows(got: list[int], want: list[int], pad: int, img_start: int):
+    assert len(got) == len(want)
+    starts = [i for i, t in enumerate(want) if t == img_start]
+    image_rows = {i + 1 + k for i in starts for k in range(256)}
+    assert {i for i, t in enumerate(got) if t == pad} == image_rows
+    assert [t for i, t in enumerate(got) if i not in image_rows] == [
+        t for i, t in enumerate(want) if i not in image_rows
+    ]
+
+
+def test_hub_copy_prompt_layout_is_make_context(hub_package, ranks):
+    pkg, source = hub_package
+    v, t = pkg.manifest["vision"], pkg.manifest["text"]
+    assert pkg.manifest["model"]["family"] == "qwen_vl" and t["tokenizer"] == "source"
+    sp = qwen_vl_tokenizer.special_ids(len(ranks))
+    assert v["image_token_id"] == sp["<imgpad>"] == source.config.visual["image_start_id"] + 2
+    assert t["eos_token_id"] == [sp["<|endoftext|>"], sp["<|im_end|>"], sp["<|im_start|>"]]
+    pipe = Pipeline(pkg)
+    for n_images in (1, 2):
+        query = "What is in the picture?"
+        inp = pipe.prepare([query], [["demo:0"] * n_images])
+        got = inp.input_ids[0].tolist()
+        want = _make_context_ids(ranks, query, [f"img{n}.png" for n in range(n_images)])
+        _check_same_but_image_rows(got, want, sp["<imgpad>"], sp["<img>"])
+
+
+def test_path_in_prompt_is_never_loaded(hub_package, tmp_path):
+    pkg, _ = hub_package
+    pipe = Pipeline(pkg)
+    planted = tmp_path / "planted.png"
+    Image.new("RGB", (8, 8), (255, 0, 0)).save(planted)
+    # the picture comes from the images given, whatever path the text names: the text is only tokenized
+    inp = pipe.prepare([f"<img>{planted}</img> what is this?"], [["demo:0"]])
+    assert int((inp.input_ids == pkg.manifest["vision"]["image_token_id"]).sum()) == 256
+    assert np.array_equal(
+        inp.vision["pixel_values"],
+        preprocess.preprocess(["demo:0"], pkg.manifest["vision"]["preprocess"])["pixel_values"],
+    )
+
+
+def test_preprocess_is_448_bicubic_with_clip_stats():
+    # visual.py: transforms.Resize((448, 448), BICUBIC) on the PIL image, ToTensor (/255), Normalize(CLIP)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (300, 517, 3), dtype=np.uint8)
+    facts = qwen_vl.preprocess_facts(qwen_vl.tiny_qwen_vl_config())
+    got = preprocess.preprocess([raw], facts)["pixel_values"]
+    resized = np.asarray(Image.fromarray(raw).resize((448, 448), Image.BICUBIC), np.float32) / 255.0
+    mean = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
+    std = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+    want = ((resized - mean) / std).transpose(2, 0, 1)[None]
+    assert got.shape == (1, 3, 448, 448)
+    assert float(np.abs(got - want).max()) < 1e-5
+
+
+def test_hub_copy_loads_into_the_native_model(hub_copy, hub_package):
+    from safetensors.torch import load_file
+
+    _, source = hub_package
+    model = source.model
+    hub = load_file(str(hub_copy / "model.safetensors"))
+    # the split q/k/v rows are c_attn's, in order; QWenMLP's w2 is the gated (silu) branch
+    q = model.language_model.model.layers[1].self_attn
+    c_attn = hub["transformer.h.1.attn.c_attn.weight"]
+    assert torch.equal(torch.cat([q.q_proj.weight, q.k_proj.weight, q.v_proj.weight]), c_attn)
+    assert torch.equal(
+        model.language_model.model.layers[0].mlp.gate_proj.weight, hub["transformer.h.0.mlp.w2.weight"]
+    )
+    assert torch.equal(model.visual.proj, hub["transformer.visual.proj"])
+
+
+def test_hub_copy_runs_like_the_native_model(hub_package):
+    pkg, source = hub_package
+    pipe = Pipeline(pkg)
+    inp = pipe.prepare(["Describe the image."], [["demo:1"]])
+    got = pipe.generate_from(inp, 6)
+    feeds = {
+        k: torch.from_numpy(v)
+        for k, v in {"input_ids": inp.input_ids, "attention_mask": inp.attention_mask, **inp.vision}.items()
+    }
+    want = source.model.generate(**feeds, max_new_tokens=6, eos_token_id=pkg.manifest["text"]["eos_token_id"])
+    want = want[0, inp.input_ids.shape[1] :].tolist()
+    assert list(got.tokens[0]) == want
+
+
+def test_long_context_is_refused_in_one_line(hub_package):
+    pkg, _ = hub_package
+    assert pkg.manifest["text"]["max_positions"] == 2048  # seq_length: dynamic NTK and logn start past it
+    with pytest.raises(VlmcError, match="longer than the model's context of 2048"):
+        Pipeline(pkg).prepare(["word " * 2100], [["demo:0"]])
+
+
+def test_unsupported_configs_are_refused(tmp_path):
+    with pytest.raises(VlmcError, match="partial rotary"):
+        qwen_vl.check_supported(qwen_vl.tiny_qwen_vl_config(rotary_pct=0.5), "x")
+    cfg = qwen_vl.tiny_qwen_vl_config()
+    del cfg.visual["image_start_id"]
+    with pytest.raises(VlmcError, match="text only"):
+        qwen_vl.check_supported(cfg, "x")
+
+
+def test_verify_against_the_remote_layout_ignores_only_image_rows(hub_package):
+    from vlmc import verify
+
+    pkg, source = hub_package
+    res = verify.verify(pkg, max_new_tokens=4, prompts=["What is this?"], images=[["demo:0"]])
+    # the reference writes "image 1" as bytes into the picture's rows: only those ids may differ
+    assert res.inputs["ids_equal"] is True and res.inputs["passed"] is True
+    assert res.passed and res.token_agreement == 1.0
+    ref = qwen_vl.reference_inputs(
+        source.directory, pkg.manifest, ["What is this?"], [[Image.new("RGB", (9, 9))]]
+    )
+    inp = Pipeline(pkg).prepare(["What is this?"], [[np.zeros((9, 9, 3), np.uint8)]])
+    pad = pkg.manifest["vision"]["image_token_id"]
+    assert int((ref["input_ids"] == pad).sum()) < 256  # path bytes took some rows
+    assert verify.compare_inputs(inp, ref, pad)["ids_equal"]
+    assert not verify.compare_inputs(inp, ref)["ids_equal"]
+    ref["input_ids"][0, 3] += 1  # a text row: still compared
+    assert "position 3" in verify.compare_inputs(inp, ref, pad)["first_difference"]
+
+
+def test_tiny_builtin_verifies(exported):
+    from vlmc import verify
+
+    pkg = Package.load(exported("tiny-qwen-vl"))
+    assert pkg.manifest["vision"]["tokens_per_image"] == 256 and pkg.manifest["text"]["max_positions"] == 2048
+    res = verify.verify(pkg, max_new_tokens=4, prompts=["Describe the image."], images=[["demo:0"]])
+    assert res.passed and res.token_agreement == 1.0
