@@ -357,10 +357,15 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
                 build_exec.close()
                 raise
     else:
-        if executor is not None or against is not None:
+        from vlmc.backends import ort as ort_backend
+
+        ort_package = ort_backend.package_dir(path)  # an ort compile output runs its lowered package
+        if executor is not None or (against is not None and ort_package is None):
             flag = "--executor" if executor is not None else "--against"
+            if ort_package is not None:
+                raise VlmcError(f"--executor applies to an ascend compile output; {path} runs on onnxruntime")
             raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
-        pkg = Package.load(path)
+        pkg = Package.load(ort_package or path)
         pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
     if chat:
         if pipe is None:
