@@ -78,22 +78,13 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
             store = graphs.TensorStore(build.scratch_path(name).parent / "matmul_nbits.bin")
             lowering = matmul_nbits.lower(model, facts, opts["accuracy_level"], store)
             if lowering["nodes_lowered"]:
-                lowering["check"] = _compare(package, name, model, opts["accuracy_level"])
-                build.set_graph(name, model, ort=lowering)
+                build.set_graph(name, model, ort=dict(lowering))  # the manifest: what was lowered
+                lowering["check"], entry["providers"] = _compare(package, name, model, opts["accuracy_level"])
                 lowered = model
             entry["lowering"] = lowering
             logger.info("ort: %s: %d MatMuls -> MatMulNBits", name, lowering["nodes_lowered"])
-        try:
-            sess = (
-                ortsession.from_model(lowered) if lowered is not None else ortsession.for_graph(package, name)
-            )
-        except VlmcError:
-            raise
-        except Exception as exc:  # onnxruntime raises its own exception types
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckFailed(f"ort: graph {name!r} does not load in onnxruntime: {first}") from exc
-        entry["providers"] = sess.get_providers()
-        del sess
+        if lowered is None:
+            entry["providers"] = _open(name, ortsession.for_graph, package, name).get_providers()
         graphs_summary[name] = entry
     summary = {"backend": NAME, "package": "package", "options": opts, "graphs": graphs_summary}
     with build_output(out_dir, NAME, summary, force=force) as tmp:
@@ -101,14 +92,29 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
     return summary
 
 
-def _compare(package: Package, name: str, lowered, accuracy_level: int) -> dict:
-    """Run the package's graph and its lowered form on the same sample inputs; the differences, or CheckFailed."""
+def _open(name: str, make, *args):
+    """``make(*args)`` (an onnxruntime session for graph ``name``), onnxruntime's errors as one CheckFailed line."""
+    try:
+        return make(*args)
+    except VlmcError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckFailed(f"ort: graph {name!r} does not load in onnxruntime: {first}") from exc
+
+
+def _compare(package: Package, name: str, lowered, accuracy_level: int) -> tuple[dict, list[str]]:
+    """Run the package's graph and its lowered form on the same sample inputs.
+
+    Returns the differences per output and the lowered session's providers; CheckFailed past the bound.
+    """
     feeds = samples.inputs_for(package, name)
-    ref_sess = ortsession.for_graph(package, name)
+    ref_sess = _open(name, ortsession.for_graph, package, name)
     names = [o.name for o in ref_sess.get_outputs()]
     ref = dict(zip(names, ref_sess.run(None, feeds)))
     del ref_sess
-    got_sess = ortsession.from_model(lowered)
+    got_sess = _open(name, ortsession.from_model, lowered)
+    providers = got_sess.get_providers()
     got = dict(zip(names, got_sess.run(names, feeds)))
     del got_sess
     kind = "int8" if accuracy_level == 4 else "float"
@@ -131,7 +137,7 @@ def _compare(package: Package, name: str, lowered, accuracy_level: int) -> dict:
                 f"{diff:.3g}, bound {bound}); compile with accuracy_level: 1 or report this package"
             )
         out["outputs"][oname] = {"max_abs_diff": diff, "rms_relative": rel}
-    return out
+    return out, providers
 
 
 def package_dir(path: Path) -> Path | None:

@@ -1,0 +1,161 @@
+"""The ort target on the 512 M real-width LLaVA: INT4 build vs the INT4 package vs FP32, same threads.
+
+Makes the model (scripts/bench.py's ``llava-1.5`` size: real widths, 1 decoder + 2 vision layers,
+random weights), exports it, quantizes the decoder to INT4 (RTN, group 128) and compiles that
+package with ``--target ort``. Then runs each of FP32 package, INT4 package and INT4 ort build in
+alternating rounds with the demo image: time to first token (a 1-token generation: vision, prefill)
+and decode tokens/s ((N - 1) tokens over the time an N-token generation takes beyond the 1-token one),
+medians over the rounds. Also the INT4 first-token logit cosine against FP32, and bytes on disk.
+
+    .venv/bin/python scripts/bench_ort.py --root /tmp/bench-ort --rounds 3 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "Describe the image."
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _rule_of(pkg: Path) -> str | None:
+    """The INT4 scale rule a saved package's decoder was quantized with (None: none there)."""
+    try:
+        m = json.loads((pkg / "vlmc.json").read_text())
+    except OSError:
+        return None
+    return ((m["graphs"]["decoder"].get("quantization") or {}).get("weights") or {}).get("scale_rule")
+
+
+def prepare(root: Path, group: int, force: bool) -> dict:
+    """The FP32 package, the INT4 package and its ort build under ``root`` (kept for later runs)."""
+    import bench
+
+    from vlmc import backends, exporters, manager, recipe
+    from vlmc.package import Package
+
+    root.mkdir(parents=True, exist_ok=True)
+    fp32, int4, build = root / "fp32", root / "int4", root / "int4-ort"
+    timings = {}
+    if force or not (fp32 / "vlmc.json").is_file():
+        model_dir, params = bench.make_model_dir("llava-1.5", root)
+        t = time.perf_counter()
+        exporters.export(exporters.load_source(str(model_dir))).save(fp32, force=True)
+        timings["export_s"] = time.perf_counter() - t
+        timings["params"] = params
+    for rule, dest in (("signed", int4), ("absmax", root / "int4-absmax")):
+        if not force and _rule_of(dest) == rule:
+            continue
+        scheme = {"weights": "int4", "group_size": group, "int4_scale": rule}
+        steps = recipe.from_dict(
+            {"passes": [{"quantize": {"decoder": scheme, "eval_samples": 0, "eval_tokens": 0}}]}
+        ).steps
+        t = time.perf_counter()
+        manager.run(Package.load(fp32), steps).save(dest, force=True)
+        timings[f"quantize_{rule}_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    summary = backends.get("ort").compile(Package.load(int4), build, {"backend": "ort"}, force=True)
+    timings["compile_s"] = time.perf_counter() - t
+    timings["check"] = summary["graphs"]["decoder"]["lowering"]["check"]["outputs"]["logits"]
+    timings["bytes"] = {"fp32": _du(fp32), "int4": _du(int4), "int4-ort": _du(build / "package")}
+    timings["cosine_vs_fp32"] = _cosines(root)
+    return timings
+
+
+def _cosines(root: Path) -> dict:
+    """First-token logit cosine against FP32 of each INT4 variant (demo image, same prompt)."""
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    logits = {}
+    for name, path in (
+        ("fp32", root / "fp32"),
+        ("int4-signed", root / "int4"),
+        ("int4-absmax", root / "int4-absmax"),
+        ("int4-ort", root / "int4-ort" / "package"),
+    ):
+        pipe = Pipeline(Package.load(path), threads=2)
+        try:
+            logits[name] = _one(pipe, 1)[1].prefill_logits[0].astype(np.float64)
+        finally:
+            pipe.close()
+    ref = logits.pop("fp32")
+    return {k: float(v @ ref / (np.linalg.norm(v) * np.linalg.norm(ref))) for k, v in logits.items()}
+
+
+def _one(pipe, tokens: int) -> tuple[float, object]:
+    t = time.perf_counter()
+    res = pipe.generate([PROMPT], [["demo"]], max_new_tokens=tokens)
+    return time.perf_counter() - t, res
+
+
+def measure(root: Path, rounds: int, tokens: int, threads: int, int4_tokens: int) -> dict:
+    from vlmc.package import Package
+    from vlmc.runtime import Pipeline
+
+    variants = {"fp32": root / "fp32", "int4": root / "int4", "int4-ort": root / "int4-ort" / "package"}
+    out: dict = {k: {"ttft": [], "decode": []} for k in variants}
+    for r in range(rounds):
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in order:
+            n = int4_tokens if name == "int4" else tokens
+            pipe = Pipeline(Package.load(variants[name]), threads=threads)
+            try:
+                _one(pipe, 1)  # warm: sessions open, pages read
+                t1, _ = _one(pipe, 1)
+                tn, res = _one(pipe, n)
+            finally:
+                pipe.close()
+            out[name]["ttft"].append(t1)
+            out[name]["decode"].append((len(res.tokens[0]) - 1) / max(tn - t1, 1e-9))
+            print(
+                f"round {r} {name}: ttft {t1:.2f} s, decode {out[name]['decode'][-1]:.2f} tok/s", flush=True
+            )
+    med = {k: {m: statistics.median(v[m]) for m in v} for k, v in out.items()}
+    return {
+        "median": med,
+        "runs": out,
+        "threads": threads,
+        "rounds": rounds,
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, required=True, help="where the model, packages and build are kept")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=16, help="new tokens per timed generation")
+    ap.add_argument("--int4-tokens", type=int, default=4, help="new tokens for the (slow) INT4 package")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--force", action="store_true", help="rebuild the packages")
+    ap.add_argument("--prepare-only", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    result = {"prepare": prepare(args.root, args.group_size, args.force)}
+    print(json.dumps(result["prepare"], indent=1), flush=True)
+    if not args.prepare_only:
+        result["measure"] = measure(args.root, args.rounds, args.tokens, args.threads, args.int4_tokens)
+    (args.root / "bench_ort.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result.get("measure", {}).get("median", {}), indent=1))
+
+
+if __name__ == "__main__":
+    main()
