@@ -337,7 +337,7 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
     what = runtime.target(package, executor, device_id)
     if what.build and executor is None and what.executor == "reference":
         ui.info("pyACL does not import here: running the reference executor (the lowered graphs on CPU)")
-    if against is not None and not what.build:
+    if against is not None and not (what.build or what.ort_build):
         raise VlmcError(f"--against applies to a compile output; {package} is a package (run it without it)")
     if chat:
         if what.ranks is not None:

@@ -18,6 +18,7 @@ ACTIVATIONS = ("fp32", "int8")
 METHODS = ("rtn", "awq")
 CALIB_METHODS = ("minmax", "percentile", "entropy")
 INT4_STORAGE = ("packed", "int8")
+INT4_SCALES = ("signed", "absmax")  # weight_only.int4_scales: the full signed range (NNCF) or max|w|/7
 TARGETS = ("ascend", "portable")
 # NPUWeightQuantBatchMatmulV2's group-size rule (vlmc/ascend_limits.py cites its source).
 ASCEND_GROUP_MULTIPLE = ascend_limits.GROUP_MULTIPLE
@@ -93,6 +94,15 @@ GRAPH = (
         choices=INT4_STORAGE,
     ),
     Option(
+        "int4_scale",
+        str,
+        None,
+        "int4 group scales: signed (default; the largest-magnitude value of each group maps to -8, "
+        "the full signed range, as NNCF does; a scale is negative when that value is positive) or absmax "
+        "(max|w|/7, values in [-7, 7])",
+        choices=INT4_SCALES,
+    ),
+    Option(
         "keep_io_fp32",
         bool,
         None,
@@ -159,6 +169,7 @@ class GraphScheme:
     method: str = "rtn"
     group_size: int = 128
     int4_storage: str = "packed"
+    int4_scale: str = "signed"
     activation_symmetric: bool = True
     target: str = "ascend"
     keep_io_fp32: bool = True
@@ -219,6 +230,7 @@ def parse_graph(
         method=d.get("method", "rtn"),
         group_size=d.get("group_size", 128),
         int4_storage=d.get("int4_storage", "packed"),
+        int4_scale=d.get("int4_scale", "signed"),
         activation_symmetric=d.get("activation_symmetric", target == "ascend"),
         target=target,
         keep_io_fp32=d.get("keep_io_fp32", True),
@@ -234,6 +246,8 @@ def parse_graph(
             f"a multiple of {ASCEND_GROUP_MULTIPLE} (e.g. {scheme.group_size // 32 * 32 or 32} or "
             f"{(scheme.group_size // 32 + 1) * 32}); use quantize target: portable for other backends"
         )
+    if "int4_scale" in d and scheme.weights != "int4":
+        raise VlmcError(f"{where}: int4_scale applies to weights: int4 only (got weights: {scheme.weights})")
     if "activation_symmetric" in d and scheme.activations != "int8":
         raise VlmcError(f"{where}: activation_symmetric applies to activations: int8 only")
     if "method" in d and scheme.weights not in ("int8", "int4"):

@@ -6,7 +6,12 @@ activations), MatMulNBits is a com.microsoft op, and block-quantized DequantizeL
 
 * INT8: symmetric per output channel, ``Cast(w_int8) -> Mul(scale[n]) -> MatMul`` (not
   DequantizeLinear: onnxruntime would fuse that into an int8-compute MatMulNBits, see below).
-* INT4: symmetric per group of ``group_size`` input rows, round-to-nearest, values in [-8, 7]. The
+* INT4: symmetric per group of ``group_size`` input rows, round-to-nearest, values in [-8, 7].
+  Scales (:func:`int4_scales`) use the full signed range by default: the group's largest-magnitude
+  value maps to -8 exactly (openvinotoolkit/nncf weight_lowering.py ``calculate_signed_scale``), so
+  the scale is negative when that value is positive; ``int4_scale: absmax`` keeps max|w|/7 (values
+  in [-7, 7]). Either is the same deploy form for every target: onnxruntime's MatMulNBits and CANN's
+  NPUWeightQuantBatchMatmulV2 compute ``(q [+ offset]) * scale`` with no sign rule on the scale. The
   dequant is plain arithmetic (Cast -> [Sub 8] -> Mul by the group scales -> Reshape) so that it
   runs at opset 17. ``packed`` storage keeps two values per uint8 (row 2i in the low nibble, row
   2i+1 in the high nibble, each stored as q+8); ``int8`` storage keeps one value per int8.
@@ -82,12 +87,25 @@ def quant_int8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def quant_int4_group(w: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+def int4_scales(wmax: np.ndarray, wmin: np.ndarray, rule: str = "signed") -> np.ndarray:
+    """Per-group int4 scales from each group's largest and smallest value (float32; 1 for an all-zero group).
+
+    ``signed``: the largest-magnitude value maps to -8 (NNCF's ``calculate_signed_scale``: scale =
+    |min|/8 when |min| >= max, else -max/8), using all 16 levels; ``absmax``: max|w|/7.
+    """
+    amax = np.maximum(wmax, -wmin)
+    if rule == "absmax":
+        scale = amax / 7.0
+    else:
+        scale = np.where(-wmin >= wmax, -wmin, -wmax) / 8.0
+    return np.where(amax > 0, scale, 1.0).astype(np.float32)
+
+
+def quant_int4_group(w: np.ndarray, g: int, rule: str = "signed") -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int4 RTN per group of g input rows of a [k, n] weight: (q int8 [k, n] in [-8, 7], scale [k/g, n])."""
     k, n = w.shape
     wg = w.reshape(k // g, g, n)
-    amax = np.abs(wg).max(axis=1)
-    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    scale = int4_scales(wg.max(axis=1), wg.min(axis=1), rule)
     q = np.clip(np.rint(wg / scale[:, None, :]), -8, 7).astype(np.int8).reshape(k, n)
     return q, scale
 
@@ -110,7 +128,7 @@ def unpack_int4(p: np.ndarray) -> np.ndarray:
 
 
 def awq_scales(
-    x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, g: int, bits: int
+    x: np.ndarray, mean_abs: np.ndarray, w: np.ndarray, g: int, bits: int, rule: str = "signed"
 ) -> tuple[np.ndarray, float]:
     """Per-input-channel AWQ scales minimising |x W - (x/s) Q(diag(s) W)|² over the alpha grid."""
     ref = x @ w
@@ -121,7 +139,7 @@ def awq_scales(
         s = (s / np.sqrt(s.max() * s.min())).astype(np.float32)
         ws = w * s[:, None]
         if bits == 4:
-            q, sc = quant_int4_group(ws, g)
+            q, sc = quant_int4_group(ws, g, rule)
             deq = dequant_int4(q, sc, g)
         else:
             q, sc = quant_int8_channel(ws)
@@ -332,16 +350,17 @@ def _int8_streamed(t: ir.TensorProtocol) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def _int4_rows(blk: np.ndarray, g: int, packed: bool, out: np.ndarray, scale_out: np.ndarray) -> None:
+def _int4_rows(
+    blk: np.ndarray, g: int, packed: bool, out: np.ndarray, scale_out: np.ndarray, rule: str = "signed"
+) -> None:
     """:func:`quant_int4_group` (then :func:`pack_int4` if ``packed``) of a block of whole groups, into ``out``.
 
-    The same numbers with fewer passes over memory: max(max, -min) is |w|.max() exactly, the
+    The same numbers with fewer passes over memory: the scales from each group's max and min, the
     rounding and clamping happen in place, and q + 8 in int8 wraps to the bits int16 + 8 -> uint8 gives.
     """
     k, n = blk.shape
     wg = blk.reshape(k // g, g, n)
-    amax = np.maximum(wg.max(axis=1), -wg.min(axis=1))
-    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    scale = int4_scales(wg.max(axis=1), wg.min(axis=1), rule)
     np.divide(wg, scale[:, None, :], out=wg)
     np.rint(wg, out=wg)
     np.clip(wg, -8, 7, out=wg)
@@ -356,7 +375,9 @@ def _int4_rows(blk: np.ndarray, g: int, packed: bool, out: np.ndarray, scale_out
     out |= u[0::2]
 
 
-def _int4_streamed(t: ir.TensorProtocol, g: int, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+def _int4_streamed(
+    t: ir.TensorProtocol, g: int, packed: bool, rule: str = "signed"
+) -> tuple[np.ndarray, np.ndarray]:
     """:func:`quant_int4_group` (and :func:`pack_int4`) of a [k, n] weight read in row blocks of whole groups."""
     k, n = (int(d) for d in t.shape.numpy())
     scale = np.empty((k // g, n), np.float32)
@@ -365,7 +386,7 @@ def _int4_streamed(t: ir.TensorProtocol, g: int, packed: bool) -> tuple[np.ndarr
     def quantize(r0: int, blk: np.ndarray) -> None:
         rows = len(blk)
         dst = out[r0 // 2 : (r0 + rows) // 2] if packed else out[r0 : r0 + rows]
-        _int4_rows(blk, g, packed, dst, scale[r0 // g : (r0 + rows) // g])
+        _int4_rows(blk, g, packed, dst, scale[r0 // g : (r0 + rows) // g], rule)
 
     _each_block(t, 2 * g if packed and g % 2 else g, quantize)
     return out, scale
@@ -386,6 +407,7 @@ def quantize_weight_only(
     """
     bits = 4 if scheme.weights == "int4" else 8
     g = scheme.group_size if bits == 4 else None
+    rule = getattr(scheme, "int4_scale", "signed")
     take, kept, skipped = candidates(model, scheme.keep_fp32, g)
     if scheme.method == "awq" and take:
         # Layer-wise: each weight is quantized as soon as its input's statistics exist, which are then
@@ -421,7 +443,7 @@ def quantize_weight_only(
 
         if scheme.method == "awq":
             w = _weight_kn(src, trans)
-            s, alpha = awq_scales(stats[1], stats[0], w, g or 0, bits)
+            s, alpha = awq_scales(stats[1], stats[0], w, g or 0, bits, rule)
             w = w * s[:, None]
             inv = const((1.0 / s).astype(np.float32), f"{prefix}_awq_inv_scale")
             scaled = add("Mul", [x, inv], f"{prefix}_awq_scaled_input", f"{prefix}_awq_Mul")
@@ -450,11 +472,11 @@ def quantize_weight_only(
         else:
             packed = scheme.int4_storage == "packed"
             if trans_q:
-                qk, scale = quant_int4_group(_weight_kn(src_for_q, True), g)
+                qk, scale = quant_int4_group(_weight_kn(src_for_q, True), g, rule)
                 q = pack_int4(qk) if packed else qk
                 del qk
             else:
-                q, scale = _int4_streamed(src_for_q, g, packed)
+                q, scale = _int4_streamed(src_for_q, g, packed, rule)
             k, n = scale.shape[0] * g, scale.shape[1]
             sc = const(scale.reshape(k // g, 1, n), f"{w_name}_scale")
             fact.update({"scale": sc.name, "axis": 1, "group_size": g, "storage": scheme.int4_storage})
@@ -515,6 +537,7 @@ def quantize_weight_only(
             "symmetric": True,
             "per_channel_axis": {"MatMul": 1},
             "group_size": g,
+            **({"scale_rule": rule} if bits == 4 else {}),
             "nodes": nodes_facts,
         },
     }

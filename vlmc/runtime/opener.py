@@ -10,11 +10,13 @@ that refuses some requests before paying for a device or the ranks' processes.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
 
 from vlmc.errors import VlmcError
+from vlmc.outdir import BUILD_MARKER
 from vlmc.package import Package
 from vlmc.runtime import collective, executors
 from vlmc.runtime.pipeline import Pipeline
@@ -22,13 +24,16 @@ from vlmc.runtime.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
+_MAX_ORT_MARKER_BYTES = 4096
+
 
 class Target:
     """What a path runs as, read and checked; nothing opened yet.
 
     Attributes:
         path: the directory.
-        build: True for a `vlmc compile` output (its builds run on ``executor``).
+        build: True for a `vlmc compile --target ascend` output (its builds run on ``executor``).
+        ort_build: True for a `vlmc compile --target ort` output (its lowered package runs on onnxruntime).
         executor: ``ort`` for a package, ``reference`` or ``acl`` for a compile output.
         package: the package (for a compile output, its runtime package: manifest and tokenizer).
         ranks: the tensor-parallel size when the path runs as a rank group, else None.
@@ -39,6 +44,7 @@ class Target:
         self.path = Path(path)
         self.device_id = int(device_id)
         self.build = executors.is_build_dir(self.path)
+        self.ort_build = False
         if self.build:
             self.executor = executor or executors.default()
             summary, self.package = executors.read_build(self.path)
@@ -48,12 +54,18 @@ class Target:
                     "--device-id: a tensor-parallel build runs each rank on the device its rank_table.json names"
                 )
         else:
+            ort_package = ort_build_package(self.path)  # an ort compile output runs its lowered package
+            self.ort_build = ort_package is not None
             if executor is not None:
+                if self.ort_build:
+                    raise VlmcError(
+                        f"--executor applies to an ascend compile output; {self.path} runs on onnxruntime"
+                    )
                 raise VlmcError(
                     f"--executor applies to a compile output; {self.path} is a package (run it without it)"
                 )
             self.executor = "ort"
-            self.package = Package.load(self.path)
+            self.package = Package.load(ort_package or self.path)
             parallel = self.package.manifest.get("tensor_parallel")
         self.ranks: int | None = int(parallel["size"]) if parallel else None
 
@@ -77,7 +89,9 @@ class Target:
                 backend = collective.for_executor(self.executor).backend
                 what = f", each on the {self.executor} executor" if self.build else ""
                 on_start(f"starting {self.ranks} ranks (torch.distributed, {backend}{what})")
-            return RankGroup(self.path, threads=threads, executor=build_executor)
+            return RankGroup(
+                self.path if self.build else self.package.root, threads=threads, executor=build_executor
+            )
         if self.build:
             pkg, executor = executors.open(self.path, self.executor, self.device_id)
         else:  # the package is already read: not a second time
@@ -87,6 +101,29 @@ class Target:
         except BaseException:
             executor.close()  # an open device session (acl) is released and acl.finalize reached
             raise
+
+
+def ort_build_package(path: str | Path) -> Path | None:
+    """The runnable package inside a `vlmc compile --target ort` output, or None if ``path`` is not one.
+
+    Raises:
+        VlmcError: ``path`` claims to be an ort build (its marker names ort) but is broken.
+    """
+    marker = Path(path) / BUILD_MARKER
+    if not marker.is_file() or marker.is_symlink() or marker.stat().st_size > _MAX_ORT_MARKER_BYTES:
+        return None
+    try:
+        claimed = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(claimed, dict) or claimed.get("backend") != "ort":
+        return None
+    pkg = Path(path) / "package"
+    if pkg.is_symlink() or not pkg.is_dir():
+        raise VlmcError(
+            f"{path} is an ort compile output without its package/ directory; re-run `vlmc compile`"
+        )
+    return pkg
 
 
 def target(path: str | Path, executor: str | None = None, device_id: int = 0) -> Target:

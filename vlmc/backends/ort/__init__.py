@@ -1,0 +1,153 @@
+"""onnxruntime backend: the package lowered to onnxruntime's kernels, runnable here with `vlmc run BUILD`.
+
+The portable package stays standard ONNX (the Ascend lowering's input, readable by any runtime); this
+target rewrites what onnxruntime has a faster kernel for. Today: the quantize pass's weight-only
+INT4/INT8 MatMuls become ``com.microsoft.MatMulNBits`` (:mod:`vlmc.backends.ort.matmul_nbits`).
+Every lowered graph is run beside the package's graph on the same inputs (the package's samples)
+and the largest output difference is recorded in compile.json; the build's generation can be
+compared with the package's with ``vlmc run BUILD --against PACKAGE``.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from vlmc import graphs, ortsession, outdir, pass_api, samples
+from vlmc.backends import build_output
+from vlmc.errors import CheckFailed, VlmcError
+from vlmc.package import Package
+from vlmc.runtime import opener
+
+from . import matmul_nbits
+
+logger = logging.getLogger(__name__)
+
+NAME = "ort"
+TARGET_OPTIONS = (
+    pass_api.Option(
+        "matmul_nbits",
+        bool,
+        True,
+        "lower weight-only INT4/INT8 MatMuls to com.microsoft.MatMulNBits (false: the package as it is)",
+    ),
+    pass_api.Option(
+        "accuracy_level",
+        int,
+        4,
+        "MatMulNBits accuracy_level: the lowest precision onnxruntime may compute the activations in "
+        "(0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8: per-block int8 activations, the fastest on CPU)",
+        choices=(0, 1, 2, 3, 4),
+    ),
+)
+# How far a lowered graph's outputs may be from the package's on its sample inputs: the RMS of the
+# difference over the RMS of the package's output (max|diff| is reported too; one outlier element
+# should not fail a build). With float activations (accuracy_level < 4) only the summation order
+# changes; int8 activations (level 4) round each block of A to 1/127 of its largest value.
+TOLERANCE = {"float": 1e-4, "int8": 5e-2}
+
+
+def compile(package: Package, out_dir: Path, target: dict | None = None, force: bool = False) -> dict:
+    """Write ``out_dir/package`` (the lowered package, runnable with `vlmc run out_dir`) plus compile.json.
+
+    Every graph is opened in an onnxruntime CPU session first, so a package that would fail at run
+    time fails here; every lowered graph is checked against the package's on the same inputs.
+
+    Args:
+        package: the package (not modified; its on-disk location is kept).
+        out_dir: the build directory to create.
+        target: ``{"backend": "ort", ...}`` with :data:`TARGET_OPTIONS`.
+        force: replace an existing vlmc build at ``out_dir``.
+    """
+    out_dir = Path(out_dir)  # not resolved: a symlink output is refused, never followed
+    outdir.check(out_dir, force, source=package.root)
+    opts = pass_api.validate(
+        TARGET_OPTIONS, {k: v for k, v in (target or {}).items() if k != "backend"}, "target (ort)"
+    )
+    build = package.snapshot()
+    graphs_summary = {}
+    for name in package.graph_names:
+        info = package.info(name)
+        entry = {"role": info["role"], "precision": info.get("precision")}
+        facts = info.get("quantization") or {}
+        lowered = None
+        if opts["matmul_nbits"] and facts.get("mode") in matmul_nbits.MODES:
+            model = package.model(name).clone()  # weights shared, never written: the package is untouched
+            store = graphs.TensorStore(build.scratch_path(name).parent / "matmul_nbits.bin")
+            lowering = matmul_nbits.lower(model, facts, opts["accuracy_level"], store)
+            if lowering["nodes_lowered"]:
+                build.set_graph(name, model, ort=dict(lowering))  # the manifest: what was lowered
+                lowered = model
+            entry["lowering"] = lowering
+            logger.info("ort: %s: %d MatMuls -> MatMulNBits", name, lowering["nodes_lowered"])
+        if lowered is None:
+            entry["providers"] = _open(name, ortsession.for_graph, package, name).get_providers()
+        graphs_summary[name] = entry
+    summary = {"backend": NAME, "package": "package", "options": opts, "graphs": graphs_summary}
+    with build_output(out_dir, NAME, summary, force=force) as tmp:
+        build.save(tmp / "package", adopt=False)
+        # Checked as written, in the session `vlmc run` opens (from the file, weights prepacked): a session
+        # on the in-memory graph computes from the weight buffers in place, without prepacking, and
+        # MatMulNBits then takes another kernel path than at run time.
+        written = Package.load(tmp / "package")
+        for name, entry in graphs_summary.items():
+            if "ort" in written.info(name):
+                entry["lowering"]["check"], entry["providers"] = _compare(
+                    package, written, name, opts["accuracy_level"]
+                )
+    return summary
+
+
+def _open(name: str, make, *args):
+    """``make(*args)`` (an onnxruntime session for graph ``name``), onnxruntime's errors as one CheckFailed line."""
+    try:
+        return make(*args)
+    except VlmcError:
+        raise
+    except Exception as exc:  # onnxruntime raises its own exception types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckFailed(f"ort: graph {name!r} does not load in onnxruntime: {first}") from exc
+
+
+def _compare(package: Package, build: Package, name: str, accuracy_level: int) -> tuple[dict, list[str]]:
+    """Run the package's graph and the build's lowered one on the same sample inputs.
+
+    Returns the differences per output and the lowered session's providers; CheckFailed past the bound.
+    """
+    feeds = samples.inputs_for(package, name)
+    ref_sess = _open(name, ortsession.for_graph, package, name)
+    names = [o.name for o in ref_sess.get_outputs()]
+    ref = dict(zip(names, ref_sess.run(None, feeds)))
+    del ref_sess
+    got_sess = _open(name, ortsession.for_graph, build, name)
+    providers = got_sess.get_providers()
+    got = dict(zip(names, got_sess.run(names, feeds)))
+    del got_sess
+    kind = "int8" if accuracy_level == 4 else "float"
+    bound = TOLERANCE[kind]
+    out: dict = {"inputs": "package samples", "activations": kind, "bound_rms_relative": bound, "outputs": {}}
+    for oname, r in ref.items():
+        g = got[oname]
+        if r.dtype.kind != "f":
+            if not np.array_equal(r, g):
+                raise CheckFailed(f"ort: lowering {name} changed its integer output {oname!r}")
+            continue
+        r64, g64 = r.astype(np.float64), g.astype(np.float64)
+        diff = float(np.max(np.abs(r64 - g64))) if r.size else 0.0
+        rms_ref = float(np.sqrt(np.mean(r64**2))) if r.size else 0.0
+        rms_diff = float(np.sqrt(np.mean((r64 - g64) ** 2))) if r.size else 0.0
+        rel = rms_diff / rms_ref if rms_ref > 0 else rms_diff
+        if not np.isfinite(g64).all() or rel > bound:
+            raise CheckFailed(
+                f"ort: lowering {name} to MatMulNBits moved {oname!r} by {rel:.3g} of its RMS (max |diff| "
+                f"{diff:.3g}, bound {bound}); compile with accuracy_level: 1 or report this package"
+            )
+        out["outputs"][oname] = {"max_abs_diff": diff, "rms_relative": rel}
+    return out, providers
+
+
+def package_dir(path: Path) -> Path | None:
+    """The runnable package inside an ort compile output, or None (vlmc.runtime.opener reads it)."""
+    return opener.ort_build_package(path)
