@@ -71,8 +71,8 @@ def host_cost(root: Path, tokens: int, repeats: int = 3) -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     import _pyacl_standin as standin
 
-    from vlmc.backends.ascend import runner
     from vlmc.runtime import Pipeline
+    from vlmc.runtime.executors import build as runner
 
     standin.placeholder_oms(root)
     acl = standin.module()

@@ -48,7 +48,7 @@ address is given):
 A "model" is a build of a ``vlmc compile`` output: ``load_from_file(<out>/om/<build>.om)`` reads the
 build's entry in ``<out>/compile.json`` (the .om itself must exist, a placeholder where ATC never ran)
 and ``execute`` runs the build's lowered ONNX graph (its ``file``) on onnxruntime through
-vlmc/backends/ascend/reference.py, reading the inputs from and writing the outputs to device memory.
+vlmc/runtime/executors/reference.py, reading the inputs from and writing the outputs to device memory.
 """
 
 from __future__ import annotations
@@ -385,7 +385,8 @@ class _Model:
     """A build of a compile output: its compile.json entry and its lowered graph on onnxruntime."""
 
     def __init__(self, root: Path, entry: dict) -> None:
-        from vlmc.backends.ascend import reference, runner
+        from vlmc.runtime.executors import build as runner
+        from vlmc.runtime.executors import reference
 
         self.root, self.entry = root, entry
         self.spec = runner.BuildSpec(entry)

@@ -14,11 +14,12 @@ from click.testing import CliRunner
 
 from vlmc import pass_api
 from vlmc.backends import ascend
-from vlmc.backends.ascend import acl_device, runner
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
+from vlmc.runtime.executors import acl as acl_device
+from vlmc.runtime.executors import build as runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_host_loop  # noqa: E402  (the 32-layer config is the benchmark's)

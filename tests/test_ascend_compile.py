@@ -662,7 +662,8 @@ def test_every_recipe_compiles_for_ascend(recipe_path, exported, tmp_path):
 def test_quantize_pass_output_lowers_and_matches_on_references(tiny_llava, tmp_path):
     """The real quantize pass (int8 static decoder, int8 weight-only vision) -> lowering -> references."""
     from vlmc import interop, manager, recipe, samples
-    from vlmc.backends.ascend import lower, reference
+    from vlmc.backends.ascend import lower
+    from vlmc.runtime.executors import reference
 
     steps = recipe.parse(
         "passes:\n  - quantize:\n"

@@ -11,8 +11,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
-from vlmc.backends.ascend import lower, precheck, reference
+from vlmc.backends.ascend import lower, precheck
 from vlmc.errors import CheckFailed
+from vlmc.runtime.executors import reference
 
 K, N = 16, 8
 

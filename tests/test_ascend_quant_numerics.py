@@ -17,9 +17,10 @@ import pytest
 from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
-from vlmc.backends.ascend import lower, ops, precheck, reference
+from vlmc.backends.ascend import lower, ops, precheck
 from vlmc.errors import VlmcError
 from vlmc.passes.quantize import calib, scheme, static, weight_only
+from vlmc.runtime.executors import reference
 
 K, HID, N = 256, 256, 64
 

@@ -16,11 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 from vlmc.backends import ascend
-from vlmc.backends.ascend import runner
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline, patches, preprocess
+from vlmc.runtime.executors import build as runner
 
 PROMPTS = ["Describe the image."]
 NEW_TOKENS = 6

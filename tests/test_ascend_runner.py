@@ -16,12 +16,14 @@ from onnx import TensorProto, helper
 
 from vlmc import pass_api
 from vlmc.backends import ascend
-from vlmc.backends.ascend import atc, gears, pools, runner
+from vlmc.backends.ascend import atc, gears, pools
 from vlmc.backends.ascend.rules import _weight_only_matmul
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
+from vlmc.runtime.executors import build as runner
+from vlmc.runtime.executors import reference
 from vlmc.runtime.paged import BlockAllocator, OutOfBlocks
 
 PROMPTS = ["Describe the image."]
@@ -60,10 +62,11 @@ def test_dims_vector_reproduces_the_atc_doc_example():
     # "data:1,1,40,-1;label:1,-1;mask:-1,-1", dynamic_dims "20,20,1,1;40,40,2,2;80,60,4,4"; gear 0 is
     # data(1,1,40,20) + label(1,20) + mask(1,1): dimCount 8, dims [1,1,40,20,1,20,1,1].
     text = "data:1,1,40,-1;label:1,-1;mask:-1,-1"
-    assert runner.dims_vector(text, [20, 20, 1, 1]) == [1, 1, 40, 20, 1, 20, 1, 1]
-    assert runner.dims_vector(text, [80, 60, 4, 4]) == [1, 1, 40, 80, 1, 60, 4, 4]
+    shape = [(name, [int(d) for d in dims]) for name, dims in atc.parse_input_shape(text)]
+    assert runner.dims_vector(shape, [20, 20, 1, 1]) == [1, 1, 40, 20, 1, 20, 1, 1]
+    assert runner.dims_vector(shape, [80, 60, 4, 4]) == [1, 1, 40, 80, 1, 60, 4, 4]
     with pytest.raises(VlmcError, match="has 3 values but the input shape has 4"):
-        runner.dims_vector(text, [20, 20, 1])
+        runner.dims_vector(shape, [20, 20, 1])
 
 
 # ---- reference executor == onnxruntime on the package --------------------------------------------------
@@ -118,7 +121,7 @@ def test_batch_and_images_are_padded_to_their_gears(exported, tmp_path, layout):
     assert runner.agreement(ref, got)["max_logit_diff"] < (5e-2 if layout == "paged" else 1e-4)
 
 
-class _CountingPool(runner.HostPool):
+class _CountingPool(reference.HostPool):
     writes = 0
 
     def write(self, rows, slot_mapping):
@@ -135,7 +138,7 @@ def test_pools_held_by_the_device_take_the_same_path(paged_build, exported, tmp_
     # the reference device can hold them the same way, so that path is checked on CPU too.
     root, summary = paged_build
     run_pkg, _ = runner.open_build(root, "reference")
-    device = runner.ReferenceDevice(device_pools=True)
+    device = reference.ReferenceDevice(device_pools=True)
     device.new_pool = _CountingPool
     executor = runner.BuildExecutor(root, summary, device)
     got = Pipeline(run_pkg, executor=executor).generate(PROMPTS, IMAGES, NEW_TOKENS)
@@ -203,7 +206,7 @@ def _spec(summary: dict, name: str) -> runner.BuildSpec:
 def test_reference_device_refuses_a_shape_that_is_not_a_gear(paged_build):
     root, summary = paged_build
     spec = _spec(summary, "embed_tokens")
-    device = runner.ReferenceDevice()
+    device = reference.ReferenceDevice()
     device.load(spec, root)
     ok = device.execute(spec, {"input_ids": np.zeros((1, 64), np.int64)}, [1, 64])
     assert ok["inputs_embeds"].shape[:2] == (1, 64)
@@ -222,7 +225,7 @@ def test_reference_device_refuses_float32_pools(paged_build):
     for i in spec.inputs:
         shape = [1 if d == -1 else d for d in i["shape"]]
         feeds[i["name"]] = np.zeros(shape, np.float32 if "cache" in i["name"] else np.dtype(i["dtype"]))
-    device = runner.ReferenceDevice()
+    device = reference.ReferenceDevice()
     device.load(spec, root)
     with pytest.raises(VlmcError, match="key_cache is float32, the build declares float16"):
         device.execute(spec, feeds, None)
@@ -237,7 +240,7 @@ def test_a_prompt_longer_than_every_gear_is_one_line(paged_build):
 
 def test_acl_executor_is_import_guarded(paged_build):
     root, _ = paged_build
-    from vlmc.backends.ascend import acl_device
+    from vlmc.runtime.executors import acl as acl_device
 
     if acl_device.available():
         pytest.skip("pyACL imports here")
@@ -409,7 +412,6 @@ def _quantized_gather(width: int) -> onnx.ModelProto:
     rng = np.random.default_rng(0)
     w = rng.integers(-127, 128, (8, width)).astype(np.int8)
     idx = np.stack([rng.permutation(width) for _ in range(3)]).astype(np.int64)
-    from vlmc.backends.ascend import reference
 
     inits = [
         onnx.numpy_helper.from_array(w, "w"),
@@ -436,7 +438,6 @@ def _quantized_gather(width: int) -> onnx.ModelProto:
 def test_reference_executor_runs_standard_ops_beyond_the_onnx_evaluators_limits():
     """GatherElements over 100 columns (onnx's reference evaluator uses np.choose: at most 64) runs on
     onnxruntime; the int8 MatMul accumulates exactly in int32; the Ascend ops keep their fp16 numerics."""
-    from vlmc.backends.ascend import reference
 
     model = _quantized_gather(100)
     x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
@@ -455,7 +456,6 @@ def test_reference_executor_runs_standard_ops_beyond_the_onnx_evaluators_limits(
 
 
 def test_reference_executor_names_an_op_it_has_no_kernel_for():
-    from vlmc.backends.ascend import reference
 
     model = _quantized_gather(4)
     model.graph.node[4].op_type = "NPUMish"

@@ -144,7 +144,7 @@ def test_a_contiguous_package_is_refused_in_one_line(exported):
 
 def test_a_reference_build_serves_batches_on_its_gears(exported, tmp_path):
     from vlmc.backends import ascend
-    from vlmc.backends.ascend import runner
+    from vlmc.runtime.executors import build as runner
 
     pkg = _paged(exported("tiny-llava"), tmp_path)
     target = {"soc": "Ascend910B2", "sequence_buckets": [64, 256], "batch_sizes": [1, 2, 4]}

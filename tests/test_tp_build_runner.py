@@ -22,11 +22,11 @@ from click.testing import CliRunner
 
 from vlmc import manager, recipe
 from vlmc.backends import ascend
-from vlmc.backends.ascend import runner
 from vlmc.cli import main
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline, collective
+from vlmc.runtime.executors import build as runner
 from vlmc.runtime.ranks import RankDecoder, RankGroup
 
 PROMPTS = ["Describe the image."]

@@ -27,9 +27,9 @@ from test_untrusted import tree
 
 from vlmc import compile_schema, manager, outdir, recipe
 from vlmc.backends import ascend
-from vlmc.backends.ascend import runner
 from vlmc.errors import VlmcError
 from vlmc.package import Package
+from vlmc.runtime.executors import build as runner
 
 REPO = Path(__file__).resolve().parents[1]
 VLMC = [sys.executable, "-m", "vlmc"]

@@ -15,7 +15,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vlmc import exporters
 from vlmc.errors import VlmcError
+from vlmc.graphs import initializer_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -480,8 +482,6 @@ def spec_from_package(pkg, image_size: tuple[int, int] | None = None) -> Spec:
     on it (the preprocessing kind's rule: tiles, anyres); a tiled package without it is planned at its
     worst case.
     """
-    from vlmc.graphs import initializer_bytes
-
     m = pkg.manifest
     kv, t, v = m["kv"], m["text"], m["vision"]
     ws = [
@@ -620,8 +620,6 @@ def spec_from_hf_config(
     """
     import torch
     from transformers import AutoConfig
-
-    from vlmc import exporters
 
     d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
     try:

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlmc import exporters, manager, memory, outdir, ui
+from vlmc import backends, exporters, manager, memory, outdir, report, ui
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.recipe import Recipe
@@ -71,14 +71,10 @@ def build(
             shutil.rmtree(tmp / "scratch", ignore_errors=True)
         compiled = None
         if recipe.target:
-            from vlmc import backends, report
-
             with _phase(phases, "compile"), ui.progress(f"compiling for {recipe.target['backend']}"):
                 compiled = backends.get(recipe.target["backend"]).compile(pkg, tmp / "build", recipe.target)
             pkg.report["compile"] = report.compile_summary(compiled)  # the ATC commands go into report.md
         pkg.report["build_phases"] = phases
-        from vlmc import report
-
         report.write(pkg, tmp / "package")
         (tmp / outdir.BUILD_MARKER).write_text(
             json.dumps(

@@ -332,41 +332,19 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
 
         vlmc run out/tiny-llava-paged --chat --image demo
     """
-    from vlmc.backends.ascend import runner
-    from vlmc.package import Package
-    from vlmc.runtime import Pipeline
+    from vlmc import runtime
 
-    path = Path(package)
-    group_executor = None  # what the ranks run, for a tensor-parallel package or build
-    if runner.is_build_dir(path):
-        chosen = executor or runner.default_executor()
-        if executor is None and chosen == "reference":
-            ui.info("pyACL does not import here: running the reference executor (the lowered graphs on CPU)")
-        summary, pkg = runner.read_build(path)
-        if summary.get("tensor_parallel"):
-            if device_id != 0:
-                raise VlmcError(
-                    "--device-id: a tensor-parallel build runs each rank on the device its rank_table.json names"
-                )
-            pipe, group_executor = None, chosen
-        else:
-            pkg, build_exec = runner.open_build(path, chosen, device_id)
-            try:
-                pipe = Pipeline(pkg, executor=build_exec)
-            except BaseException:
-                build_exec.close()
-                raise
-    else:
-        if executor is not None or against is not None:
-            flag = "--executor" if executor is not None else "--against"
-            raise VlmcError(f"{flag} applies to a compile output; {path} is a package (run it without it)")
-        pkg = Package.load(path)
-        pipe = None if pkg.manifest.get("tensor_parallel") else Pipeline(pkg)
+    what = runtime.target(package, executor, device_id)
+    if what.build and executor is None and what.executor == "reference":
+        ui.info("pyACL does not import here: running the reference executor (the lowered graphs on CPU)")
+    if against is not None and not what.build:
+        raise VlmcError(f"--against applies to a compile output; {package} is a package (run it without it)")
     if chat:
-        if pipe is None:
+        if what.ranks is not None:
             raise VlmcError("--chat runs one process: a tensor-parallel package or build cannot chat yet")
         if against is not None or len(prompts) > 1:
             raise VlmcError("--chat takes at most one --prompt (the first turn) and no --against")
+        pipe = what.start()
         try:
             _chat(pipe, list(prompts), list(images), max_new_tokens)
         finally:
@@ -374,53 +352,31 @@ def run(package, images, prompts, max_new_tokens, as_json, executor, device_id, 
         return
     if not prompts:
         raise click.UsageError("run needs --prompt (or --chat)")
-    try:
-        per_prompt = _distribute(
-            list(prompts), list(images), pkg.manifest["text"].get("image_marker", "<image>")
-        )
-        # A build with resolution gears (its runtime manifest's vision.preprocess.gears) fits each image to
-        # one; say how, once (the pipeline fits them the same way).
-        fitted, notes = _fitted_images(pkg.manifest, per_prompt)
-    except BaseException:
-        if pipe is not None:
-            pipe.close()  # an open device session (acl) is released and acl.finalize reached on this path too
-        raise
+    per_prompt = _distribute(
+        list(prompts), list(images), what.manifest["text"].get("image_marker", "<image>")
+    )
+    # A build with resolution gears (its runtime manifest's vision.preprocess.gears) fits each image to
+    # one; say how, once (the pipeline fits them the same way).
+    fitted, notes = _fitted_images(what.manifest, per_prompt)
     for note in notes:
         ui.info(note)
-    if pipe is None:
-        # One process per rank, joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
-        # (vlmc/runtime/collective.py; docs/tensor_parallel.md).
-        from vlmc.runtime import collective
-        from vlmc.runtime.ranks import RankGroup
-
-        RankGroup.preflight(package, group_executor)  # a missing torch / torch_npu / pyACL: one line, first
-        size = pkg.manifest["tensor_parallel"]["size"]
-        backend = collective.for_executor(group_executor or "ort").backend
-        what = f", each on the {group_executor} executor" if group_executor else ""
-        ui.info(f"starting {size} ranks (torch.distributed, {backend}{what})")
-        with RankGroup(package, executor=group_executor) as group:
-            result = group.generate(list(prompts), per_prompt, max_new_tokens)
-    else:
-        try:
-            result = pipe.generate(list(prompts), per_prompt, max_new_tokens)
-        finally:
-            pipe.close()
+    # One process, or one per rank joined by torch.distributed: gloo on CPU, torch_npu's hccl for acl
+    # (vlmc/runtime/collective.py; docs/tensor_parallel.md).
+    runnable = what.start(on_start=ui.info)
+    try:
+        result = runnable.generate(list(prompts), per_prompt, max_new_tokens)
+    finally:
+        runnable.close()
     report = None
     if against is not None:
         # The package runs on the pixels the build ran on (fitted to its resolution gears), so both see one image.
-        ref_pkg = Package.load(against)
-        if ref_pkg.manifest.get("tensor_parallel"):  # its ranks on onnxruntime, as `vlmc run PACKAGE` does
-            from vlmc.runtime.ranks import RankGroup
-
-            with RankGroup(against) as group:
-                ref = group.generate(list(prompts), fitted, max_new_tokens)
-        else:
-            ref_pipe = Pipeline(ref_pkg)
-            try:
-                ref = ref_pipe.generate(list(prompts), fitted, max_new_tokens)
-            finally:
-                ref_pipe.close()
-        report = runner.agreement(ref, result)
+        # A tensor-parallel package runs its ranks on onnxruntime, as `vlmc run PACKAGE` does.
+        reference = runtime.open(against)
+        try:
+            ref = reference.generate(list(prompts), fitted, max_new_tokens)
+        finally:
+            reference.close()
+        report = runtime.executors.agreement(ref, result)
     if as_json:
         out = {"tokens": result.tokens, "texts": result.texts}
         if report is not None:
@@ -560,24 +516,16 @@ def _open_for_serving(path: Path, executor: str | None, device_id: int):
     """A Pipeline over a package or a compile output, and the model name the API reports."""
     import importlib.util
 
-    from vlmc.package import Package
-    from vlmc.runtime import Pipeline
+    from vlmc import runtime
 
     if importlib.util.find_spec("fastapi") is None or importlib.util.find_spec("uvicorn") is None:
         raise VlmcError("vlmc serve needs FastAPI and uvicorn: pip install 'vlmc[serve]'")
-    from vlmc.backends.ascend import runner
-
-    if runner.is_build_dir(path):
-        pkg, build_exec = runner.open_build(path, executor or runner.default_executor(), device_id)
-        pipe = Pipeline(pkg, executor=build_exec)
-    else:
-        if executor is not None:
-            raise VlmcError(f"--executor applies to a compile output; {path} is a package")
-        pkg = Package.load(path)
-        pipe = Pipeline(pkg)
-    if pkg.manifest.get("tensor_parallel"):
+    what = runtime.target(path, executor, device_id)
+    if what.ranks is not None:
         raise VlmcError("vlmc serve runs one process: a tensor-parallel package runs with `vlmc run` for now")
-    return pipe, str(pkg.manifest["model"].get("source") or pkg.manifest["model"]["family"])
+    pipe = what.start()
+    manifest = what.manifest
+    return pipe, str(manifest["model"].get("source") or manifest["model"]["family"])
 
 
 def _chat(pipe, prompts: list[str], images: list[str], max_new_tokens: int) -> None:

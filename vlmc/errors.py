@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from vlmc import limits
+
 
 class VlmcError(Exception):
     """A user-facing error (bad input, unsupported model, bad recipe): one line, exit code 2."""
@@ -37,8 +39,6 @@ def one_line(message: object, limit: int | None = None) -> str:
     Values inside messages come from untrusted inputs (a pass name, a key, a path 100 kB long); both
     ends are kept, since the start says what failed and the end often says what to do.
     """
-    from vlmc import limits
-
     limit = limits.MAX_ERROR_CHARS if limit is None else limit
     text = str(message).replace("\r", "\\r").replace("\n", "\\n")
     if len(text) <= limit:

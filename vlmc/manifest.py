@@ -59,7 +59,7 @@ import json
 import logging
 from typing import Any
 
-from vlmc import __version__
+from vlmc import __version__, limits, manifest_schema, parsing
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,6 @@ def _validate(m: Any, where: str) -> dict:
     if not isinstance(m.get("history", []), list):
         raise VlmcError(f"{where}: 'history' must be a list")
     # Every field typed and bounded (vlmc/manifest_schema.py, docs/manifest.schema.json).
-    from vlmc import manifest_schema
-
     manifest_schema.check(m, where)
     return m
 
@@ -181,8 +179,6 @@ def dumps(m: dict) -> str:
 
 
 def loads(text: str, where: str = "vlmc.json") -> dict:
-    from vlmc import limits, parsing
-
     if len(text) > limits.MAX_MANIFEST_BYTES:
         raise VlmcError(f"{where}: {len(text)} characters, above the {limits.MAX_MANIFEST_BYTES} limit")
     m = parsing.load_json(text, where)  # depth, integer digits, NaN (vlmc/parsing.py)

@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,6 @@ def write_file(root: str | Path, rel: str, data: bytes | str) -> Path:
     which is then renamed over the target: a symlink at the target is replaced, never written through,
     and a failed write leaves the old file as it was.
     """
-    from vlmc import paths
-
     root = Path(root)
     paths.check_relative(rel, rel, str(root))
     target = root.resolve() / rel

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs, interop, manifest, outdir, paths
+from vlmc import graphs, interop, manifest, outdir, paths, report
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -276,8 +276,6 @@ class Package:
             if self.root is not None and self.root.resolve() != Path(out).resolve():
                 _carry_files(self.root, tmp, keep=set(self.files))
             (tmp / manifest.MANIFEST_NAME).write_text(manifest.dumps(self.manifest))
-            from vlmc import report
-
             (tmp / "report.json").write_text(
                 json.dumps(self.report, indent=2, sort_keys=True, default=str) + "\n"
             )

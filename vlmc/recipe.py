@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vlmc import errors, limits, parsing, pass_api
+from vlmc import backends, errors, limits, parsing, pass_api
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -113,8 +113,6 @@ def from_dict(data: Any, source: str = "<recipe>") -> Recipe:
     steps = [_step(entry, i + 1, source) for i, entry in enumerate(raw_passes)]
     target = data.get("target")
     if target is not None:
-        from vlmc import backends
-
         target = backends.validate_target(target, where=f"{source}: target")
     return Recipe(model=model, export=export, steps=steps, target=target, source=source)
 
@@ -150,8 +148,6 @@ def _show(value: Any) -> str:
 
 def json_schema() -> dict:
     """JSON Schema for recipes, generated from the pass registry (docs/recipe.schema.json)."""
-    from vlmc import backends
-
     pass_items = []
     for name, cls in pass_api.registry().items():
         pass_items.append({"const": name, "description": cls.summary})

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 import vlmc.manifest
-from vlmc import graphs
+from vlmc import graphs, outdir, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -133,8 +133,6 @@ def verify_data(pkg, root: Path | None = None) -> dict | None:
     data = pkg.report.get("verify")
     root = root or pkg.root
     if not data and root is not None and (root / "verify.json").is_file():
-        from vlmc import paths
-
         try:
             data = json.loads(paths.read_text(root, "verify.json", "verify.json", str(root)))
         except (OSError, ValueError, RecursionError, VlmcError):
@@ -152,8 +150,6 @@ def pictures(pkg, root: Path | None = None) -> list[str]:
     root = root or pkg.root
     names = {rel for rel in pkg.files if rel.lower().endswith(PICTURE_SUFFIXES)}
     if root is not None and root.is_dir():
-        from vlmc import paths
-
         # Through the confinement rule: a picture that is a link out of the package refuses it.
         names |= {
             rel for rel, _ in paths.package_files(root, str(root)) if rel.lower().endswith(PICTURE_SUFFIXES)
@@ -174,8 +170,6 @@ def compile_summary(compiled: dict | None) -> dict | None:
 
 def write(pkg, root: Path) -> None:
     """(Re)write report.json and report.md in a package directory."""
-    from vlmc import outdir
-
     root = Path(root)
     outdir.write_file(
         root, "report.json", json.dumps(pkg.report, indent=2, sort_keys=True, default=str) + "\n"

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 
@@ -69,8 +70,6 @@ def _source(pkg: Package, graph: str):
     rel = sample_path(graph)
     blob = pkg.files.get(rel)
     if blob is None and pkg.root is not None:
-        from vlmc import paths
-
         where = str(pkg.root / "vlmc.json")
         if paths.inside(pkg.root, rel, f"samples of graph {graph!r}", where).is_file():
             return paths.regular_file(pkg.root, rel, f"samples of graph {graph!r}", where)

@@ -15,12 +15,14 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 
-from vlmc import metrics, pass_api, ui
+from vlmc import metrics, outdir, pass_api, report, ui
 from vlmc.errors import VlmcError
+from vlmc.exporters import load_source, processor
 from vlmc.package import Package
 from vlmc.passes.prune_visual_tokens import measure
-from vlmc.runtime import Pipeline
+from vlmc.runtime import Pipeline, preprocess
 from vlmc.runtime.pipeline import Inputs
+from vlmc.runtime.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +70,6 @@ def is_lossy(pkg: Package) -> bool:
 
 def reference_source(pkg: Package, trust_remote_code: bool = False, allow_pickle: bool = False):
     """Load the package's source in transformers and check it is the one that was exported."""
-    from vlmc.exporters import load_source
-
     src = pkg.manifest["model"]["source"]
     source = load_source(src, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     if source.config_hash != pkg.manifest["model"]["config_hash"]:
@@ -91,8 +91,6 @@ def _pil(ref):
     import numpy as np
     from PIL import Image
 
-    from vlmc.runtime import preprocess
-
     if isinstance(ref, np.ndarray):
         return Image.fromarray(ref)
     if Path(str(ref)).is_file():
@@ -113,8 +111,6 @@ def processor_inputs(pkg: Package, proc, prompts: list[str], images: list[list])
     without one, filled into the manifest's prompt_template. A processor that puts its image tokens first by
     itself (text.image_tokens_first: BLIP-2) gets the text without the marker.
     """
-    from vlmc.exporters import processor
-
     t = pkg.manifest["text"]
     marker = t.get("image_marker", "<image>")
     template = processor.chat_template(proc)
@@ -286,8 +282,6 @@ def verify(
         source = reference_source(pkg, trust_remote_code, allow_pickle)
     model = source.model
     if source.directory is not None and pkg.manifest["text"].get("tokenizer") == "source":
-        from vlmc.exporters import processor
-
         proc = processor.load(source.directory, trust_remote_code)
         ref_inp = processor_inputs(pkg, proc, prompts, images)
         checked = compare_inputs(runtime_ref, ref_inp)
@@ -305,8 +299,6 @@ def verify(
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
         if pkg.manifest.get("tensor_parallel") and pkg.root is not None:
             # A sharded package runs as its rank processes, joined by gloo (docs/tensor_parallel.md).
-            from vlmc.runtime.ranks import RankGroup
-
             with RankGroup(pkg.root) as group:
                 got = group.generate_from(inp, max_new_tokens)
         else:
@@ -352,12 +344,8 @@ def verify(
 def write(pkg: Package, result: VerifyResult) -> None:
     """Store verify.json in the package directory (a report file, not part of the manifest)."""
     if pkg.root is not None:
-        from vlmc import report
-
         # The digest ties the numbers to this exact package, so a later optimize does not inherit them.
         data = dict(result.to_dict(), manifest_sha256=report.manifest_digest(pkg.manifest))
-        from vlmc import outdir
-
         # Through the one output writer: atomic, and a link at the name is replaced, never followed.
         outdir.write_file(pkg.root, "verify.json", json.dumps(data, indent=2, sort_keys=True) + "\n")
         pkg.report["verify"] = data  # report.md shows parity/fidelity numbers: keep it in step

@@ -16,6 +16,7 @@ import numpy as np
 from vlmc import metrics
 from vlmc.errors import VlmcError
 from vlmc.package import Package
+from vlmc.report import kv_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ def prefill_flops(layers: int, hidden: int, intermediate: int, tokens: int) -> f
 
 def savings(manifest: dict, tokens_before: int, tokens_after: int, text_tokens: int) -> dict:
     """Visual tokens, KV bytes per image and FastV prefill FLOPs before and after pruning."""
-    from vlmc.report import kv_bytes_per_token
-
     per_token = kv_bytes_per_token(manifest)
     out = {
         "visual_tokens_before": tokens_before,

@@ -14,7 +14,7 @@ from vlmc import graphs, limits, manifest
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
-from . import scheme
+from . import scheme, static, stream_fidelity, weight_only
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class Quantize(Pass):
 
     def check_package(self, package) -> dict[str, scheme.GraphScheme]:
         """The scheme of every graph to quantize (graph name -> scheme): the plan ``run`` receives."""
-        from . import calib
+        from . import calib  # onnxruntime.quantization: only when quantizing
 
         schemes = self.resolve(package)
         for name, graph_scheme in schemes.items():
@@ -159,7 +159,7 @@ class Quantize(Pass):
         before any graph changes, with the calibration runs, and each graph's feeds are freed as soon
         as it is measured, so the pass never holds more than one graph's samples.
         """
-        from . import calib, fidelity, stream_fidelity
+        from . import calib, fidelity  # onnxruntime (and its quantization tools): only when quantizing
 
         schemes = self.check_package(package) if plan is None else plan
         eval_samples, eval_tokens, seed = (
@@ -303,7 +303,7 @@ class Quantize(Pass):
 
     @staticmethod
     def _apply(model, graph_scheme: scheme.GraphScheme, feeds: list, seed: int, scratch):
-        from . import calib, static, weight_only
+        from . import calib  # onnxruntime.quantization: only when quantizing
 
         if graph_scheme.mode == "int8":
             if not feeds:

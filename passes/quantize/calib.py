@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 from onnxruntime.quantization import CalibrationDataReader
 
-from vlmc import interrupts, samples
+from vlmc import interrupts, ortsession, samples
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
-from vlmc.runtime.executor import OrtExecutor
+from vlmc.runtime.executors.ort import OrtExecutor
+
+from . import stream_fidelity
 
 logger = logging.getLogger(__name__)
 
@@ -142,8 +144,6 @@ def record(
         pipe.close()  # sessions hold a copy of every graph's weights; free them before quantizing
     for t in sorted(targets - runnable):
         logger.info("quantize: %s is not in the package pipeline; calibrating on stored/generated samples", t)
-        from vlmc import ortsession
-
         wanted = eval_samples and t in keep_outputs and t not in feeds_only
         sess = ortsession.for_graph(pkg, t) if wanted else None
         for i in range(len(images)):
@@ -182,8 +182,6 @@ class _FeedsOnly(OrtExecutor):
         if self.recorder.targets - self.recorder.seen <= {graph}:
             self.recorder(graph, feeds, {})
             raise _Recorded
-        from . import stream_fidelity
-
         return stream_fidelity.reference(self.pkg.model(graph), [feeds])[0]
 
 

@@ -8,7 +8,8 @@ import numpy as np
 
 from vlmc import memory, metrics, ortsession
 from vlmc.package import Package
-from vlmc.runtime.executor import OrtExecutor
+from vlmc.runtime import Pipeline
+from vlmc.runtime.executors.ort import OrtExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ def end_to_end(
     pkg: Package, inputs: list, generations: list, tokens: int, sessions: Sessions | None = None
 ) -> dict:
     """First-token logits KL/cosine/top-1 and greedy common prefix of the package vs the FP32 run."""
-    from vlmc.runtime import Pipeline
-
     if not inputs:
         return {}
     pipe = Pipeline(pkg, executor=sessions or Sessions(pkg))

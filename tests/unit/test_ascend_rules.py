@@ -1,7 +1,7 @@
 """The Ascend lowering rules, one by one, on small onnx_ir graphs built here.
 
 Each rewrite is checked for its form (the ops and weights ATC reads) and its numerics: the lowered
-graph on the reference executor (vlmc/backends/ascend/reference.py) against the portable graph on
+graph on the reference executor (vlmc/runtime/executors/reference.py) against the portable graph on
 onnxruntime. The memory check lowers a graph of large memory-mapped weights in a subprocess and
 bounds its peak RSS growth by a few weights, with an in-memory control that shows the check fails
 when the lowering holds them all.
@@ -22,8 +22,9 @@ import onnxruntime as ort
 import pytest
 
 from vlmc import graphs, interop
-from vlmc.backends.ascend import lower, precheck, reference
+from vlmc.backends.ascend import lower, precheck
 from vlmc.errors import CheckFailed
+from vlmc.runtime.executors import reference
 
 FLOAT = ir.DataType.FLOAT
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from vlmc import manifest, ui
+from vlmc import limits, manifest, paths, ui
 from vlmc.errors import VlmcError
+from vlmc.exporters import checkpoint, processor, zoo
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,6 @@ def load_source(
     the full one. Without ``lazy`` (tests, verify, anything that runs the model) it is all there.
     """
     _require_export_extra()
-    from vlmc.exporters import zoo
-
     families()  # family modules register their built-ins on import
     if name in zoo.BUILTINS:
         family, _ = zoo.BUILTINS[name]
@@ -181,8 +180,6 @@ _SELECT_STRATEGIES = ("default", "full")
 
 def check_config_sizes(config: dict, where: str, prefix: str = "") -> None:
     """Refuse a config.json whose sizes are not positive ints under the bounds, naming the key (exit 2)."""
-    from vlmc import limits
-
     for key, value in config.items():
         if isinstance(value, dict) and len(prefix) < 200:
             check_config_sizes(value, where, f"{prefix}{key}.")
@@ -285,8 +282,7 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
     safetensors headers and the weights against the config (vlmc/exporters/checkpoint.py)."""
     from transformers import AutoConfig
 
-    from vlmc import paths
-    from vlmc.exporters import checkpoint, streaming
+    from vlmc.exporters import streaming  # imports torch (the export extra)
 
     if not path.is_dir() or not os.path.lexists(path / "config.json"):
         raise VlmcError(f"{path} is not a Hugging Face model directory (no config.json)")
@@ -471,8 +467,6 @@ def _attach_source_files(directory: Path, pkg: Package, trusted: bool = False) -
 
     Each is a regular file inside the model directory's fence, bounded (vlmc/paths.py: load_source checked
     them already; they are read through the rule again here, where they are copied)."""
-    from vlmc import paths
-
     found = []
     for fname in _TOKENIZER_FILES:
         data = paths.model_bytes(directory, fname)
@@ -481,8 +475,6 @@ def _attach_source_files(directory: Path, pkg: Package, trusted: bool = False) -
             found.append(fname)
     has_tok = any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
     if has_tok:
-        from vlmc.exporters import processor
-
         processor.attach(directory, pkg, trusted)
     if "preprocessor_config.json" in found or "processor_config.json" in found:
         pkg.manifest["vision"]["processor"] = "source"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from vlmc import paths
+
 logger = logging.getLogger(__name__)
 
 # OPENAI CLIP image statistics: the processors' defaults when a source has no image processor settings.
@@ -90,8 +92,6 @@ def usable_eos(eos, vocab_size: int, notes: list[str]):
 def image_processor_config(directory) -> dict | None:
     """The source's image processor settings: preprocessor_config.json, or (transformers 5 saves processors
     that way) the ``image_processor`` entry of processor_config.json; None when it has neither."""
-    from vlmc import paths
-
     if directory is None:
         return None
     settings = paths.model_json(directory, "preprocessor_config.json")

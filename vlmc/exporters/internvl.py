@@ -15,7 +15,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, zoo
+from vlmc.exporters import base, generic, processor, zoo
 from vlmc.runtime import tiles
 
 logger = logging.getLogger(__name__)
@@ -107,8 +107,6 @@ def _processor_settings(directory) -> tuple[dict, int | None]:
     attributes (GotOcr2's crop_to_patches: False, which the hub configs also save), so the settings are
     read from the loaded processor the way its __call__ merges them, not from preprocessor_config.json.
     """
-    from vlmc.exporters import processor
-
     proc = processor.load(directory)
     ip = getattr(proc, "image_processor", None)
     if ip is None:

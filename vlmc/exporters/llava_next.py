@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from vlmc.errors import VlmcError
 from vlmc.exporters import base, generic, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config
 from vlmc.runtime import anyres
@@ -172,8 +173,6 @@ class LlavaNext(generic.Family):
 
 
 def raise_full_cls(name: str):
-    from vlmc.errors import VlmcError
-
     raise VlmcError(
         f"{name}: vision_feature_select_strategy 'full' with a CLS tower gives tiles one token more than "
         "their patch grid, which transformers' pack_image_features cannot lay out either"

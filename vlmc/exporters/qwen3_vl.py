@@ -25,6 +25,7 @@ import logging
 
 import torch
 
+from vlmc.errors import VlmcError
 from vlmc.exporters import base, qwen2_vl, streaming, zoo
 from vlmc.exporters._facts import image_processor_config, kv_facts, text_facts
 from vlmc.package import Package
@@ -272,8 +273,6 @@ def export(source, pkg: Package) -> None:
     tcfg, vcfg = cfg.text_config, cfg.vision_config
     deepstack_layers = len(vcfg.deepstack_visual_indexes)
     if deepstack_layers > int(tcfg.num_hidden_layers):
-        from vlmc.errors import VlmcError
-
         raise VlmcError(
             f"qwen3_vl: {deepstack_layers} deepstack vision layers but only {tcfg.num_hidden_layers} "
             "decoder layers to add them to"

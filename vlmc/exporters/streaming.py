@@ -37,6 +37,9 @@ from pathlib import Path
 import onnx
 import torch
 
+from vlmc.exporters import checkpoint
+from vlmc.exporters import checkpoint as checked  # where a local `checkpoint` is the open Checkpoint
+
 logger = logging.getLogger(__name__)
 
 # Layers traced per stack: the first, whose input comes from outside the stack, and one whose input
@@ -125,8 +128,6 @@ def layout(path: Path, model_class, config, held: dict, trust_remote_code: bool 
     """The full model built on the meta device from ``config`` and the checkpoint's tensors ``held``
     (vlmc/exporters/checkpoint.py: headers checked) mapped onto it; refuses a tensor whose shape or dtype
     is not what the config implies (:func:`checkpoint.check_weights`)."""
-    from vlmc.exporters import checkpoint
-
     # a model class builds from a config with _from_config, an auto class with from_config (which must be
     # told whether the model's own code may run)
     build = getattr(model_class, "_from_config", None)
@@ -271,8 +272,6 @@ def load_reduced(path: Path, model_class, config, depths: dict[tuple[str, str], 
     loads the whole model). Each cut ModuleList carries its :class:`Stack`. A weight the full model needs
     that the checkpoint does not hold refuses the export (VlmcError naming it), as in a whole load.
     """
-    from vlmc.exporters import checkpoint as checked
-
     depths = {k: v if isinstance(v, Cut) else Cut(int(v)) for k, v in depths.items()}
     full, converted = lay.meta, lay.converted
     checkpoint = Checkpoint(path, lay.files)

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 
 from vlmc.errors import VlmcError
+from vlmc.runtime.paged import PagedKV  # imported lazily: paged.py is only needed for paged packages
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,6 @@ LAYOUTS = {"contiguous": lambda kv, batch, dtype, **_: ContiguousKV(kv, batch, d
 
 
 def _paged(kv: dict, batch: int, dtype: str, **extra) -> object:
-    from vlmc.runtime.paged import PagedKV  # imported lazily: paged.py is only needed for paged packages
-
     return PagedKV(kv, batch, dtype, **extra)
 
 

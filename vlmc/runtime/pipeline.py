@@ -20,7 +20,7 @@ from vlmc.package import Package
 from vlmc.runtime import chat, deepstack, extras, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
-from vlmc.runtime.executor import Executor, OrtExecutor
+from vlmc.runtime.executors.ort import Executor, OrtExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class Pipeline:
             on_graph: ``on_graph(name, feeds, outputs)``, called after every graph run (calibration
                 and fidelity code record activations through it).
             executor: what runs each graph (default: onnxruntime on the package's graphs). The loop
-                is the same whatever runs the graphs (vlmc/runtime/executor.py).
+                is the same whatever runs the graphs (vlmc/runtime/executors/).
             decoder: runs the decoder step instead of the ``pipeline.decoder`` chain: one rank of a
                 tensor-parallel package (:class:`vlmc.runtime.ranks.RankDecoder`), which also
                 says which share of the KV heads the rank's cache holds.

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vlmc import limits
 from vlmc.errors import VlmcError
 from vlmc.runtime import anyres, imaging, patches, tiles
 
@@ -54,8 +55,6 @@ def _decode(source, what: str) -> np.ndarray:
         from PIL import Image, UnidentifiedImageError
     except ModuleNotFoundError as exc:
         raise VlmcError("reading image files needs pillow: pip install pillow") from exc
-    from vlmc import limits
-
     # PIL's decompression-bomb guard at vlmc's bound (it raises past twice MAX_IMAGE_PIXELS; the size
     # check below refuses anything past the bound itself, from the header, before decoding).
     Image.MAX_IMAGE_PIXELS = limits.MAX_IMAGE_PIXELS

@@ -9,8 +9,8 @@ calls the collective's all-reduce between them, as the Ascend host calls ``HcclA
 written here: the ranks are separate processes with separate memory.
 
 What a rank runs is either the package's graphs on onnxruntime or a ``vlmc compile`` output's builds
-(``vlmc run BUILD_DIR``): then every rank opens the build with :func:`runner.open_build` restricted to its
-rank's builds, and follows compile.json's host plan. The collective is chosen from what runs the segments
+(``vlmc run BUILD_DIR``): then every rank opens the build with :func:`vlmc.runtime.executors.open`
+restricted to its rank's builds, and follows compile.json's host plan. The collective is chosen from what runs the segments
 (:mod:`vlmc.runtime.collective`): gloo for onnxruntime and the reference executor, torch_npu's hccl for acl.
 
 Each rank keeps its own KV state (contiguous or paged) holding only its KV heads
@@ -43,8 +43,11 @@ import numpy as np
 
 from vlmc import limits
 from vlmc.errors import VlmcError
+from vlmc.package import Package
 from vlmc.runtime import collective as collective_mod
+from vlmc.runtime import executors
 from vlmc.runtime.collective import COLLECTIVE_TIMEOUT_S, NEEDS_TORCH, require_torch  # noqa: F401
+from vlmc.runtime.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -178,17 +181,14 @@ class _Target:
     """What the ranks run: a package on onnxruntime, or a compile output through an executor."""
 
     def __init__(self, path: str | Path, executor: str | None = None) -> None:
-        from vlmc.backends.ascend import runner
-        from vlmc.package import Package
-
         self.path = str(Path(path).resolve())
-        self.build = runner.is_build_dir(Path(self.path))
+        self.build = executors.is_build_dir(Path(self.path))
         if self.build:
-            summary, pkg = runner.read_build(self.path)
+            summary, pkg = executors.read_build(self.path)
             self.executor = executor or "reference"
-            if self.executor not in runner.EXECUTORS:
+            if self.executor not in executors.BUILD_EXECUTORS:
                 raise VlmcError(
-                    f"unknown executor {self.executor!r}; choose one of {', '.join(runner.EXECUTORS)}"
+                    f"unknown executor {self.executor!r}; choose one of {', '.join(executors.BUILD_EXECUTORS)}"
                 )
             self.manifest = pkg.manifest
             self.root = Path(pkg.root)  # where the manifest's graph files are (the build's runtime package)
@@ -210,17 +210,14 @@ class _Target:
         self.size = int(tp["size"])
         # acl: each rank on the card its rank-table entry names; elsewhere no device.
         self.devices: list[int | None] = (
-            runner.rank_devices(self.path, self.size) if self.executor == "acl" else [None] * self.size
+            executors.rank_devices(self.path, self.size) if self.executor == "acl" else [None] * self.size
         )
 
     def check(self, collective: collective_mod.Collective) -> None:
         """Everything the ranks need that may be absent here, named in one line before any rank starts."""
         absent = collective.missing()
-        if self.executor == "acl":
-            from vlmc.backends.ascend import acl_device
-
-            if not acl_device.available():
-                absent.append("acl (pyACL)")
+        if not executors.available(self.executor):
+            absent.append("acl (pyACL)")
         if self.executor == "acl" and absent:
             raise VlmcError(
                 f"--executor acl on a tensor-parallel build runs each rank's .om files through pyACL and joins "
@@ -232,30 +229,25 @@ class _Target:
 
     def open(self, rank: int, threads: int | None, all_reduce):
         """(RankDecoder, Pipeline) of one rank, in the rank's process."""
-        from vlmc.runtime.pipeline import Pipeline
-
-        if self.build:
-            from vlmc.backends.ascend import runner
-
-            device = self.devices[rank] if self.devices[rank] is not None else 0
-            pkg, executor = runner.open_build(self.path, self.executor, device, rank=rank)
-            decoder = RankDecoder(pkg.manifest, rank, all_reduce, plan=self.plan)
-            for step in self.plan:  # each segment step names exactly the builds the executor picks from
-                if step["step"] != "segment":
-                    continue
-                graph, named = step["graphs"][rank], set(step["builds"][rank].values())
-                held = {b.name for b in executor.builds.get(graph, [])}
-                if named != held:
-                    raise VlmcError(
-                        f"compile.json: the host plan names builds {sorted(named)} for {graph}, the build list "
-                        f"has {sorted(held)}; re-run `vlmc compile`"
-                    )
-            return decoder, Pipeline(pkg, executor=executor, decoder=decoder)
-        from vlmc.package import Package
-
-        pkg = Package.load(self.path)
-        decoder = RankDecoder(pkg.manifest, rank, all_reduce)
-        return decoder, Pipeline(pkg, threads=threads, decoder=decoder)
+        if not self.build:
+            pkg, executor = executors.open(self.path, threads=threads)
+            decoder = RankDecoder(pkg.manifest, rank, all_reduce)
+            return decoder, Pipeline(pkg, threads=threads, executor=executor, decoder=decoder)
+        device = self.devices[rank] if self.devices[rank] is not None else 0
+        pkg, executor = executors.open(self.path, self.executor, device, rank=rank)
+        decoder = RankDecoder(pkg.manifest, rank, all_reduce, plan=self.plan)
+        for step in self.plan:  # each segment step names exactly the builds the executor picks from
+            if step["step"] != "segment":
+                continue
+            graph, named = step["graphs"][rank], set(step["builds"][rank].values())
+            held = {b.name for b in executor.builds.get(graph, [])}
+            if named != held:
+                executor.close()
+                raise VlmcError(
+                    f"compile.json: the host plan names builds {sorted(named)} for {graph}, the build list "
+                    f"has {sorted(held)}; re-run `vlmc compile`"
+                )
+        return decoder, Pipeline(pkg, executor=executor, decoder=decoder)
 
 
 def _worker(
@@ -467,6 +459,7 @@ class RankGroup:
         check_resources(target.size, _rank_weight_bytes(target.root, target.manifest, target.size))
         self.collective = collective_mod.for_executor(target.executor)
         self.path, self.size, self.executor = target.path, target.size, target.executor
+        self.manifest = target.manifest  # what the ranks run (a build's runtime manifest)
         if threads is None:  # the ranks share the machine's cores
             threads = max(1, (os.cpu_count() or 1) // self.size)
         self.timeout = collective_mod.collective_timeout()
@@ -476,7 +469,7 @@ class RankGroup:
         # (a spawned rank would import torch again, seconds each).
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(
-            ["torch.distributed", "onnxruntime", "vlmc.runtime.pipeline", "vlmc.backends.ascend.runner"]
+            ["torch.distributed", "onnxruntime", "vlmc.runtime.pipeline", "vlmc.runtime.executors.build"]
         )
         _start_forkserver()
         self._conns, self._procs = [], []
@@ -630,8 +623,8 @@ class RankGroup:
         """Make the ranks run another package or build split over as many ranks, with the same executor
         (the processes and the group stay)."""
         target = _Target(package, None if self.executor == "ort" else self.executor)
-        self.path = target.path
         self.call("open", target)
+        self.path, self.manifest = target.path, target.manifest
 
     def generate(self, prompts: list[str], images: list[list], max_new_tokens: int = 20):
         """Generate on every rank; returns rank 0's result after checking every rank produced the same tokens."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,6 @@ class TransformersTokenizer:
         )
         # The package's source/ is untrusted: its files are confined and bounded, and its own code never runs
         # (trust_remote_code=False: transformers neither runs nor asks about it, with or without a stdin).
-        from vlmc import paths
-
         paths.model_files(directory)
         declared = paths.custom_code(directory)
         if declared:
@@ -136,8 +135,6 @@ def package_text(pkg, name: str, key: str = "file") -> str | None:
 
     Read through the confinement rule (vlmc/paths.py): ``name`` must resolve inside the package.
     """
-    from vlmc import paths
-
     if name in pkg.files:
         try:
             return pkg.files[name].decode("utf-8")

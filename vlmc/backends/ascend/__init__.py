@@ -1,8 +1,8 @@
 """Ascend backend: precheck, lower and plan a package into ATC builds (commands, configs, build.sh).
 
 The work is split by stage: :mod:`.options` (the target schema), :mod:`.prepare` (everything planned
-in memory), :mod:`.write` (the build directory and compile.json) and :mod:`.runner` (running a
-compile output: `vlmc run BUILD_DIR`).
+in memory) and :mod:`.write` (the build directory and compile.json). Running a compile output
+(`vlmc run BUILD_DIR`) is the runtime's: :mod:`vlmc.runtime.executors.build`.
 """
 
 from __future__ import annotations

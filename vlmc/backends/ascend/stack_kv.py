@@ -8,7 +8,7 @@ gears carries its 2 x layers pools the same way. Stacked, the count is fixed: a 
 ``past_key_values.key`` / ``past_key_values.value`` [layers, batch, kv_heads, past, head_dim] and a paged
 build ``key_cache`` / ``value_cache`` [layers, num_blocks, block_size, kv_heads, head_dim]; each layer
 reads its slice with ``Gather(axis=0)`` of a constant index. Outputs stay per layer. The host stacks and
-binds (runner.BuildExecutor), so the package's interface and the runtime are unchanged.
+binds (vlmc.runtime.executors.build.BuildExecutor), so the package's interface and the runtime are unchanged.
 """
 
 from __future__ import annotations

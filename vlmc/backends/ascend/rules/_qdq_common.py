@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from vlmc import ascend_limits
-from vlmc.backends.ascend import reference
+from vlmc.runtime.executors import reference
 
 from ._base import Context, NoMatch
 from ._graph import QParams, qparams, release

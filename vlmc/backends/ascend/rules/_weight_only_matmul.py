@@ -22,8 +22,8 @@ import numpy as np
 import onnx_ir as ir
 
 from vlmc import ascend_limits, ortsession
-from vlmc.backends.ascend import reference
 from vlmc.errors import VlmcError
+from vlmc.runtime.executors import reference
 
 from ._base import Context, NoMatch, Rule
 from ._graph import Graph, as_int8, release

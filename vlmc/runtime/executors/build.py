@@ -3,8 +3,8 @@
 The loop is the runtime's (vlmc/runtime/pipeline.py). :class:`BuildExecutor` is its executor for a
 ``vlmc compile`` output: for every graph run it picks the build of that graph and the smallest gear
 that holds the real shapes, pads the feeds up to the gear, runs the build on a *device* and strips the
-padding off the outputs. The device is :class:`ReferenceDevice` (the lowered graphs on CPU, strict about
-shapes and dtypes) or ``acl_device.AclDevice`` (the .om files through pyACL on a 910B).
+padding off the outputs. The device is :class:`vlmc.runtime.executors.reference.ReferenceDevice` (the lowered graphs on CPU, strict about
+shapes and dtypes) or :class:`vlmc.runtime.executors.acl.AclDevice` (the .om files through pyACL on a 910B).
 
 Everything here reads compile.json (``builds[*].inputs/outputs/gears/gear_symbols/bindings``), never the
 package's graphs: what the host does is decided by the build's declared IO.
@@ -33,10 +33,12 @@ from typing import Protocol
 import numpy as np
 
 from vlmc import compile_schema, interop, limits, parsing, paths, tensor_names
-from vlmc.backends import BUILD_MARKER
-from vlmc.backends.ascend import atc
+from vlmc import manifest as manifest_io
 from vlmc.errors import VlmcError
+from vlmc.outdir import BUILD_MARKER
 from vlmc.package import Package
+from vlmc.runtime.executors import acl
+from vlmc.runtime.executors.reference import ReferenceDevice
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +49,11 @@ _FILL = {"attention_mask": 0, "slot_mapping": -1}
 EXECUTORS = ("acl", "reference")
 
 
-def dims_vector(input_shape: list[tuple[str, list[int]]] | str, gear: list[int]) -> list[int]:
+def dims_vector(input_shape: list[tuple[str, list[int]]], gear: list[int]) -> list[int]:
     """The dims aclmdlSetInputDynamicDims takes for one gear: every input's full shape, concatenated.
 
-    The gear's values replace the -1 entries in order. For ``data:1,1,40,-1;label:1,-1;mask:-1,-1``
+    ``input_shape`` is ``[(name, dims)]``, an ATC ``--input_shape`` with -1 for each dynamic dim. The
+    gear's values replace the -1 entries in order. For ``data:1,1,40,-1;label:1,-1;mask:-1,-1``
     and the gear ``20,20,1,1`` that is ``[1,1,40,20, 1,20, 1,1]``, 8 dims (the aclmdlSetInputDynamicDims
     page, https://www.hiascend.com/document/detail/en/canncommercial/800/apiref/appdevgapi/aclcppdevg_03_0312.html,
     and pyACL's ``acl.mdl.set_input_dynamic_dims``, aclpythondevg_01_0168).
@@ -58,8 +61,6 @@ def dims_vector(input_shape: list[tuple[str, list[int]]] | str, gear: list[int])
     Raises:
         VlmcError: the gear has more or fewer values than the shape has -1 entries.
     """
-    if isinstance(input_shape, str):
-        input_shape = [(n, [int(d) for d in dims]) for n, dims in atc.parse_input_shape(input_shape)]
     values = list(gear)
     n_dynamic = sum(1 for _, dims in input_shape for d in dims if d == -1)
     if len(values) != n_dynamic:
@@ -120,37 +121,9 @@ class Device(Protocol):
     def close(self) -> None: ...
 
 
-class HostPool:
-    """A paged pool held by the device rather than by the loop: on CPU, a numpy array behind the
-    same ``shape`` / ``dtype`` / ``write(rows, slot_mapping)`` surface the NPU's pools have."""
-
-    def __init__(self, name: str, shape: tuple[int, ...], dtype) -> None:
-        self.name = name
-        self.array = np.zeros(shape, np.dtype(dtype))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.array.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.array.dtype
-
-    def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
-        from vlmc.runtime.paged import write_rows
-
-        write_rows(self.array, rows, slot_mapping)
-
-    def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Write into layer ``layer`` of a stacked pool [layers, num_blocks, block_size, kv_heads, head_dim]."""
-        from vlmc.runtime.paged import write_rows
-
-        write_rows(self.array[layer], rows, slot_mapping)  # a contiguous view: written in place
-
-
 class PoolLayer:
     """One layer of a stacked pool (stack_kv.py): the per-layer pool PagedKV holds and writes, while the
-    build binds the whole stack. ``parent`` is a :class:`HostPool` or an ``acl_device.DevicePool``."""
+    build binds the whole stack. ``parent`` is a :class:`HostPool` or an ``acl.DevicePool``."""
 
     def __init__(self, parent, layer: int) -> None:
         self.parent, self.layer = parent, int(layer)
@@ -167,64 +140,8 @@ class PoolLayer:
         self.parent.write_layer(self.layer, rows, slot_mapping)
 
 
-class ReferenceDevice:
-    """The lowered graphs on CPU (vlmc/backends/ascend/reference.py), as strict as the .om is.
-
-    A feed whose full shape is not exactly one declared gear, or whose dtype is not the build's declared
-    dtype, is an error, as is an output whose dtype differs from the declared one: this is the stand-in
-    that checks the host logic where there is no NPU.
-    """
-
-    def __init__(self, fp16: bool = True, device_pools: bool = False) -> None:
-        """
-        Args:
-            fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
-            device_pools: hold the paged pools here (:class:`HostPool`) the way the NPU device holds
-                them, so the loop's device-pool path (``new_pool``, ``pool.write``) runs on CPU too.
-        """
-        self.fp16 = fp16
-        self._sessions: dict[str, object] = {}  # graph file -> reference session (builds may share a file)
-        if device_pools:
-            self.new_pool = HostPool
-
-    def load(self, build: BuildSpec, root: Path) -> None:
-        from vlmc.backends.ascend import reference
-
-        if build.file not in self._sessions:
-            self._sessions[build.file] = reference.Session(_inside(root, build.file), fp16=self.fp16)
-
-    def execute(
-        self, build: BuildSpec, feeds: dict[str, object], dims: list[int] | None
-    ) -> dict[str, np.ndarray]:
-        names = [i["name"] for i in build.inputs]
-        if list(feeds) != names:
-            raise VlmcError(f"{build.name}: feeds {list(feeds)} are not the build's inputs in order {names}")
-        feeds = {n: v.array if isinstance(v, HostPool) else v for n, v in feeds.items()}
-        for spec in build.inputs:
-            got = np.asarray(feeds[spec["name"]]).dtype
-            if got != np.dtype(spec["dtype"]):
-                raise VlmcError(
-                    f"{build.name}: input {spec['name']} is {got}, the build declares {spec['dtype']}"
-                )
-        actual = [int(d) for n in names for d in _shape(feeds[n])]
-        if actual not in build.allowed_dims():
-            raise VlmcError(f"{build.name}: input shapes {_shapes(feeds)} are not one of the build's gears")
-        if dims is not None and dims != actual:
-            raise VlmcError(f"{build.name}: the dims vector {dims} does not describe the feeds {actual}")
-        outs = self._sessions[build.file].run(feeds)
-        for spec in build.outputs:
-            if outs[spec["name"]].dtype != np.dtype(spec["dtype"]):
-                raise VlmcError(
-                    f"{build.name}: output {spec['name']} is {outs[spec['name']].dtype}, declared {spec['dtype']}"
-                )
-        return {o["name"]: outs[o["name"]] for o in build.outputs}
-
-    def close(self) -> None:
-        self._sessions.clear()
-
-
 class BuildExecutor:
-    """The executor of a compile output (:class:`vlmc.runtime.executor.Executor`): graph runs -> builds and gears."""
+    """The executor of a compile output (:class:`vlmc.runtime.executors.ort.Executor`): graph runs -> builds and gears."""
 
     def __init__(self, root: Path, summary: dict, device: Device, pad_token_id: int = 0) -> None:
         self.root = Path(root)
@@ -509,9 +426,7 @@ def _build_json(root: Path, rel: str, key: str, where: str) -> object:
 
 def default_executor() -> str:
     """``acl`` where pyACL imports, else ``reference``."""
-    from vlmc.backends.ascend import acl_device
-
-    return "acl" if acl_device.available() else "reference"
+    return "acl" if acl.available() else "reference"
 
 
 def read_build(build_dir: str | Path) -> tuple[dict, Package]:
@@ -543,8 +458,6 @@ def read_build(build_dir: str | Path) -> tuple[dict, Package]:
         raise VlmcError(
             f"{where}: runner.runtime_package {summary['runner']['runtime_package']!r} is not a directory"
         )
-    from vlmc import manifest as manifest_io
-
     text = paths.read_text(pkg_root, manifest_io.MANIFEST_NAME, "the runtime manifest", str(pkg_root))
     manifest = manifest_io.loads(text, where=str(pkg_root / manifest_io.MANIFEST_NAME))
     compile_schema.cross_check(summary, manifest, where)
@@ -566,7 +479,7 @@ def _check_files(root: Path, builds: list[dict], executor: str) -> None:
             seen.add(rel)
             key = f"build {b['name']} {kind} file"
             if kind == "om" and not os.path.lexists(paths.inside(root, rel, key, where)):
-                continue  # not built yet: the device says to run build.sh (acl_device.AclDevice.load)
+                continue  # not built yet: the device says to run build.sh (acl.AclDevice.load)
             path = paths.regular_file(root, rel, key, where)
             if kind == "graph":  # opened without its weights; the device loads it afterwards
                 interop.open_checked(path)
@@ -598,9 +511,7 @@ def open_build(
     if executor == "reference":
         device: Device = ReferenceDevice()
     elif executor == "acl":
-        from vlmc.backends.ascend import acl_device
-
-        device = acl_device.AclDevice(device_id)
+        device = acl.AclDevice(device_id)
     else:
         raise VlmcError(f"unknown executor {executor!r}; choose one of {', '.join(EXECUTORS)}")
     try:

@@ -1,4 +1,4 @@
-"""numpy references of the Ascend ops vlmc emits, and an executor that runs a lowered graph with them.
+"""The reference device: numpy references of the Ascend ops vlmc emits, and lowered graphs run with them.
 
 The lowered graph is what ATC reads, so onnxruntime cannot load it whole (Ascend ops, int8 MatMul).
 The executor partitions it: every standard ONNX op runs on onnxruntime, in as few segments as the
@@ -28,8 +28,9 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs, interop
+from vlmc import ascend_limits, graphs, interop, ortsession, paths
 from vlmc.errors import VlmcError
+from vlmc.runtime.paged import write_rows
 
 logger = logging.getLogger(__name__)
 
@@ -290,10 +291,6 @@ class _Segment:
     def run(self, env: dict[str, np.ndarray]) -> None:
         feeds = {n: env[n] for n in self.inputs}
         if self._session is None:
-            # Imported here: the lowering rules import this module for its numerics, and compile
-            # should not load onnxruntime (tests/test_ascend_compile.py measures compile's peak RSS).
-            from vlmc import ortsession
-
             self._session = ortsession.from_model(self._model(feeds))
         env.update(zip(self.outputs, self._session.run(self.outputs, feeds)))
 
@@ -439,3 +436,83 @@ def run(
         fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
     """
     return Session(model, fp16).run(feeds)
+
+
+class HostPool:
+    """A paged pool held by the device rather than by the loop: on CPU, a numpy array behind the
+    same ``shape`` / ``dtype`` / ``write(rows, slot_mapping)`` surface the NPU's pools have."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], dtype) -> None:
+        self.name = name
+        self.array = np.zeros(shape, np.dtype(dtype))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.array.shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.array.dtype
+
+    def write(self, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        write_rows(self.array, rows, slot_mapping)
+
+    def write_layer(self, layer: int, rows: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Write into layer ``layer`` of a stacked pool [layers, num_blocks, block_size, kv_heads, head_dim]."""
+        write_rows(self.array[layer], rows, slot_mapping)  # a contiguous view: written in place
+
+
+class ReferenceDevice:
+    """The lowered graphs on CPU (:class:`Session`), as strict as the .om is.
+
+    A feed whose full shape is not exactly one declared gear, or whose dtype is not the build's declared
+    dtype, is an error, as is an output whose dtype differs from the declared one: this is the stand-in
+    that checks the host logic where there is no NPU.
+    """
+
+    def __init__(self, fp16: bool = True, device_pools: bool = False) -> None:
+        """
+        Args:
+            fp16: emulate the 910B's fp16 arithmetic in the Ascend ops.
+            device_pools: hold the paged pools here (:class:`HostPool`) the way the NPU device holds
+                them, so the loop's device-pool path (``new_pool``, ``pool.write``) runs on CPU too.
+        """
+        self.fp16 = fp16
+        self._sessions: dict[str, object] = {}  # graph file -> reference session (builds may share a file)
+        if device_pools:
+            self.new_pool = HostPool
+
+    def load(self, build, root: Path) -> None:
+        if build.file not in self._sessions:
+            where = f"{root}/compile.json"  # compile.json may come from elsewhere (vlmc/paths.py)
+            self._sessions[build.file] = Session(
+                paths.inside(root, build.file, "a build file", where=where), fp16=self.fp16
+            )
+
+    def execute(self, build, feeds: dict[str, object], dims: list[int] | None) -> dict[str, np.ndarray]:
+        names = [i["name"] for i in build.inputs]
+        if list(feeds) != names:
+            raise VlmcError(f"{build.name}: feeds {list(feeds)} are not the build's inputs in order {names}")
+        feeds = {n: v.array if isinstance(v, HostPool) else v for n, v in feeds.items()}
+        for spec in build.inputs:
+            got = np.asarray(feeds[spec["name"]]).dtype
+            if got != np.dtype(spec["dtype"]):
+                raise VlmcError(
+                    f"{build.name}: input {spec['name']} is {got}, the build declares {spec['dtype']}"
+                )
+        actual = [int(d) for n in names for d in np.shape(feeds[n])]
+        if actual not in build.allowed_dims():
+            shapes = ", ".join(f"{n}{list(np.shape(v))}" for n, v in feeds.items())
+            raise VlmcError(f"{build.name}: input shapes {shapes} are not one of the build's gears")
+        if dims is not None and dims != actual:
+            raise VlmcError(f"{build.name}: the dims vector {dims} does not describe the feeds {actual}")
+        outs = self._sessions[build.file].run(feeds)
+        for spec in build.outputs:
+            if outs[spec["name"]].dtype != np.dtype(spec["dtype"]):
+                raise VlmcError(
+                    f"{build.name}: output {spec['name']} is {outs[spec['name']].dtype}, declared {spec['dtype']}"
+                )
+        return {o["name"]: outs[o["name"]] for o in build.outputs}
+
+    def close(self) -> None:
+        self._sessions.clear()
