@@ -4,6 +4,11 @@ and 8 concurrent requests against one at a time, and a chat's second turn with a
     python scripts/bench_serve.py                      # the 512 M real-width LLaVA-1.5, paged, onnxruntime CPU
     python scripts/bench_serve.py --package PKG_DIR    # any paged package
     python scripts/bench_serve.py --quick              # the tiny built-in (a smoke run)
+    python scripts/bench_serve.py --build              # also its Ascend build, on the reference executor
+
+The reference build (`--build`) is the package compiled for Ascend910B4 with batch gears 1, 4 and 8,
+run by the reference executor (the build's graphs on onnxruntime CPU, float16 pools as on the card):
+it measures the scheduler over a build's fixed pool and gears, not NPU speed.
 
 Every request's tokens are checked against the same request run alone; a mismatch fails the run.
 Rounds alternate between the concurrency levels so a noisy machine moves them alike; medians are reported.
@@ -51,6 +56,21 @@ def _package(args, tmp: Path) -> Path:
     return tmp / "out" / "package"
 
 
+def _build(package: Path, tmp: Path) -> Path:
+    """The package compiled for Ascend with the batch gears the workload uses (1, 4 and 8)."""
+    vlmc = str(Path(sys.executable).parent / "vlmc")
+    recipe, out = tmp / "build.yaml", tmp / "build"
+    recipe.write_text("target: {backend: ascend, soc: Ascend910B4, batch_sizes: [1, 4, 8]}\n")
+    subprocess.run([vlmc, "-q", "compile", str(package), "-r", str(recipe), "-o", str(out)], check=True)
+    return out
+
+
+def _open(path: Path, executor: str | None, threads: int):
+    from vlmc import runtime
+
+    return runtime.open(path, executor=executor, threads=threads)
+
+
 def _requests(n: int, new_tokens: int):
     from vlmc.runtime.scheduler import Request
 
@@ -88,8 +108,9 @@ def _second_turn(pipe, reuse: bool, new_tokens: int) -> tuple[float, float]:
     return first, second
 
 
-def measure(pipe, rounds: int, requests: int, new_tokens: int) -> tuple[dict, dict]:
-    """Medians per concurrency level, and the chat turns' times to first token (reuse, no reuse)."""
+def measure(pipe, rounds: int, requests: int, new_tokens: int, turns: bool = True) -> tuple[dict, dict]:
+    """Medians per concurrency level, and (``turns``) the chat turns' times to first token (reuse, no
+    reuse)."""
     levels = [1, 4, 8]
     runs: dict[int, list[dict]] = {c: [] for c in levels}
     for _ in range(rounds):
@@ -99,16 +120,16 @@ def measure(pipe, rounds: int, requests: int, new_tokens: int) -> tuple[dict, di
     for c in levels:
         if any(r["tokens"] != alone for r in runs[c]):
             raise SystemExit(f"bench_serve: at concurrency {c} a request's tokens differ from it run alone")
-    turns: dict[str, list] = {"reuse": [], "no reuse": []}
-    for _ in range(rounds):
-        for name in turns:
-            turns[name].append(_second_turn(pipe, name == "reuse", new_tokens))
+    chat: dict[str, list] = {"reuse": [], "no reuse": []}
+    for _ in range(rounds if turns else 0):
+        for name in chat:
+            chat[name].append(_second_turn(pipe, name == "reuse", new_tokens))
     keys = ("decode_tok_s", "total_tok_s", "ttft_median", "wall_seconds")
     med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in keys} for c in levels}
-    return med, turns
+    return med, chat
 
 
-def table(med: dict, turns: dict) -> list[str]:
+def level_table(med: dict) -> list[str]:
     rows = [
         "| concurrent requests | decode tok/s (aggregate) | vs one at a time | tok/s incl. prefill | "
         "median time to first token | workload s |",
@@ -119,9 +140,12 @@ def table(med: dict, turns: dict) -> list[str]:
             f"| {c} | {m['decode_tok_s']:.1f} | **{m['decode_tok_s'] / med[1]['decode_tok_s']:.2f}×** | "
             f"{m['total_tok_s']:.1f} | {m['ttft_median']:.3f} s | {m['wall_seconds']:.1f} |"
         )
+    return rows
+
+
+def turn_table(turns: dict) -> list[str]:
     first, second, plain = _turn_medians(turns)
-    return rows + [
-        "",
+    return [
         "| chat turn | time to first token | vs first turn |",
         "|---|---|---|",
         f"| first turn (image + prompt) | {first:.3f} s | 1.00× |",
@@ -140,26 +164,18 @@ def _turn_medians(turns: dict) -> tuple[float, float, float]:
 
 def run(rows: list[dict], quick: bool) -> None:
     """`make bench` rows (scripts/bench.py runs every bench_*.py's run): the tiny built-in when quick."""
-    from vlmc.package import Package
-    from vlmc.runtime import Pipeline
-
     args = argparse.Namespace(package=None, quick=quick)
+    model = "tiny-llava" if quick else "llava-1.5 512 M"
     with tempfile.TemporaryDirectory() as tmp:
-        pipe = Pipeline(Package.load(_package(args, Path(tmp))), threads=2)
+        package = _package(args, Path(tmp))
+        pipe = _open(package, None, 2)
         med, turns = measure(pipe, 1 if quick else 3, 8, 16)
         pipe.close()
-    model = "tiny-llava" if quick else "llava-1.5 512 M"
-    for c, m in med.items():
-        rows.append(
-            {
-                "benchmark": "serve",
-                "setting": f"{model}, paged, {c} concurrent",
-                "metric": "aggregate decode tok/s",
-                "value": f"{m['decode_tok_s']:.1f}",
-                "ratio": f"{m['decode_tok_s'] / med[1]['decode_tok_s']:.2f}× one at a time",
-                "notes": f"median TTFT {m['ttft_median']:.3f} s; every request's tokens = it alone",
-            }
-        )
+        pipe = _open(_build(package, Path(tmp)), "reference", 2)
+        built, _ = measure(pipe, 1, 8, 16, turns=False)
+        pipe.close()
+    _level_rows(rows, f"{model}, paged", med)
+    _level_rows(rows, f"{model}, its Ascend build on the reference executor", built)
     first, second, plain = _turn_medians(turns)
     rows.append(
         {
@@ -173,6 +189,20 @@ def run(rows: list[dict], quick: bool) -> None:
     )
 
 
+def _level_rows(rows: list[dict], setting: str, med: dict) -> None:
+    for c, m in med.items():
+        rows.append(
+            {
+                "benchmark": "serve",
+                "setting": f"{setting}, {c} concurrent",
+                "metric": "aggregate decode tok/s",
+                "value": f"{m['decode_tok_s']:.1f}",
+                "ratio": f"{m['decode_tok_s'] / med[1]['decode_tok_s']:.2f}× one at a time",
+                "notes": f"median TTFT {m['ttft_median']:.3f} s; every request's tokens = it alone",
+            }
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--package", type=Path, help="a paged package (default: build the 512 M LLaVA-1.5)")
@@ -182,27 +212,33 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--build", action="store_true", help="also compile the package for Ascend and serve that")
+    ap.add_argument("--build-rounds", type=int, default=1)
     args = ap.parse_args()
     if args.quick:
         args.rounds = 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from vlmc.package import Package
-    from vlmc.runtime import Pipeline
-
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        pipe = Pipeline(Package.load(_package(args, Path(tmp))), threads=args.threads)
+        package = _package(args, Path(tmp))
+        pipe = _open(package, None, args.threads)
         med, turns = measure(pipe, args.rounds, args.requests, args.new_tokens)
         pipe.close()
-    print("\n".join(table(med, turns)))
+        print("\n".join(["package (onnxruntime CPU):", *level_table(med), "", *turn_table(turns)]))
+        results = {"levels": {str(c): m for c, m in med.items()}, "turns": turns}
+        if args.build:
+            pipe = _open(_build(package, Path(tmp)), "reference", args.threads)
+            built, _ = measure(pipe, args.build_rounds, args.requests, args.new_tokens, turns=False)
+            pipe.close()
+            print("\n".join(["", "Ascend build on the reference executor:", *level_table(built)]))
+            results["build_levels"] = {str(c): m for c, m in built.items()}
     load = os.getloadavg()
     print(
         f"\n{args.requests} requests x {args.new_tokens} new tokens, {args.rounds} rounds, {args.threads} threads; "
         f"load average at the end {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}"
     )
     if args.json:
-        args.json.write_text(
-            json.dumps({"levels": {str(c): m for c, m in med.items()}, "turns": turns}, indent=2)
-        )
+        args.json.write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

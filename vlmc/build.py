@@ -53,7 +53,7 @@ def build(
         source = exporters.load_source(
             recipe.model,
             trust_remote_code=trust_remote_code,  # the command line's only: a recipe cannot turn it on
-            allow_pickle=allow_pickle or recipe.export.get("allow_pickle", False),
+            allow_pickle=allow_pickle,  # the command line's only, as trust_remote_code
             revision=recipe.export.get("revision"),
             lazy=True,
         )

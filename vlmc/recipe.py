@@ -19,6 +19,10 @@ logger = logging.getLogger(__name__)
 
 TOP_KEYS = ("model", "export", "passes", "target")
 EXPORT_KEYS = ("trust_remote_code", "allow_pickle", "revision")
+_COMMAND_LINE_ONLY = {
+    "trust_remote_code": ("--trust-remote-code", "to run the model's own code"),
+    "allow_pickle": ("--allow-pickle", "to unpickle .bin/.pt weights"),
+}
 
 
 @dataclass
@@ -96,11 +100,12 @@ def from_dict(data: Any, source: str = "<recipe>") -> Recipe:
             raise VlmcError(f"{source}: export: unknown key {_show(k)}; valid keys: {', '.join(EXPORT_KEYS)}")
         if k in ("trust_remote_code", "allow_pickle") and not isinstance(v, bool):
             raise VlmcError(f"{source}: export.{k} must be true or false")
-        if k == "trust_remote_code" and v:
-            # A recipe is untrusted input (docs/security.md): running a model's code needs the command line.
+        if k in _COMMAND_LINE_ONLY and v:
+            # A recipe is untrusted input (docs/security.md): running a model's code, or unpickling its
+            # weights (which runs code too), needs the command line's own flag.
+            flag, what = _COMMAND_LINE_ONLY[k]
             raise VlmcError(
-                f"{source}: export.trust_remote_code cannot be turned on by a recipe; "
-                "pass --trust-remote-code on the command line to run the model's own code"
+                f"{source}: export.{k} cannot be turned on by a recipe; pass {flag} on the command line {what}"
             )
     raw_passes = data.get("passes") or []
     if not isinstance(raw_passes, list):
@@ -173,7 +178,10 @@ def json_schema() -> dict:
                         "const": False,
                         "description": "only false: remote code needs --trust-remote-code on the command line",
                     },
-                    "allow_pickle": {"type": "boolean"},
+                    "allow_pickle": {
+                        "const": False,
+                        "description": "only false: unpickling weights needs --allow-pickle on the command line",
+                    },
                     "revision": {"type": "string"},
                 },
             },

@@ -357,6 +357,27 @@ def recipe_turns_on_remote_code(work, model):
     return ["build", "-r", str(recipe), "-o", str(work / "out")]
 
 
+class _Pwn:
+    """A pickle whose loading writes a file: what an unpickled .bin from elsewhere can do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def recipe_turns_on_pickle(work, model):
+    import pickle
+
+    for weights in model.glob("*.safetensors*"):
+        weights.unlink()
+    (model / "pytorch_model.bin").write_bytes(pickle.dumps(_Pwn(work / "PWNED")))
+    recipe = work / "recipe.yaml"
+    recipe.write_text(f"model: {model}\nexport: {{allow_pickle: true}}\n")
+    return ["build", "-r", str(recipe), "-o", str(work / "out")]
+
+
 @dataclass
 class Case:
     id: str
@@ -453,6 +474,8 @@ CASES = [
         recipe_turns_on_remote_code,
         ("trust_remote_code", "--trust-remote-code"),
     ),
+    # unpickling runs code too: only the command line's --allow-pickle turns it on
+    Case("recipe-turns-on-pickle", recipe_turns_on_pickle, ("allow_pickle", "--allow-pickle")),
 ]
 
 

@@ -89,6 +89,20 @@ def usable_eos(eos, vocab_size: int, notes: list[str]):
     return kept if isinstance(eos, list | tuple) else kept[0]
 
 
+# PILImageResampling's values as preprocessor_config.json writes them (transformers.image_utils)
+PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+
+
+def normalization(pc: dict, mean=CLIP_MEAN, std=CLIP_STD, resample: int = 3) -> dict:
+    """The mean, std, rescale factor and resampling an image processor config states (else the defaults)."""
+    return {
+        "mean": pc.get("image_mean", mean),
+        "std": pc.get("image_std", std),
+        "rescale_factor": pc.get("rescale_factor", 1 / 255),
+        "resample": PIL_RESAMPLE.get(pc.get("resample", resample), PIL_RESAMPLE[resample]),
+    }
+
+
 def image_processor_config(directory) -> dict | None:
     """The source's image processor settings: preprocessor_config.json, or (transformers 5 saves processors
     that way) the ``image_processor`` entry of processor_config.json; None when it has neither."""

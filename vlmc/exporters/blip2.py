@@ -9,7 +9,14 @@ import torch
 from vlmc import samples
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, streaming, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
+from vlmc.exporters._facts import (
+    CLIP_MEAN,
+    CLIP_STD,
+    image_processor_config,
+    kv_facts,
+    normalization,
+    text_facts,
+)
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -106,11 +113,7 @@ def preprocess_facts(config, directory) -> dict:
             ]
         else:
             facts["size"] = [int(s), int(s)]
-        facts["mean"] = pc.get("image_mean", CLIP_MEAN)
-        facts["std"] = pc.get("image_std", CLIP_STD)
-        facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
-        # PILImageResampling values: 0 nearest, 2 bilinear, 3 bicubic
-        facts["resample"] = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(pc.get("resample", 3), "bicubic")
+        facts.update(normalization(pc))
     return facts
 
 

@@ -20,11 +20,9 @@ import torch
 
 from vlmc.errors import VlmcError
 from vlmc.exporters import attention, base, generic, streaming, zoo
-from vlmc.exporters._facts import image_processor_config
+from vlmc.exporters._facts import PIL_RESAMPLE, image_processor_config
 
 logger = logging.getLogger(__name__)
-
-_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 
 def _token_types(batch: int, seq: int) -> torch.Tensor:
@@ -81,7 +79,7 @@ class Gemma3(generic.Family):
                 "mean": pc.get("image_mean", [0.5, 0.5, 0.5]),
                 "std": pc.get("image_std", [0.5, 0.5, 0.5]),
                 "rescale_factor": pc.get("rescale_factor", 1 / 255),
-                "resample": _PIL_RESAMPLE.get(pc.get("resample", 2), "bilinear"),
+                "resample": PIL_RESAMPLE.get(pc.get("resample", 2), "bilinear"),
             },
             # Pruning needs nothing more: the runtime's token_type_ids mark the k kept placeholders, so the
             # image block the decoder attends bidirectionally is the kept tokens' run.

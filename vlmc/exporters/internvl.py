@@ -16,6 +16,7 @@ import torch
 
 from vlmc.errors import VlmcError
 from vlmc.exporters import attention, base, generic, processor, zoo
+from vlmc.exporters._facts import PIL_RESAMPLE
 from vlmc.runtime import tiles
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,6 @@ IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 # What InternVLProcessor asks of GotOcr2's image processor unless told otherwise, and GotOcr2's defaults.
 DEFAULT_TILING = {"crop_to_patches": True, "min_patches": 1, "max_patches": 12}
-_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 
 def _model_class():
@@ -164,7 +164,7 @@ def preprocess_facts(config, directory) -> dict:
             f"model gives {tokens_per_tile(config)}; the processor and config.json do not belong together"
         )
     resample = 3 if s["resample"] is None else int(s["resample"])
-    if resample not in _PIL_RESAMPLE:
+    if resample not in PIL_RESAMPLE:
         raise VlmcError(f"{directory}: image processor resample={resample} is not one vlmc reproduces")
     facts.update(
         crop_to_patches=bool(s["crop_to_patches"]),
@@ -173,7 +173,7 @@ def preprocess_facts(config, directory) -> dict:
         mean=[float(x) for x in s["image_mean"]],
         std=[float(x) for x in s["image_std"]],
         rescale_factor=float(s["rescale_factor"]),
-        resample=_PIL_RESAMPLE[resample],
+        resample=PIL_RESAMPLE[resample],
     )
     return facts
 

@@ -8,7 +8,14 @@ import torch
 
 from vlmc import samples
 from vlmc.exporters import attention, base, streaming
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
+from vlmc.exporters._facts import (
+    CLIP_MEAN,
+    CLIP_STD,
+    image_processor_config,
+    kv_facts,
+    normalization,
+    text_facts,
+)
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -78,11 +85,7 @@ def preprocess_facts(config, directory) -> dict:
         facts["crop_size"] = (
             [int(c.get("height", size)), int(c.get("width", size))] if isinstance(c, dict) else [int(c)] * 2
         )
-        facts["mean"] = pc.get("image_mean", CLIP_MEAN)
-        facts["std"] = pc.get("image_std", CLIP_STD)
-        facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
-        # PILImageResampling values: 0 nearest, 2 bilinear, 3 bicubic
-        facts["resample"] = {0: "nearest", 2: "bilinear", 3: "bicubic"}.get(pc.get("resample", 3), "bicubic")
+        facts.update(normalization(pc))
     return facts
 
 

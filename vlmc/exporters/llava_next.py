@@ -15,13 +15,12 @@ import torch
 
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, generic, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config
+from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, PIL_RESAMPLE, image_processor_config
 from vlmc.runtime import anyres
 
 logger = logging.getLogger(__name__)
 
 IMAGE_TOKENS = "image_tokens"  # symbolic dim of the packed features
-_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
 
 class AnyresVision(torch.nn.Module):
@@ -108,7 +107,7 @@ class LlavaNext(generic.Family):
             "mean": pc.get("image_mean", CLIP_MEAN),
             "std": pc.get("image_std", CLIP_STD),
             "rescale_factor": pc.get("rescale_factor", 1 / 255),
-            "resample": _PIL_RESAMPLE.get(pc.get("resample", 3), "bicubic"),
+            "resample": PIL_RESAMPLE.get(pc.get("resample", 3), "bicubic"),
         }
         return facts
 

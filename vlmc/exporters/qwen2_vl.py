@@ -24,7 +24,14 @@ import torch
 
 from vlmc import samples
 from vlmc.exporters import attention, base, streaming, zoo
-from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, image_processor_config, kv_facts, text_facts
+from vlmc.exporters._facts import (
+    CLIP_MEAN,
+    CLIP_STD,
+    image_processor_config,
+    kv_facts,
+    normalization,
+    text_facts,
+)
 from vlmc.package import Package
 
 logger = logging.getLogger(__name__)
@@ -293,8 +300,6 @@ class VisionWrapper(torch.nn.Module):
 
 # ---- manifest facts ----------------------------------------------------------------------------
 
-_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}  # PIL's enum values in preprocessor_config.json
-
 
 def preprocess_facts(vcfg, directory) -> dict:
     """Smart-resize + patchify settings: the source processor's, else Qwen's defaults scaled to the patch."""
@@ -317,10 +322,7 @@ def preprocess_facts(vcfg, directory) -> dict:
         size = pc.get("size") or {}
         facts["min_pixels"] = int(pc.get("min_pixels", size.get("shortest_edge", facts["min_pixels"])))
         facts["max_pixels"] = int(pc.get("max_pixels", size.get("longest_edge", facts["max_pixels"])))
-        facts["mean"] = pc.get("image_mean", CLIP_MEAN)
-        facts["std"] = pc.get("image_std", CLIP_STD)
-        facts["rescale_factor"] = pc.get("rescale_factor", 1 / 255)
-        facts["resample"] = _PIL_RESAMPLE.get(pc.get("resample"), "bicubic")
+        facts.update(normalization(pc))
         for key, name in (
             ("patch_size", "patch_size"),
             ("merge_size", "merge_size"),
