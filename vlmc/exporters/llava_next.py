@@ -14,7 +14,7 @@ import logging
 import torch
 
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, generic, zoo
+from vlmc.exporters import base, generic, llava, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, PIL_RESAMPLE, image_processor_config
 from vlmc.runtime import anyres
 
@@ -141,8 +141,6 @@ class LlavaNext(generic.Family):
         }
 
     def after_export(self, source, pkg, vision_graph) -> None:
-        from vlmc.exporters import llava
-
         cls = bool(pkg.manifest["vision"].get("has_cls_token"))
         pkg.manifest["vision"]["attention"] = llava.attention_facts(vision_graph, source.config, cls=cls)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import unicodedata
 from collections import OrderedDict
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from vlmc import samples
+from vlmc import paths, samples
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, processor, qwen_vl_tokenizer, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
@@ -582,11 +583,7 @@ def reference_inputs(directory, manifest: dict, prompts: list[str], images: list
     tokenization_qwen.py and qwen_generation_utils.make_context do: "Picture N: <img>REF</img>\\n" per picture
     (REF the picture's path, or "image N"), its bytes then <imgpad> up to 256 rows, the chatml turns; pixels as
     visual.py's image_transform (PIL bicubic to S², /255, CLIP mean/std)."""
-    import unicodedata
-
     from PIL import Image
-
-    from vlmc import paths
 
     try:
         import tiktoken

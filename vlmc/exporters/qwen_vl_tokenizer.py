@@ -15,6 +15,7 @@ import binascii
 import logging
 from pathlib import Path
 
+from vlmc import paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -73,8 +74,6 @@ def special_ids(n_ranks: int) -> dict[str, int]:
 
 def from_directory(directory: Path):
     """(tokenizer, ids of the specials) from a hub directory's qwen.tiktoken, or None when it has none."""
-    from vlmc import paths
-
     data = paths.model_bytes(directory, RANKS_FILE)
     if data is None:
         return None
