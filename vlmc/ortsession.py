@@ -45,7 +45,10 @@ _KEEP_DEQUANT = ("int8_weight_only", "int4_weight_only", "mixed")
 
 
 def _disabled(precision: str | None) -> list[str]:
-    return ["ConstantFolding"] if precision in _KEEP_DEQUANT else []
+    # The NCHWc layout transformer crashed onnxruntime 1.32's session creation (SIGSEGV at
+    # ORT_ENABLE_ALL) on a vision graph with a float16 Conv (Qwen-VL's patch embedding after the fp16
+    # pass); the vision towers hold one patch-embedding Conv each, so the layout gains nothing here.
+    return ["NchwcTransformer", *(["ConstantFolding"] if precision in _KEEP_DEQUANT else [])]
 
 
 def from_path(

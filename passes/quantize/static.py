@@ -30,6 +30,12 @@ MIN_ACT_SCALE = ascend_limits.MIN_ACT_SCALE
 _WEIGHT_INPUT = {"MatMul": 1, "Gemm": 1, "Conv": 1}
 
 
+# Ops whose CPU kernels onnxruntime registers for float32 but not float16 (onnxruntime's
+# docs/OperatorKernels.md: Resize T1 = float, int32, int8, uint8). Converted anyway, a graph holding one
+# (Qwen-VL's interpolated position embedding) crashed onnxruntime's session creation at ORT_ENABLE_ALL.
+_NO_FP16_CPU_KERNEL = ("Resize",)
+
+
 def _const(v: ir.Value | None) -> ir.TensorProtocol | None:
     """The tensor behind an initializer value (None for anything computed)."""
     return v.const_value if v is not None and v.is_initializer() else None
@@ -483,7 +489,7 @@ def convert_fp16(model: ir.Model, scheme, store=None) -> tuple[ir.Model, dict]:
     nodes = list(model.graph)
     kept = [name for node, name in zip(nodes, names) if scheme.keep_fp32.matches(node, name)]
     op_block = list(DEFAULT_OP_BLOCK_LIST) + [
-        t for t in scheme.keep_fp32.op_types if t not in DEFAULT_OP_BLOCK_LIST
+        t for t in (*scheme.keep_fp32.op_types, *_NO_FP16_CPU_KERNEL) if t not in DEFAULT_OP_BLOCK_LIST
     ]
     facts = {"mode": "fp16", "keep_io_fp32": scheme.keep_io_fp32, "nodes_kept_fp32": kept}
     blocked = set(kept)
