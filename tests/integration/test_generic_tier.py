@@ -186,14 +186,15 @@ def test_plan_states_tokens_for_the_image_size(fam_name, request):
     assert res.exit_code != 0 and "--image-size" in res.output
 
 
-def test_prune_refuses_anyres_with_the_family_and_reason(llava_next, tmp_path):
+def test_prune_on_anyres_refuses_a_keep_below_the_newline_rows(llava_next, tmp_path):
+    # anyres pruning keeps every row's image_newline: fewer kept tokens than rows is refused in one line
     recipe = tmp_path / "r.yaml"
     recipe.write_text("passes:\n  - prune_visual_tokens: {keep: 8, method: uniform}\n")
     res = CliRunner().invoke(
         main, ["optimize", str(llava_next.pkg_dir), "-r", str(recipe), "-o", str(tmp_path / "o")]
     )
     assert res.exit_code != 0
-    assert "llava_next: anyres tiles" in res.output and not (tmp_path / "o").exists()
+    assert "keep=8 must" in res.output and "image_newline" in res.output and not (tmp_path / "o").exists()
 
 
 # ---- Gemma3 ----------------------------------------------------------------------------------
