@@ -591,6 +591,26 @@ def export_stage(
     return model
 
 
+def export_square_vision(
+    pkg: Package, module: torch.nn.Module, size: int, output: str
+) -> tuple[ir.Model, torch.Tensor]:
+    """Export a fixed-size ViT stage as ``vision_encoder`` from two seeded random ``size``² images, and
+    store them as its samples. Returns the graph (as :func:`export_stage`) and the pixels."""
+    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(0))
+    graph = export_stage(
+        pkg,
+        "vision_encoder",
+        module,
+        [pixels],
+        ["pixel_values"],
+        [output],
+        {"pixel_values": {0: IMAGES}, output: {0: IMAGES}},
+        role="vision",
+    )
+    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    return graph, pixels
+
+
 def decoder_axes(
     layers: int, mrope: bool = False, position_axes: int | None = None, extra_inputs: Sequence = ()
 ) -> dict[str, dict[int, str]]:

@@ -170,19 +170,7 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder", "fusion"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.randn(2, 3, size, size, generator=g)
-    base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels],
-        ["pixel_values"],
-        ["vision_hidden_states"],
-        {"pixel_values": {0: base.IMAGES}, "vision_hidden_states": {0: base.IMAGES}},
-        role="vision",
-    )
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    _, pixels = base.export_square_vision(pkg, VisionWrapper(model), size, "vision_hidden_states")
 
     with torch.no_grad():
         hidden = VisionWrapper(model).eval()(pixels)

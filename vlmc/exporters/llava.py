@@ -6,7 +6,6 @@ import logging
 
 import torch
 
-from vlmc import samples
 from vlmc.exporters import attention, base, streaming
 from vlmc.exporters._facts import (
     CLIP_MEAN,
@@ -158,20 +157,8 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.randn(2, 3, size, size, generator=g)
-    vision = base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels],
-        ["pixel_values"],
-        ["image_features"],
-        {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
-        role="vision",
-    )
+    vision, pixels = base.export_square_vision(pkg, VisionWrapper(model), size, "image_features")
     m["vision"]["attention"] = attention_facts(vision, cfg)
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
     del vision
     base.export_embed(pkg, model.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from vlmc import paths, samples
+from vlmc import paths
 from vlmc.errors import VlmcError
 from vlmc.exporters import base, processor, qwen_vl_tokenizer, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
@@ -559,19 +559,7 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    g = torch.Generator().manual_seed(0)
-    pixels = torch.randn(2, 3, size, size, generator=g)
-    base.export_stage(
-        pkg,
-        "vision_encoder",
-        VisionWrapper(model),
-        [pixels],
-        ["pixel_values"],
-        ["image_features"],
-        {"pixel_values": {0: base.IMAGES}, "image_features": {0: base.IMAGES}},
-        role="vision",
-    )
-    samples.store(pkg, "vision_encoder", {"pixel_values": pixels.numpy()})
+    _, pixels = base.export_square_vision(pkg, VisionWrapper(model), size, "image_features")
     base.export_embed(pkg, lm.get_input_embeddings(), tcfg.vocab_size)
     base.export_decoder(
         pkg, lm.model, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], tcfg.hidden_size
