@@ -6,7 +6,7 @@ import logging
 
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs
+from vlmc import ascend_limits, interop
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def same_graph(a: ir.Model, b: ir.Model) -> bool:
 
 def _canonical(m: ir.Model) -> tuple:
     tensors = [a.value for n in m.graph for a in n.attributes.values() if a.type == ir.AttributeType.TENSOR]
-    hashes = dict(zip(map(id, tensors), graphs.tensor_hashes(tensors)))
+    hashes = dict(zip(map(id, tensors), interop.tensor_hashes(tensors)))
     nodes = sorted(
         (
             n.op_type,
@@ -62,7 +62,7 @@ def _canonical(m: ir.Model) -> tuple:
         )
         for n in m.graph
     )
-    weights = graphs.weight_hashes(m)
+    weights = interop.weight_hashes(m)
     inits = sorted((n, weights[v]) for n, v in m.graph.initializers.items() if v in weights)
     io = (tuple(v.name for v in m.graph.inputs), tuple(v.name for v in m.graph.outputs))
     return tuple(nodes), tuple(inits), io

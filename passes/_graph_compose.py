@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs
+from vlmc import interop
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ def dedupe_initializers(graph: ir.Graph) -> dict:
 
     Written here rather than with onnx-ir's DeduplicateInitializersPass /
     DeduplicateHashedInitializersPass because both read every weight's bytes again (to compare or
-    sha512 them). The content identity used here is the package's own (:func:`vlmc.graphs.tensor_hash`),
+    sha512 them). The content identity used here is the package's own (:func:`vlmc.interop.tensor_hash`),
     computed once per build per stored tensor and cached on it and by its file location: the pass
     manager fingerprints every graph with it anyway, so deduplicating reads no weight bytes of its own.
     """
@@ -165,7 +165,7 @@ def dedupe_initializers(graph: ir.Graph) -> dict:
         t = value.const_value
         if t is None or value.is_graph_input() or value.is_graph_output():
             continue
-        keep = first.setdefault(graphs.tensor_hash(t), value)
+        keep = first.setdefault(interop.tensor_hash(t), value)
         if keep is value:
             continue
         value.replace_all_uses_with(keep)

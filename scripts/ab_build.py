@@ -1,13 +1,14 @@
 """`vlmc build` of two versions of vlmc side by side: alternating runs, medians and their ratio.
 
-    python scripts/ab_build.py --before REV [--after REV] [--recipe FILE] [--runs 3] [--scratch DIR]
+    python scripts/ab_build.py --before REV [--after REV] [--recipe FILE | --plain] [--runs 3] [--scratch DIR]
 
 Each revision is checked out into a temporary git worktree and run from there (PYTHONPATH), with
 this checkout's venv; ``--after`` defaults to this working tree as it is. Builds alternate
 (before, after, before, ...) so that both sides see the same machine load, and each is measured
 by scripts/_measure.py (wall time, exact peak RSS of the process tree). Without ``--recipe`` the
 build is the 512 M scale row of `make bench` (bench.py --only-scale): LLaVA-1.5 widths, random
-weights, the issue-20 quantized recipe, Ascend910B4.
+weights, the issue-20 quantized recipe, Ascend910B4; ``--plain`` builds that checkpoint with the plain
+recipe instead (fold_constants, simplify, the same target).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ sys.path.insert(0, str(SCRIPTS))
 
 import bench  # noqa: E402  (a sibling script)
 
+PLAIN_PASSES = "passes: [fold_constants, simplify]\n"  # bench.py's pipeline-cost recipe
+
 
 def _tree(rev: str | None, root: Path, name: str) -> Path:
     """A checkout of ``rev`` under ``root`` (None: this working tree)."""
@@ -43,6 +46,9 @@ def main() -> None:
     ap.add_argument("--before", required=True, help="git revision of the first side")
     ap.add_argument("--after", help="git revision of the second side (default: this working tree)")
     ap.add_argument("--recipe", type=Path, help="recipe file with its model (default: the 512 M scale row)")
+    ap.add_argument(
+        "--plain", action="store_true", help="the 512 M row's checkpoint with fold_constants, simplify only"
+    )
     ap.add_argument("--runs", type=int, default=3, help="builds per side")
     ap.add_argument("--scratch", type=Path, help="where checkpoints, trees and builds go")
     args = ap.parse_args()
@@ -53,7 +59,8 @@ def main() -> None:
         if recipe is None:
             model_dir, _ = bench.make_model_dir("llava-1.5", root)
             recipe = root / "recipe.yaml"
-            recipe.write_text(f"model: {model_dir}\n" + bench.QUANT_PASSES + bench.SCALE_TARGET)
+            passes = PLAIN_PASSES if args.plain else bench.QUANT_PASSES
+            recipe.write_text(f"model: {model_dir}\n" + passes + bench.SCALE_TARGET)
         trees = {"before": _tree(args.before, root, "before"), "after": _tree(args.after, root, "after")}
         runs: dict[str, list[dict]] = {"before": [], "after": []}
         try:

@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("both", "streamed", "whole"), default="both")
     args = ap.parse_args()
 
-    from vlmc import graphs, ortsession
+    from vlmc import graphs, interop, ortsession
     from vlmc.package import Package
     from vlmc.passes.quantize import calib, fidelity, scheme, stream_fidelity, weight_only
 
@@ -74,7 +74,7 @@ def main() -> None:
         results["whole_refs"], row["whole_fp32"] = _phase(whole_fp32)
     with tempfile.TemporaryDirectory(prefix="bench-fid-", dir=str(Path(args.package).parent)) as tmp:
         plan = scheme.GraphScheme(key=name, weights="int4", group_size=128)
-        store = graphs.TensorStore(Path(tmp) / "q.onnx.data")
+        store = interop.TensorStore(Path(tmp) / "q.onnx.data")
         (quant, _), row["quantize_rtn"] = _phase(
             lambda: weight_only.quantize_weight_only(pkg.model(name), plan, None, store)
         )

@@ -43,6 +43,7 @@ def trace(recipe: Path, modules: tuple[str, ...], detail: bool = False) -> dict[
     pong: collections.Counter[str] = collections.Counter()
     pong_sites: dict[str, set] = collections.defaultdict(set)
     pong_by_site: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    by_site: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
 
     def profile(frame, event, arg):  # noqa: ARG001 (the sys.setprofile signature)
         if event != "call":
@@ -58,6 +59,9 @@ def trace(recipe: Path, modules: tuple[str, ...], detail: bool = False) -> dict[
         site = (caller.f_code.co_filename, caller.f_lineno, frame.f_code.co_name)
         calls[mod] += 1
         sites[mod].add(site)
+        by_site[mod][
+            f"{_short(caller.f_code.co_filename, root)}:{caller.f_lineno} {caller.f_code.co_name} -> {frame.f_code.co_name}"
+        ] += 1
         if caller.f_code.co_filename in files:
             pong[mod] += 1
             pong_sites[mod].add(site)
@@ -80,9 +84,18 @@ def trace(recipe: Path, modules: tuple[str, ...], detail: bool = False) -> dict[
             "ping_pong": pong[m],
             "ping_pong_sites": len(pong_sites[m]),
             **({"ping_pong_by_site": dict(pong_by_site[m].most_common())} if detail else {}),
+            **({"sites_by_caller": dict(sorted(by_site[m].items()))} if detail else {}),
         }
         for m in modules
     }
+
+
+def _short(path: str, root: Path) -> str:
+    """``path`` relative to the traced checkout when inside it."""
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return path
 
 
 def main() -> None:

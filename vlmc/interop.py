@@ -37,6 +37,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -50,11 +51,166 @@ from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
+# Tensors at least this large go to external data so that the .onnx protobuf stays small.
+EXTERNAL_DATA_THRESHOLD = 1024
 DEFAULT_WEIGHT_LIMIT = 1 << 20  # 1 MiB: shape arithmetic and small constants stay foldable
 # int64 initializers up to this size stay inline in :func:`check`: shape inference's data
 # propagation reads int64 constants (shape arithmetic, e.g. paged_kv's block offsets, 1 KiB at
 # block_size 128) and fails on external ones. Weights (float, int8/int4, int32 biases) never are.
 CHECK_INLINE_INT64_BYTES = 1 << 16
+
+# ---- stored tensors: external data, content hashes, a data file for new tensors -----------------
+
+
+def release(tensors) -> None:
+    """Close the memory maps of tensors read from files (their pages count as resident while mapped).
+
+    A released tensor maps its file again when it is next read, so this is always safe.
+    """
+    for t in tensors:
+        if isinstance(t, ir.ExternalTensor):
+            t.release()
+
+
+# ---- content hashes of weights (fingerprint hashes the structure around them) ---------------
+
+_HASH_KEY = "vlmc.sha256"
+# Content hashes of external tensors by where they are stored. vlmc writes every data file once and
+# never changes it, so a tensor read again from the same place is not hashed again.
+_EXTERNAL_HASHES: dict[tuple, str] = {}
+
+
+def tensor_hash(t) -> str:
+    """sha256 of a tensor's dtype, shape and bytes, computed once per tensor.
+
+    The hash is kept on the tensor (onnx-ir metadata) and, for tensors stored in a file, by their
+    file, offset and length, so the manager's before/after fingerprints cost one read of each
+    weight per build, not one per pass.
+    """
+    cached = t.meta.get(_HASH_KEY)
+    if cached is not None:
+        return cached
+    key = None
+    if isinstance(t, ir.ExternalTensor):
+        p = Path(t.path)
+        try:
+            st = p.stat()
+            key = (str(p.resolve()), st.st_ino, st.st_mtime_ns, t.offset, t.length)
+        except OSError:
+            key = None
+        if key in _EXTERNAL_HASHES:
+            t.meta[_HASH_KEY] = _EXTERNAL_HASHES[key]
+            return _EXTERNAL_HASHES[key]
+    # A file-backed weight mapped in only to be hashed is unmapped again (see _external_digest).
+    if isinstance(t, ir.ExternalTensor):
+        digest = _external_digest(t)
+    else:
+        digest = _digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    t.meta[_HASH_KEY] = digest
+    if key is not None:
+        _EXTERNAL_HASHES[key] = digest
+    return digest
+
+
+def tensor_hashes(tensors) -> list[str]:
+    """:func:`tensor_hash` of each tensor, in order."""
+    return [tensor_hash(t) for t in tensors]
+
+
+def weight_hashes(model: ir.Model) -> dict[ir.Value, str]:
+    """:func:`tensor_hash` of every initializer (of every graph) that holds a tensor, by its value."""
+    values = [v for g in model.graphs() for v in g.initializers.values() if v.const_value is not None]
+    return dict(zip(values, tensor_hashes(v.const_value for v in values)))
+
+
+def _external_digest(t: ir.ExternalTensor) -> str:
+    """:func:`_digest` of a tensor stored in a file, hashed in place from its memory map.
+
+    ``tobytes()`` would copy the tensor, and the map onnx-ir opens (the whole data file) would stay
+    open with every page hashed still resident: after fingerprinting a package, its process would
+    hold all its weights. A tensor that was not mapped before is released again at once, so hashing
+    costs at most the tensor being hashed.
+    """
+    if t.nbytes == 0:
+        return _digest(int(t.dtype), list(t.shape.numpy()), b"")
+    mapped = t.raw is not None
+    if not mapped:
+        t.numpy()  # onnx-ir maps the file (checking the path is inside the base directory)
+    try:
+        h = digest_start(int(t.dtype), list(t.shape.numpy()))
+        offset = t.offset or 0
+        with memoryview(t.raw) as view, view[offset : offset + (t.length or t.nbytes)] as data:
+            h.update(data)
+        return h.hexdigest()
+    finally:
+        if not mapped:
+            t.release()
+
+
+def digest_start(dtype: int, dims: list[int]):
+    """The sha256 :func:`tensor_hash` uses, before the tensor's bytes are fed to it."""
+    return hashlib.sha256(f"{dtype}|{[int(d) for d in dims]}|".encode())
+
+
+def _digest(dtype: int, dims: list[int], raw: bytes) -> str:
+    h = digest_start(dtype, dims)
+    h.update(raw)
+    return h.hexdigest()
+
+
+def remember_hashes(data_path: Path, entries: list[tuple[int, int, str]]) -> None:
+    """Record content hashes of tensors just written to ``data_path`` as (offset, length, sha256)."""
+    p = Path(data_path)
+    st = p.stat()
+    for offset, length, digest in entries:
+        _EXTERNAL_HASHES[(str(p.resolve()), st.st_ino, st.st_mtime_ns, offset, length)] = digest
+
+
+class TensorStore:
+    """Tensors a pass makes, written to a data file as they are made and read back memory-mapped.
+
+    A pass that rewrites weights one at a time (quantize) puts each result here, so it holds at most
+    the tensor it is working on; saving the package later streams them into the package's data file.
+    Small tensors (under :data:`EXTERNAL_DATA_THRESHOLD`) stay in memory. The content hash is
+    computed while writing, so fingerprints never read the file back.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "wb")  # noqa: SIM115 (closed by close() or the finalizer)
+        self._offset = 0
+        weakref.finalize(self, self._f.close)
+
+    def put(self, arr: np.ndarray, name: str) -> ir.TensorProtocol:
+        arr = np.ascontiguousarray(arr)
+        if arr.nbytes < EXTERNAL_DATA_THRESHOLD:
+            return ir.tensor(arr, name=name)
+        pad = (-self._offset) % 64
+        self._f.write(b"\0" * pad)
+        self._offset += pad
+        raw = memoryview(arr).cast("B")
+        self._f.write(raw)
+        self._f.flush()
+        dtype = ir.DataType.from_numpy(arr.dtype)
+        t = ir.ExternalTensor(
+            self.path.name,
+            self._offset,
+            arr.nbytes,
+            dtype,
+            shape=ir.Shape(arr.shape),
+            name=name,
+            base_dir=self.path.parent,
+        )
+        h = digest_start(int(dtype), list(arr.shape))
+        h.update(raw)
+        t.meta[_HASH_KEY] = h.hexdigest()
+        self._offset += arr.nbytes
+        return t
+
+    def close(self) -> None:
+        self._f.close()
+
 
 # ---- the stub swap -------------------------------------------------------------------------------
 
@@ -137,12 +293,11 @@ def save(model: ir.Model, path: str | Path) -> None:
     path = Path(path)
     data = path.name + ".data"
     values = _initializers(model)
-    big = [v for v in values if v.const_value.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD]
+    big = [v for v in values if v.const_value.nbytes >= EXTERNAL_DATA_THRESHOLD]
     inline = [
         v
         for v in values
-        if v.const_value.nbytes < graphs.EXTERNAL_DATA_THRESHOLD
-        and isinstance(v.const_value, ir.ExternalTensor)
+        if v.const_value.nbytes < EXTERNAL_DATA_THRESHOLD and isinstance(v.const_value, ir.ExternalTensor)
     ]
     # Small tensors stored in a file are read in first: the data file written next may be theirs.
     new = dict(zip(inline, ir.external_data.convert_tensors_from_external([v.const_value for v in inline])))
@@ -157,7 +312,7 @@ def save(model: ir.Model, path: str | Path) -> None:
     try:
         write(model, path, new)
     finally:
-        graphs.release([v.const_value for v in values])
+        release([v.const_value for v in values])
     data_path = path.parent / data
     if data_path.exists() and data_path.stat().st_size == 0:
         data_path.unlink()
@@ -167,14 +322,14 @@ def fingerprint(model: ir.Model) -> str:
     """A content hash of a graph, used by the pass manager to see what a pass changed.
 
     Structure (nodes, attributes, IO, opsets, names, dtypes and shapes) and every weight's bytes are
-    hashed exactly; a weight's hash is computed once (:func:`vlmc.graphs.tensor_hash`), so fingerprinting
+    hashed exactly; a weight's hash is computed once (:func:`vlmc.tensor_hash`), so fingerprinting
     again after a pass that did not touch the weights reads nothing. The structure is hashed from a
     serialization with every initializer replaced by a stub that names its content hash
     (:func:`serialized`), so no weight bytes are serialized.
     """
     stubs = {
         v: ir.ExternalTensor(key, 0, (t := v.const_value).nbytes, t.dtype, shape=t.shape, name=t.name)
-        for v, key in graphs.weight_hashes(model).items()
+        for v, key in weight_hashes(model).items()
     }
     return hashlib.sha256(serialized(model, stubs, for_hash=True)).hexdigest()
 
@@ -192,9 +347,9 @@ def save_shared(models: dict[Path, ir.Model], data_path: Path) -> None:
     with open(data_path, "wb") as data:
         for path, m in models.items():
             stubs = {}
-            for v, key in graphs.weight_hashes(m).items():
+            for v, key in weight_hashes(m).items():
                 t = v.const_value
-                if t.nbytes < graphs.EXTERNAL_DATA_THRESHOLD:
+                if t.nbytes < EXTERNAL_DATA_THRESHOLD:
                     continue
                 if key not in written:
                     data.write(b"\0" * (-data.tell() % 64))
@@ -295,7 +450,7 @@ def check(model: ir.Model, name: str = "graph") -> None:
         stubs: dict[ir.Value, ir.TensorProtocol] = {}
         for v in _initializers(model):
             t = v.const_value
-            if t.nbytes < graphs.EXTERNAL_DATA_THRESHOLD:
+            if t.nbytes < EXTERNAL_DATA_THRESHOLD:
                 continue
             if t.dtype == ir.DataType.INT64 and t.nbytes <= CHECK_INLINE_INT64_BYTES:
                 # Shape arithmetic: data propagation needs the values (they are small, and read).
@@ -338,7 +493,7 @@ def protobuf_bytes(model: ir.Model) -> int:
     stubs = {
         v: ir.ExternalTensor(f"{v.name}.data", 0, t.nbytes, t.dtype, shape=t.shape, name=t.name)
         for v in _initializers(model)
-        if (t := v.const_value).nbytes >= graphs.EXTERNAL_DATA_THRESHOLD
+        if (t := v.const_value).nbytes >= EXTERNAL_DATA_THRESHOLD
     }
     with weightless(model, stubs) as proto:
         return proto.ByteSize()

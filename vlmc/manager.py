@@ -69,6 +69,9 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
             )
     pkg.report.setdefault("passes", [])
     ran: list[str] = []
+    # Fingerprints of the package's state after a pass, which is the state before the next one (nothing
+    # edits the package in between but the next pass's check_package, which must not): taken once.
+    memo: dict[str, str] = {}
     with ui.progress("running passes", total=len(steps)) as bar, tempfile.TemporaryDirectory() as tmp:
         for step, p in zip(steps, instances):
             interrupts.check()  # between two passes
@@ -87,6 +90,7 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                     keep_graphs=check and p.preserves_numerics,
                     keep_package=p.lossy,
                     keep_held=not p.changes_input,
+                    memo=memo,
                 )
                 result = _guarded(label, after_txt, p.run, pkg, plan)
                 if result is None or not hasattr(result, "modified"):
@@ -99,11 +103,12 @@ def run(pkg: Package, steps: list[Step], check: bool = False) -> Package:
                             f"changes_input = True{after_txt}"
                         )
                 out = result.package
+                memo = {}  # the pass may have edited any graph
                 try:
                     manifest.validate(out.manifest, where=f"the manifest after {step.name}")
                 except VlmcError as exc:
                     raise PassFailed(f"{label} broke the manifest: {exc}{after_txt}") from exc
-                with out.unedited():  # one hash per graph for the state and the paths below
+                with out.unedited(memo):  # one hash per graph for the state and the paths below
                     changed = _changed(before, out)
                     actual = bool(changed)
                     if result.modified is not None and bool(result.modified) != actual:
@@ -185,8 +190,10 @@ def _guarded(label: str, after_txt: str, call, *args, **kwargs):
         raise PassFailed(f"{label} failed with {type(exc).__name__}: {exc}{after_txt}") from exc
 
 
-def _snapshot(pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, keep_held: bool) -> _Before:
-    with pkg.unedited():  # path_of, state and the held fingerprints share one hash per graph
+def _snapshot(
+    pkg: Package, tmp: Path, keep_graphs: bool, keep_package: bool, keep_held: bool, memo: dict[str, str]
+) -> _Before:
+    with pkg.unedited(memo):  # path_of, state and the held fingerprints share one hash per graph
         return _snapshot_of(pkg, tmp, keep_graphs, keep_package, keep_held)
 
 

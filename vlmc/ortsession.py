@@ -174,7 +174,7 @@ def _linked(model: ir.Model) -> tuple[bytes, list, list]:
                     stubs[v] = ir.ExternalTensor(
                         name, t.offset, t.length, t.dtype, shape=t.shape, name=t.name
                     )
-                elif t is not None and t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+                elif t is not None and t.nbytes >= interop.EXTERNAL_DATA_THRESHOLD:
                     name = f"vlmc-memory-{len(buffers)}.bin"
                     raw = np.ascontiguousarray(t.numpy()).view(np.uint8).reshape(-1)
                     buffers.append((name, raw))
@@ -284,10 +284,10 @@ def dequantized(model: ir.Model, threads: int | None = None) -> ort.InferenceSes
 
 def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSession:
     """Session for a package graph: straight from disk when unmodified, else from memory."""
-    path = pkg.path_of(name)
-    precision = pkg.info(name).get("precision")
-    if pkg.info(name).get("ort"):  # lowered by the ort target: no dequant chain is left to keep unfolded
+    source, info = pkg.source(name)  # one question to the package: its file or its IR, and its facts
+    precision = info.get("precision")
+    if info.get("ort"):  # lowered by the ort target: no dequant chain is left to keep unfolded
         precision = None
-    if path is not None:
-        return from_path(path, threads, precision)
-    return from_model(pkg.model(name), threads, precision=precision)
+    if isinstance(source, ir.Model):
+        return from_model(source, threads, precision=precision)
+    return from_path(source, threads, precision)

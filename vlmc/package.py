@@ -19,14 +19,35 @@ import tempfile
 import weakref
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, interop, manifest, outdir, paths, report
+from vlmc import interop, manifest, outdir, paths, report
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
 
 _REPORT_FILES = ("report.md", "report.json", "verify.json")  # describe one package state; never carried over
+
+
+def signature(model: ir.Model) -> dict:
+    """The graph's inputs and outputs: names, dtypes and (symbolic) shapes, as the manifest states them
+    (``graphs.<name>.inputs`` / ``outputs``)."""
+    return {
+        "inputs": [_value_entry(v) for v in model.graph.inputs if not v.is_initializer()],
+        "outputs": [_value_entry(v) for v in model.graph.outputs],
+    }
+
+
+def _value_entry(v: ir.Value) -> dict:
+    shape: list[int | str] = []
+    for d in v.shape or ():
+        if isinstance(d, int):
+            shape.append(d)
+        else:
+            shape.append(d.value if d.value is not None else "?")
+    dtype = np.dtype(v.dtype.numpy()).name if v.dtype is not None else "undefined"
+    return {"name": v.name, "dtype": dtype, "shape": shape}
 
 
 class Package:
@@ -45,6 +66,9 @@ class Package:
         # fingerprint it had then; the graph is "unchanged" while its fingerprint is still that one.
         self._file: dict[str, Path] = {}
         self._file_fp: dict[str, str] = {}
+        # graph -> whether its file keeps all its external weights in ``<file>.data`` (so saving may
+        # copy the pair), learnt whenever the file is opened or written, so saving reads no file again.
+        self._own_data: dict[str, bool] = {}
         # Extra files written beside the graphs: relative name -> bytes, or the path of a file (in the
         # scratch directory, or the saved package) too large to hold in memory (paged_kv's samples).
         self.files: dict[str, bytes | Path] = {}
@@ -68,6 +92,7 @@ class Package:
         paths.package_files(root, str(root))
         text = paths.read_text(root, manifest.MANIFEST_NAME, "manifest", str(mpath))
         data = manifest.loads(text, where=str(mpath))
+        own: dict[str, bool] = {}
         for name, g in data["graphs"].items():
             key = f"graphs.{name}.file"
             if not paths.inside(root, g["file"], key, str(mpath)).exists():
@@ -75,7 +100,7 @@ class Package:
             paths.regular_file(root, g["file"], key, str(mpath))
             if g.get("weights_file"):
                 paths.inside(root, g["weights_file"], f"graphs.{name}.weights_file", str(mpath))
-            _check_graph_file(root, name, g, str(mpath))
+            own[name] = _check_graph_file(root, name, g, str(mpath))
         text_facts = data["text"]
         for key in ("tokenizer_file", "chat_template"):
             if text_facts.get(key):  # refused at open, before anything reads them
@@ -83,6 +108,7 @@ class Package:
         pkg = cls(data, root)
         for name, g in data["graphs"].items():
             pkg._file[name] = root / g["file"]
+        pkg._own_data.update(own)
         report_file = root / "report.json"
         if report_file.is_file():
             try:
@@ -114,9 +140,10 @@ class Package:
             path = self._file.get(name)
             if path is None:
                 raise VlmcError(f"graph {name!r} has no data")
-            model = graphs.load_ir(path)
+            model = _open(path)
             self._ir[name] = model
-            self._file_fp.setdefault(name, interop.fingerprint(model))
+            self._own_data.setdefault(name, _own_data_only(model, path))
+            self._file_fp.setdefault(name, _fingerprint(model))
         return self._ir[name]
 
     def set_graph(
@@ -131,20 +158,26 @@ class Package:
         if not isinstance(model, ir.Model):
             raise TypeError(f"set_graph({name!r}) takes an onnx_ir.Model, not {type(model).__name__}")
         entry = self._entry(name, role, precision, extra)
-        entry.update(graphs.signature(model))
+        entry.update(signature(model))
         self.manifest["graphs"][name] = entry
         self._ir[name] = model
+        if self._fp_memo is not None:
+            self._fp_memo.pop(name, None)  # a memo taken in unedited() is of the graph it replaces
 
     def set_graph_file(
         self, name: str, path: Path, role: str | None = None, precision: str | None = None, **extra: object
     ) -> None:
         """Add a graph whose content is a file (with its external data beside it); nothing is read but its IO."""
         entry = self._entry(name, role, precision, extra)
-        entry.update(graphs.signature(graphs.load_ir(path)))
+        model = _open(path)
+        entry.update(signature(model))
         self.manifest["graphs"][name] = entry
         self._ir.pop(name, None)
         self._file[name] = Path(path)
         self._file_fp.pop(name, None)
+        self._own_data[name] = _own_data_only(model, path)
+        if self._fp_memo is not None:
+            self._fp_memo.pop(name, None)
 
     def _entry(self, name: str, role: str | None, precision: str | None, extra: dict) -> dict:
         entry = dict(self.manifest["graphs"].get(name, {}))
@@ -163,7 +196,7 @@ class Package:
 
     def remove_graph(self, name: str) -> None:
         self.manifest["graphs"].pop(name, None)
-        for d in (self._ir, self._file, self._file_fp):
+        for d in (self._ir, self._file, self._file_fp, self._own_data, self._fp_memo or {}):
             d.pop(name, None)
 
     def is_loaded(self, name: str) -> bool:
@@ -175,7 +208,7 @@ class Package:
         memo = self._fp_memo
         if memo is not None and name in memo:
             return memo[name]
-        fp = interop.fingerprint(self._ir[name])
+        fp = _fingerprint(self._ir[name])
         if memo is not None:
             memo[name] = fp
         return fp
@@ -188,18 +221,28 @@ class Package:
         return fp
 
     @contextlib.contextmanager
-    def unedited(self):
+    def unedited(self, memo: dict[str, str] | None = None):
         """A block in which no graph is edited: each loaded graph is fingerprinted at most once in it.
 
         The pass manager reads a package's state, file paths and fingerprints several times before and
         after a pass; inside this block they share one hash per graph instead of one per question.
+        ``memo`` carries the hashes from one block to the next when nothing edits the package in
+        between (the manager's state after one pass is the state before the next); ``set_graph``
+        and ``set_graph_file`` drop the hash of the graph they replace.
         """
         outer = self._fp_memo
-        self._fp_memo = {} if outer is None else outer
+        self._fp_memo = (memo if memo is not None else {}) if outer is None else outer
         try:
             yield self
         finally:
             self._fp_memo = outer
+
+    def source(self, name: str) -> tuple[Path | ir.Model, dict]:
+        """What runs graph ``name`` as it is now, and its manifest entry: the file while its content is
+        unchanged since read (a session opens it from disk), else the IR model."""
+        info = self.info(name)
+        path = self.path_of(name)
+        return (path if path is not None else self.model(name)), info
 
     def path_of(self, name: str) -> Path | None:
         """The file holding the graph's current content (unchanged since read), else None."""
@@ -255,6 +298,7 @@ class Package:
         snap = Package(copy.deepcopy(self.manifest), self.root)
         snap._ir = dict(self._ir)
         snap._file, snap._file_fp = dict(self._file), dict(self._file_fp)
+        snap._own_data = dict(self._own_data)
         snap.files = dict(self.files)
         return snap
 
@@ -285,7 +329,7 @@ class Package:
                     shared.setdefault(info["weights_file"], []).append(name)
                     continue
                 path = self.path_of(name)
-                if path is None or not _own_data_only(path):
+                if path is None or not self._owns_data(name, path):
                     interop.save(self.model(name), tmp / info["file"])
                 else:
                     unchanged[name] = path
@@ -318,6 +362,12 @@ class Package:
             self.reroot(out)
         return out
 
+    def _owns_data(self, name: str, path: Path) -> bool:
+        own = self._own_data.get(name)
+        if own is None:  # a file never opened here (a package saved before): read its header once
+            own = self._own_data[name] = _own_data_only(_open(path), path)
+        return own
+
     def _view(self, root: Path) -> Package:
         """This package's manifest and files read from a directory its graphs were saved to."""
         view = Package(self.manifest, root)
@@ -331,6 +381,8 @@ class Package:
         self._ir.clear()
         self._file_fp.clear()
         self._file = {name: self.root / info["file"] for name, info in self.manifest["graphs"].items()}
+        # What save() wrote: each graph's weights in its own data file, or in a shared weights_file.
+        self._own_data = {n: not info.get("weights_file") for n, info in self.manifest["graphs"].items()}
         for rel, blob in self.files.items():
             if isinstance(blob, Path):  # saved there with the graphs
                 self.files[rel] = self.root / rel
@@ -361,14 +413,27 @@ class Package:
             outdir.copy_file(s, d)
 
 
-def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
+def _open(path: Path) -> ir.Model:
+    """A graph file of the package as IR, its external data entries checked first (weights stay in the
+    file). The one place a package reads a graph file: opening, checking at load and registering an
+    exported file share it, and it reports what saving needs to know (:func:`_own_data_only`)."""
+    return interop.open_checked(path)
+
+
+def _fingerprint(model: ir.Model) -> str:
+    """:func:`vlmc.interop.fingerprint`: the one place a package hashes a graph."""
+    return interop.fingerprint(model)
+
+
+def _check_graph_file(root: Path, name: str, info: dict, where: str) -> bool:
     """Fail at load time, with one line, on a truncated graph, missing weights or a hand-edited signature.
 
     Only the small protobuf is parsed (weights stay on disk), so opening a large package stays cheap;
     catching these here keeps them from surfacing later as onnxruntime errors mid-run.
     """
     path = root / info["file"]
-    actual = graphs.signature(interop.open_checked(path))
+    model = _open(path)
+    actual = signature(model)
     for io in ("inputs", "outputs"):
         want = [(e.get("name"), e.get("dtype")) for e in info[io]]
         have = [(e["name"], e["dtype"]) for e in actual[io]]
@@ -381,15 +446,16 @@ def _check_graph_file(root: Path, name: str, info: dict, where: str) -> None:
                 f"{where}: graphs.{name}.{io} do not match {info['file']} (manifest {diff[0]}, file {diff[1]}); "
                 "the manifest was edited or the file replaced: re-export the package"
             )
+    return _own_data_only(model, path)
 
 
-def _own_data_only(path: Path) -> bool:
-    """True if a graph file keeps all its external weights in ``<file>.data`` (so the pair can be copied).
+def _own_data_only(model: ir.Model, path: Path) -> bool:
+    """True if graph file ``path`` (opened as ``model``) keeps all its external weights in
+    ``<file>.data`` (so the pair can be copied).
 
     A graph that was saved beside others in a shared weights file (merge) and no longer shares it
     must be written out again instead.
     """
-    model = graphs.load_ir(path)
     locations = {
         v.const_value.location
         for v in model.graph.initializers.values()

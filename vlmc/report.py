@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 import vlmc.manifest
-from vlmc import graphs, outdir, paths
+from vlmc import graphs, interop, outdir, paths
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def weight_regions(model: ir.Model) -> dict[str, int]:
         if node.op_type == "Constant" and node.domain == "":
             tensors.extend(a.value for a in node.attributes.values() if a.type == ir.AttributeType.TENSOR)
     in_memory = [t for t in tensors if not isinstance(t, ir.ExternalTensor)]
-    hashes = dict(zip(map(id, in_memory), graphs.tensor_hashes(in_memory)))
+    hashes = dict(zip(map(id, in_memory), interop.tensor_hashes(in_memory)))
     out: dict[str, int] = {}
     for tensor in tensors:
         if isinstance(tensor, ir.ExternalTensor):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from vlmc import graphs, limits, manifest
+from vlmc import graphs, interop, limits, manifest
 from vlmc.errors import VlmcError
 from vlmc.pass_api import Option, Pass, PassResult, register
 
@@ -311,7 +311,7 @@ class Quantize(Pass):
                     f"quantize: no calibration data for {graph_scheme.key}; give calibration.count ≥ 1"
                 )
             return static.quantize_int8(model, calib.FeedReader(feeds), graph_scheme, seed, scratch)
-        store = graphs.TensorStore(scratch / "quantized.onnx.data")
+        store = interop.TensorStore(scratch / "quantized.onnx.data")
         try:
             if graph_scheme.mode == "fp16":
                 return static.convert_fp16(model, graph_scheme, store)

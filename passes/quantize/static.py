@@ -478,7 +478,7 @@ def convert_fp16(model: ir.Model, scheme, store=None) -> tuple[ir.Model, dict]:
     handed to it as a one-element stub of the same name and dtype, and the weights it turned into
     float16 are converted afterwards one at a time, in row blocks, with the converter's own
     ``convert_np_to_float16`` (same clamping), and written to ``store`` (a
-    :class:`vlmc.graphs.TensorStore`; without it they stay in memory). Weights it kept float32 keep
+    :class:`vlmc.interop.TensorStore`; without it they stay in memory). Weights it kept float32 keep
     their memory-mapped tensors. Shape inference runs on the proto with those weights as typed inputs,
     so it sees their true shapes without their bytes.
     """

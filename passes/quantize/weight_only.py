@@ -402,7 +402,7 @@ def quantize_weight_only(
     """INT8/INT4 weight-only quantization of the IR model in place; returns it and the manifest facts.
 
     One weight at a time: it is read (in row blocks for RTN), quantized, and its quantized tensors
-    are handed to ``store`` (a :class:`vlmc.graphs.TensorStore` writes them to a scratch file at
+    are handed to ``store`` (a :class:`vlmc.interop.TensorStore` writes them to a scratch file at
     once, so they are not held in memory); without it they stay in memory.
     """
     bits = 4 if scheme.weights == "int4" else 8

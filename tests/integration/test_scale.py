@@ -84,13 +84,13 @@ def test_opening_and_fingerprinting_a_package_reads_weights_once(tmp_path):
     assert isinstance(w, ir.ExternalTensor)
     assert _rss_bytes() - rss < 16 * 2**20  # 64 MiB of weights, not read
     first = interop.fingerprint(model)
-    assert w.meta[graphs._HASH_KEY] == first_hash(w)  # the weight's hash is kept with it
+    assert w.meta[interop._HASH_KEY] == first_hash(w)  # the weight's hash is kept with it
     # a new read of the same file: the same hash
     assert interop.fingerprint(graphs.load_ir(tmp_path / "m.onnx")) == first
 
 
 def first_hash(t) -> str:
-    return graphs._digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
+    return interop._digest(int(t.dtype), list(t.shape.numpy()), t.tobytes())
 
 
 def test_fingerprint_sees_one_changed_value_deep_inside_a_large_weight(tmp_path):
@@ -250,7 +250,7 @@ def test_fingerprinting_leaves_no_weight_mapped(tmp_path):
     digest = interop.fingerprint(model)
     assert w.raw is None  # released again
     assert _rss_bytes() - rss < 16 * 2**20  # not 64 MiB of mapped pages
-    assert w.meta[graphs._HASH_KEY] == graphs._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
+    assert w.meta[interop._HASH_KEY] == interop._digest(int(w.dtype), list(w.shape.numpy()), w.tobytes())
     w.release()
     # a weight a pass had mapped stays mapped (its numpy views stay valid)
     fresh = graphs.load_ir(tmp_path / "m.onnx")

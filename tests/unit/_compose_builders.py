@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, tensor_names
+from vlmc import graphs, interop, tensor_names
 from vlmc.package import Package
 
 HIDDEN = 16
@@ -298,7 +298,7 @@ def weight_reads(pkg: Package):
     """
     for name in pkg.graph_names:
         if pkg.is_loaded(name):
-            graphs.release(v.const_value for v in pkg.model(name).graph.initializers.values())
+            interop.release(v.const_value for v in pkg.model(name).graph.initializers.values())
     counts: list[str] = []
     load, tofile = ir.ExternalTensor._load, ir.ExternalTensor.tofile
 

@@ -435,13 +435,13 @@ class _DataWriter:
     def put(self, dtype: int, dims: list[int], chunks):
         """Append one tensor's blocks ``(bytes, buffer or None)`` 64-byte aligned.
 
-        Returns ``(offset, length, digest)``, ``digest`` a future of its :func:`graphs.tensor_hash`.
+        Returns ``(offset, length, digest)``, ``digest`` a future of its :func:`interop.tensor_hash`.
         """
         pad = (-self.offset) % 64
         if pad:
             self._submit(memoryview(b"\0" * pad), None, None)
         start = self.offset
-        h = graphs.digest_start(dtype, dims)
+        h = interop.digest_start(dtype, dims)
         for data, buf in chunks:
             self._submit(data, h, buf)
         return start, self.offset - start, self._hasher.submit(h.hexdigest)
@@ -532,7 +532,7 @@ def _write_with_weights(
             interop.point_at(t, data_name, offset, n)
 
         for t in g.initializer:
-            if t.HasField("raw_data") and len(t.raw_data) >= graphs.EXTERNAL_DATA_THRESHOLD:
+            if t.HasField("raw_data") and len(t.raw_data) >= interop.EXTERNAL_DATA_THRESHOLD:
                 raw = t.raw_data
                 t.ClearField("raw_data")
                 put(t, [(memoryview(raw), None)])
@@ -543,7 +543,7 @@ def _write_with_weights(
             t.data_type = elem_type
             t.dims.extend(tensor.shape)
             dtype = dtype or tensor.dtype
-            if tensor.numel() * dtype.itemsize < graphs.EXTERNAL_DATA_THRESHOLD:
+            if tensor.numel() * dtype.itemsize < interop.EXTERNAL_DATA_THRESHOLD:
                 t.raw_data = b"".join(bytes(c) for c, _ in _chunks(tensor, dtype))  # small: inline, as saved
             else:
                 put(t, _chunks(tensor, dtype, out))
@@ -567,7 +567,7 @@ def _write_with_weights(
             del tensor
     hashes = [(offset, n, digest.result()) for offset, n, digest in written]
     interop.save_exported(model, path)
-    graphs.remember_hashes(path.parent / data_name, hashes)
+    interop.remember_hashes(path.parent / data_name, hashes)
 
 
 def export_stage(

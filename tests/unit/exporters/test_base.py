@@ -4,7 +4,7 @@ The writer transposes into a reused scratch buffer, converts into a few reused b
 writes/hashes them on two threads; these tests shrink the block and scratch limits so every path
 (one block, many blocks, buffer reuse, the strided gather of a view too large for the scratch,
 a row larger than a block) runs on small tensors, and compare each tensor's bytes in the file and
-the hash the writer records with ``tensor.to(dtype).contiguous()`` and :func:`graphs.tensor_hash`.
+the hash the writer records with ``tensor.to(dtype).contiguous()`` and :func:`interop.tensor_hash`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from vlmc import graphs
+from vlmc import graphs, interop
 from vlmc.exporters import base
 
 
@@ -65,13 +65,13 @@ def test_written_bytes_and_hashes_are_torchs_conversion(tmp_path, monkeypatch, b
         want = _expected_bytes(tensor, dtype)
         assert offset % 64 == 0, name
         assert raw[offset : offset + n] == want, name
-        h = graphs.digest_start(onnx.TensorProto.FLOAT, list(tensor.shape))
+        h = interop.digest_start(onnx.TensorProto.FLOAT, list(tensor.shape))
         h.update(want)
         assert digest.result() == h.hexdigest(), name
 
 
 def test_the_recorded_hashes_are_what_fingerprints_compute(tmp_path, monkeypatch):
-    """The hashes _write_with_weights records are graphs.tensor_hash of the tensors read back."""
+    """The hashes _write_with_weights records are interop.tensor_hash of the tensors read back."""
     monkeypatch.setattr(base, "_CHUNK_BYTES", 256)
     g = torch.Generator().manual_seed(1)
     w = torch.randn(24, 16, generator=g)  # used as a transposed view, like a traced Linear weight
@@ -98,7 +98,7 @@ def test_the_recorded_hashes_are_what_fingerprints_compute(tmp_path, monkeypatch
         raise AssertionError("the writer's hash was not recorded: the weight was read again")
 
     monkeypatch.setattr(graphs, "_external_digest", unread)
-    key_hash = graphs.tensor_hash(recorded)
+    key_hash = interop.tensor_hash(recorded)
     with open(tmp_path / "g.onnx.data", "rb") as f:
         f.seek(recorded.offset)
         body = f.read(recorded.length)

@@ -14,6 +14,7 @@ from vlmc import graphs, interop, tensor_names
 from vlmc import manifest as manifest_module
 from vlmc.errors import VlmcError
 from vlmc.package import Package
+from vlmc.package import signature as graph_signature
 from vlmc.passes import paged_kv
 from vlmc.runtime.paged import write_rows
 
@@ -152,7 +153,7 @@ def test_rewrite_keeps_the_decoder_and_adds_the_paged_interface():
         "logits",
         *(tensor_names.new_rows(i, kind) for i in (0, 1) for kind in tensor_names.KV_KINDS),
     ]
-    signature = graphs.signature(model)
+    signature = graph_signature(model)
     by_name = {e["name"]: e for e in signature["inputs"] + signature["outputs"]}
     assert by_name["key_cache.1"] == {
         "name": "key_cache.1",
@@ -392,7 +393,7 @@ def test_rewrite_reads_no_weight_of_a_memory_mapped_decoder(big_decoder):
     assert len(_mapped(weights)) == len(weights)
     assert _peak_rss() - base > weight_bytes // 2
     del copies
-    graphs.release(weights)
+    interop.release(weights)
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")

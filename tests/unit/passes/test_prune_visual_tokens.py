@@ -209,7 +209,7 @@ def test_batched_rewrite_structure():
 
 
 def test_memory_mapped_weights_are_not_read(tmp_path):
-    # 3 x 256 float32 = 3 KiB: above graphs.EXTERNAL_DATA_THRESHOLD, so saved to the data file
+    # 3 x 256 float32 = 3 KiB: above interop.EXTERNAL_DATA_THRESHOLD, so saved to the data file
     interop.save(_batched_model(out=256), tmp_path / "v.onnx")
     model = graphs.load_ir(tmp_path / "v.onnx")
     weight = model.graph.initializers["proj.weight"].const_value

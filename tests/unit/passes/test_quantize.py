@@ -146,7 +146,7 @@ def test_streamed_fp16_equals_the_converter_on_the_whole_graph(tmp_path, monkeyp
         return real(proto, **kw)
 
     monkeypatch.setattr(float16, "convert_float_to_float16", spy)
-    store = graphs.TensorStore(tmp_path / "fp16.onnx.data")
+    store = interop.TensorStore(tmp_path / "fp16.onnx.data")
     out, facts = static.convert_fp16(model, plan, store)
     store.close()
     assert seen and max(seen) < static.FP16_STREAM_LIMIT + 64  # no held weight's bytes went in
@@ -259,7 +259,7 @@ _CHILD = textwrap.dedent(
         with open("/proc/self/status") as f:
             return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
     base = status("VmRSS")
-    store = graphs.TensorStore(scratch + "/q.onnx.data")
+    store = interop.TensorStore(scratch + "/q.onnx.data")
     if mode == "fp16":
         static.convert_fp16(model, scheme.GraphScheme(key="g", weights="fp16"), store)
     else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs, tensor_names
+from vlmc import interop, tensor_names
 from vlmc.backends.ascend import rules
 from vlmc.backends.ascend.rules import Graph
 from vlmc.errors import CheckFailed
@@ -79,7 +79,7 @@ def lower(
     name: str,
     info: dict | None = None,
     int4_weights: str = "int8",
-    store: graphs.TensorStore | None = None,
+    store: interop.TensorStore | None = None,
 ) -> tuple[ir.Model, LowerReport]:
     """Lower one graph in place for ATC.
 

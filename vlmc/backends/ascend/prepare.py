@@ -8,10 +8,11 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import ascend_limits, graphs, samples, tensor_names
+from vlmc import ascend_limits, graphs, interop, samples, tensor_names
 from vlmc.backends.ascend import atc, gears, lower, pools, precheck, stack_kv
 from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
+from vlmc.package import signature as graph_signature
 from vlmc.runtime import preprocess
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def prepare(package: Package, opts: dict, soc_version: str, scratch: Path | None
     reports: dict[str, lower.LowerReport] = {}
     for name in list(models):
         model = models.pop(name)
-        store = graphs.TensorStore(Path(scratch) / f"{name}.lowered.data") if scratch is not None else None
+        store = interop.TensorStore(Path(scratch) / f"{name}.lowered.data") if scratch is not None else None
         try:
             lowered[name], reports[name] = lower.lower(
                 model, name, package.info(name), int4_weights=opts.get("int4_weights") or "int8", store=store
@@ -207,7 +208,7 @@ def resolution_gears(manifest: dict, opts: dict, models: dict[str, ir.Model]) ->
     dims_in_graphs = {
         d
         for m in models.values()
-        for i in graphs.signature(m)["inputs"]
+        for i in graph_signature(m)["inputs"]
         for d in i["shape"]
         if isinstance(d, str)
     }
@@ -309,7 +310,7 @@ def _plan(
     opts: dict,
     ctx: gears.DimContext,
 ) -> gears.Build:
-    b = gears.plan(build, graph, variant, role, graphs.signature(model)["inputs"], opts, ctx)
+    b = gears.plan(build, graph, variant, role, graph_signature(model)["inputs"], opts, ctx)
     b.file = file
     return b
 

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from vlmc import graphs, interop, outdir, paths, tensor_names
+from vlmc import interop, outdir, paths, tensor_names
 from vlmc.backends import BUILD_MARKER
 from vlmc.backends.ascend import atc, gears, pools, rank_builds, soc
 from vlmc.backends.ascend.options import NAME
 from vlmc.package import Package
+from vlmc.package import signature as graph_signature
 from vlmc.runtime import preprocess
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def summary(package: Package, opts: dict, resolution: soc.Resolution, plan: dict
                 "config_files": sorted(cmd.files),
                 "om": f"om/{b.name}.om",
                 "log": f"logs/{b.name}.log",
-                **runner_facts(b, graphs.signature(plan["files"][b.file])),
+                **runner_facts(b, graph_signature(plan["files"][b.file])),
             }
         )
         info = package.info(b.graph)
@@ -282,7 +283,7 @@ def _save_sharing(model: ir.Model, path: Path, base: Path) -> None:
                 continue
             if there is not None and there.length == t.nbytes:
                 location, offset, length = there.location, there.offset, there.length
-            elif t.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+            elif t.nbytes >= interop.EXTERNAL_DATA_THRESHOLD:
                 if own is None:
                     own = stack.enter_context(open(path.parent / data, "wb"))
                 own.write(b"\0" * (-own.tell() % 64))

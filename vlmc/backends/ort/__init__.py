@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlmc import graphs, ortsession, outdir, pass_api, samples
+from vlmc import interop, ortsession, outdir, pass_api, samples
 from vlmc.backends import build_output
 from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
@@ -75,7 +75,7 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         lowered = None
         if opts["matmul_nbits"] and facts.get("mode") in matmul_nbits.MODES:
             model = package.model(name).clone()  # weights shared, never written: the package is untouched
-            store = graphs.TensorStore(build.scratch_path(name).parent / "matmul_nbits.bin")
+            store = interop.TensorStore(build.scratch_path(name).parent / "matmul_nbits.bin")
             lowering = matmul_nbits.lower(model, facts, opts["accuracy_level"], store)
             if lowering["nodes_lowered"]:
                 build.set_graph(name, model, ort=dict(lowering))  # the manifest: what was lowered
@@ -91,12 +91,13 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         # Checked as written, in the session `vlmc run` opens (from the file, weights prepacked): a session
         # on the in-memory graph computes from the weight buffers in place, without prepacking, and
         # MatMulNBits then takes another kernel path than at run time.
-        written = Package.load(tmp / "package")
-        for name, entry in graphs_summary.items():
-            if "ort" in written.info(name):
-                entry["lowering"]["check"], entry["providers"] = _compare(
-                    package, written, name, opts["accuracy_level"]
-                )
+        lowered = [name for name in graphs_summary if "ort" in build.info(name)]
+        written = Package.load(tmp / "package") if lowered else None  # nothing to check: not opened again
+        for name in lowered:
+            entry = graphs_summary[name]
+            entry["lowering"]["check"], entry["providers"] = _compare(
+                package, written, name, opts["accuracy_level"]
+            )
     return summary
 
 

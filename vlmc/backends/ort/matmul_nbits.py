@@ -28,7 +28,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import graphs
+from vlmc import interop
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _why_not(fact: dict, bits: int, node: ir.Node, leaves: set[str] | None) -> s
 
 
 def lower(
-    model: ir.Model, quantization: dict, accuracy_level: int, store: graphs.TensorStore | None = None
+    model: ir.Model, quantization: dict, accuracy_level: int, store: interop.TensorStore | None = None
 ) -> dict:
     """Replace the recorded weight-only MatMuls of ``model`` (in place) with MatMulNBits; the facts of what was done.
 
@@ -182,7 +182,7 @@ def lower(
     }
 
 
-def _initializer(graph: ir.Graph, store: graphs.TensorStore | None, arr: np.ndarray, name: str) -> ir.Value:
+def _initializer(graph: ir.Graph, store: interop.TensorStore | None, arr: np.ndarray, name: str) -> ir.Value:
     tensor = store.put(arr, name) if store is not None else ir.tensor(np.ascontiguousarray(arr), name=name)
     v = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
     graph.register_initializer(v)

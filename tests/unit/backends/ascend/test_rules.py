@@ -142,7 +142,7 @@ def test_symmetric_int8_deploy_weight_points_at_the_package_bytes(tmp_path):
     interop.save(_qdq_matmul(k=64, n=32), tmp_path / "g.onnx")  # 2 KiB weight: external data
     x = {"x": np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32)}
     source = graphs.load_ir(tmp_path / "g.onnx").graph.initializers["Wq"].const_value
-    store = graphs.TensorStore(tmp_path / "lowered.data")
+    store = interop.TensorStore(tmp_path / "lowered.data")
     low, _ = lower.lower(graphs.load_ir(tmp_path / "g.onnx"), "g", store=store)
     store.close()
     weight = _node(low, "MatMul").inputs[1].const_value
@@ -287,7 +287,7 @@ def test_weight_only_int4_groups_become_weight_quant_batch_matmul_from_the_facts
     feed = {"x": np.random.default_rng(5).standard_normal((2, 3, 64)).astype(np.float32)}
     (expected,) = _ort(model, feed)
     assert expected.shape == (2, 3, 32)
-    store = graphs.TensorStore(tmp_path / "lowered.data")
+    store = interop.TensorStore(tmp_path / "lowered.data")
     low, report = lower.lower(model, "g", {"quantization": facts}, int4_weights=int4_weights, store=store)
     store.close()
     assert _ops(low) == ["NPUWeightQuantBatchMatmulV2"]
@@ -405,7 +405,7 @@ _MEASURE = textwrap.dedent(
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     before = status("VmRSS")
-    store = graphs.TensorStore(store_path) if store_path != "-" else None
+    store = interop.TensorStore(store_path) if store_path != "-" else None
     low, report = lower.lower(model, "g", {"quantization": facts}, store=store)
     print(json.dumps({"growth": status("VmHWM") - before, "layers": len(report.weight_only_layers)}))
     """

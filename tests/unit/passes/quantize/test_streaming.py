@@ -38,7 +38,7 @@ def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tm
     w = rng.standard_normal((128, 24)).astype(np.float32)
     model = _on_disk(_matmul_ir(w), tmp_path)
     plan = scheme.GraphScheme(key="g", weights=weights, group_size=32, int4_storage=storage)
-    store = graphs.TensorStore(tmp_path / "q.data")
+    store = interop.TensorStore(tmp_path / "q.data")
     out, facts = weight_only.quantize_weight_only(model, plan, None, store)
     store.close()
     inits = {n: v.const_value.numpy() for n, v in out.graph.initializers.items()}
@@ -56,7 +56,7 @@ def test_row_blocks_give_the_whole_array_result_bit_for_bit(weights, storage, tm
     # the quantized weight lives in the scratch file, with its hash recorded as it was written
     t = out.graph.initializers[name].const_value
     assert isinstance(t, ir.ExternalTensor) and t.path == str(tmp_path / "q.data")
-    assert graphs.tensor_hash(t) == graphs.tensor_hash(ir.tensor(expect))
+    assert interop.tensor_hash(t) == interop.tensor_hash(ir.tensor(expect))
     interop.check(out, "g")
     x = rng.standard_normal((3, 128)).astype(np.float32)
     y = ortsession.from_model(out, precision=f"{weights}_weight_only").run(None, {"x": x})[0]

@@ -4,7 +4,7 @@ Producers and consumers come from the IR itself (``value.producer()``, ``value.u
 removal and naming are onnx-ir's common passes (RemoveUnusedNodesPass, NameFixPass). What is left
 here is what those do not cover: fresh names that follow the lowering's ``<node>_<what>`` scheme,
 the constant a value holds (initializer or Constant node), and new deploy-form weights, which go to
-a :class:`vlmc.graphs.TensorStore` one tensor at a time so a lowering never holds more than the
+a :class:`vlmc.interop.TensorStore` one tensor at a time so a lowering never holds more than the
 weight it is working on.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 
-from vlmc import graphs
+from vlmc import graphs, interop
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +29,11 @@ class Graph:
 
     Args:
         model: the model; it is rewritten in place.
-        store: where new weights of :data:`vlmc.graphs.EXTERNAL_DATA_THRESHOLD` bytes or more are
+        store: where new weights of :data:`vlmc.interop.EXTERNAL_DATA_THRESHOLD` bytes or more are
             written as they are made (None keeps them in memory: small graphs and tests).
     """
 
-    def __init__(self, model: ir.Model, store: graphs.TensorStore | None = None) -> None:
+    def __init__(self, model: ir.Model, store: interop.TensorStore | None = None) -> None:
         self.model = model
         self.g = model.graph
         self.store = store
@@ -68,7 +68,7 @@ class Graph:
         name = self.unique(base)
         array = np.ascontiguousarray(array)
         tensor = ir.tensor(array, name=name)
-        if self.store is not None and tensor.nbytes >= graphs.EXTERNAL_DATA_THRESHOLD:
+        if self.store is not None and tensor.nbytes >= interop.EXTERNAL_DATA_THRESHOLD:
             if tensor.dtype.bitwidth == 4:
                 # numpy holds 4-bit values one per byte; the file holds them packed, as ONNX does
                 stored = self.store.put(np.frombuffer(tensor.tobytes(), np.uint8), name)
