@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from vlmc import graphs, interop
+from vlmc import interop
 from vlmc.exporters import base
 
 
@@ -97,7 +97,7 @@ def test_the_recorded_hashes_are_what_fingerprints_compute(tmp_path, monkeypatch
     def unread(t):
         raise AssertionError("the writer's hash was not recorded: the weight was read again")
 
-    monkeypatch.setattr(graphs, "_external_digest", unread)
+    monkeypatch.setattr(interop, "_external_digest", unread)
     key_hash = interop.tensor_hash(recorded)
     with open(tmp_path / "g.onnx.data", "rb") as f:
         f.seek(recorded.offset)

@@ -248,7 +248,7 @@ _CHILD = textwrap.dedent(
     """
     import json, sys
     import numpy as np
-    from vlmc import graphs
+    from vlmc import graphs, interop
     from vlmc.passes.quantize import scheme, static, weight_only
 
     path, mode, scratch = sys.argv[1:4]

@@ -391,7 +391,7 @@ _MEASURE = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from vlmc import graphs
+    from vlmc import graphs, interop
     from vlmc.backends.ascend import lower
 
     def status(key):  # kB -> bytes
