@@ -15,14 +15,13 @@ import json
 import logging
 from dataclasses import asdict, dataclass
 
-from vlmc import exporters, metrics, outdir, pass_api, report, ui
+from vlmc import exporters, metrics, outdir, pass_api, report, runtime, ui
 from vlmc.errors import VlmcError
 from vlmc.exporters import load_source, processor
 from vlmc.package import Package
 from vlmc.passes.prune_visual_tokens import measure
-from vlmc.runtime import Pipeline, preprocess
+from vlmc.runtime import preprocess
 from vlmc.runtime.pipeline import Inputs
-from vlmc.runtime.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +267,7 @@ def reference_inputs(pkg: Package, prompts: list[str], images: list[list]) -> In
     vision = dict(
         pkg.manifest["vision"], tokens_per_image=p.get("unpruned_tokens_per_image", p["tokens_before"])
     )
-    return Pipeline(measure.variant(pkg, vision=vision)).prepare(prompts, images)
+    return runtime.prepare(measure.variant(pkg, vision=vision), prompts, images)
 
 
 def verify(
@@ -285,8 +284,7 @@ def verify(
     prompts = prompts or DEFAULT_PROMPTS
     if images is None:
         images = [[f"demo:{i}"] for i in range(len(prompts))]
-    pipe = Pipeline(pkg)
-    inp = pipe.prepare(prompts, images)
+    inp = runtime.prepare(pkg, prompts, images)
     # For a pruned package the source model (and its processor) see every visual token.
     runtime_ref = reference_inputs(pkg, prompts, images) or inp
     with ui.progress("verify: loading the source model in transformers"):
@@ -317,12 +315,13 @@ def verify(
             model, ref_inp, max_new_tokens, t.get("eos_token_id"), int(t.get("pad_token_id") or 0)
         )
     with ui.progress(f"verify: package generate on onnxruntime ({max_new_tokens} tokens)"):
-        if pkg.manifest.get("tensor_parallel") and pkg.root is not None:
-            # A sharded package runs as its rank processes, joined by gloo (docs/tensor_parallel.md).
-            with RankGroup(pkg.root) as group:
-                got = group.generate_from(inp, max_new_tokens)
-        else:
-            got = pipe.generate_from(inp, max_new_tokens)
+        # What `vlmc run` runs: a Pipeline, or for a sharded package its rank processes joined by gloo
+        # (docs/tensor_parallel.md), chosen by the runtime's one dispatch.
+        runnable = runtime.open(pkg)
+        try:
+            got = runnable.generate_from(inp, max_new_tokens)
+        finally:
+            runnable.close()
     c = metrics.generation_agreement(ref_logits, ref_tokens, got.prefill_logits, got.tokens)
     image_id = int(pkg.manifest["vision"]["image_token_id"])
     n_images = max(sum(inp.image_counts), 1)

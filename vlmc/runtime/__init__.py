@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from vlmc.runtime.executors.ort import Executor, OrtExecutor
-from vlmc.runtime.opener import Target, open, target
+from vlmc.runtime.opener import Target, open, prepare, target
 from vlmc.runtime.pipeline import GenerationResult, Pipeline
 
-__all__ = ["Executor", "GenerationResult", "OrtExecutor", "Pipeline", "Target", "open", "target"]
+__all__ = ["Executor", "GenerationResult", "OrtExecutor", "Pipeline", "Target", "open", "prepare", "target"]

@@ -3,9 +3,12 @@
 :func:`open` is the one dispatch between the three (`vlmc run`, `vlmc serve`): it returns a
 :class:`vlmc.runtime.pipeline.Pipeline` (one process, its executor from :func:`vlmc.runtime.executors.open`)
 or a started :class:`vlmc.runtime.ranks.RankGroup` (one process per rank). Both have ``manifest``,
-``generate(prompts, images, max_new_tokens)`` and ``close()``. :func:`target` is its first half: what
-the path is and which executor runs it, read and checked with nothing opened or started, for a caller
-that refuses some requests before paying for a device or the ranks' processes.
+``generate(prompts, images, max_new_tokens)``, ``generate_from(inputs, max_new_tokens)`` and
+``close()``. :func:`target` is its first half: what the path is and which executor runs it, read and
+checked with nothing opened or started, for a caller that refuses some requests before paying for a
+device or the ranks' processes. :func:`prepare` gives the inputs the runtime feeds a package (ids,
+mask, pixels), made on the host with nothing opened, for a caller that compares or records them
+(`vlmc verify`) before running them with :func:`open`'s ``generate_from``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from vlmc.errors import VlmcError
 from vlmc.outdir import BUILD_MARKER
 from vlmc.package import Package
 from vlmc.runtime import collective, executors
-from vlmc.runtime.pipeline import Pipeline
+from vlmc.runtime.pipeline import Inputs, Pipeline
 from vlmc.runtime.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
@@ -40,12 +43,25 @@ class Target:
         device_id: the NPU of a one-process acl run.
     """
 
-    def __init__(self, path: str | Path, executor: str | None = None, device_id: int = 0) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path | Package, executor: str | None = None, device_id: int = 0) -> None:
+        # A package already read is not read again; one changed in memory (its root None, or graphs not
+        # saved) runs as it is in this process, but ranks run what its directory holds.
+        given = path if isinstance(path, Package) else None
+        self.path = Path(path if given is None else (given.root or "."))
         self.device_id = int(device_id)
-        self.build = executors.is_build_dir(self.path)
+        self.build = given is None and executors.is_build_dir(self.path)
         self.ort_build = False
-        if self.build:
+        if given is not None:
+            if executor is not None:
+                raise VlmcError(f"--executor applies to a compile output; {self.path} is a package")
+            self.executor = "ort"
+            self.package = given
+            parallel = given.manifest.get("tensor_parallel")
+            if parallel and given.root is None:
+                raise VlmcError(
+                    "a tensor-parallel package runs as rank processes from its directory; save it first"
+                )
+        elif self.build:
             self.executor = executor or executors.default()
             summary, self.package = executors.read_build(self.path)
             parallel = summary.get("tensor_parallel")
@@ -126,8 +142,10 @@ def ort_build_package(path: str | Path) -> Path | None:
     return pkg
 
 
-def target(path: str | Path, executor: str | None = None, device_id: int = 0) -> Target:
+def target(path: str | Path | Package, executor: str | None = None, device_id: int = 0) -> Target:
     """What ``path`` runs as (:class:`Target`), with nothing opened.
+
+    ``path`` may be a :class:`~vlmc.package.Package` already read (its directory is what runs).
 
     Raises:
         VlmcError: the directory is neither a package nor a compile output, is broken, or the
@@ -137,7 +155,7 @@ def target(path: str | Path, executor: str | None = None, device_id: int = 0) ->
 
 
 def open(
-    path: str | Path,
+    path: str | Path | Package,
     executor: str | None = None,
     device_id: int = 0,
     threads: int | None = None,
@@ -146,7 +164,8 @@ def open(
     """The runnable thing for a package, a compile output or a tensor-parallel group of either.
 
     Args:
-        path: a package directory or what `vlmc compile --target ascend` wrote.
+        path: a package directory or what `vlmc compile --target ascend` wrote, or a package already
+            read (:class:`~vlmc.package.Package`; a tensor-parallel one runs from its directory).
         executor: for a compile output, ``reference`` or ``acl`` (default: acl where pyACL imports).
         device_id: the NPU of a one-process acl run.
         threads: onnxruntime intra-op threads.
@@ -161,3 +180,13 @@ def open(
             runnable.close()
     """
     return target(path, executor, device_id).start(threads, on_start)
+
+
+def prepare(pkg: Package, prompts: list[str], images: list[list]) -> Inputs:
+    """The inputs the runtime feeds ``pkg`` for ``prompts`` and ``images`` (ids, mask, vision inputs).
+
+    Made on the host from the manifest and the tokenizer; no graph, device or rank is opened, so it
+    also serves a package variant that is never run (verify's unpruned inputs for the source model).
+    Feed them to :func:`open`'s ``generate_from``.
+    """
+    return Pipeline(pkg).prepare(prompts, images)  # a Pipeline opens a session only when a graph runs
