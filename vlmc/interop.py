@@ -1,7 +1,15 @@
-"""The one seam between vlmc's IR (onnx_ir.Model) and protobuf: every ModelProto vlmc builds or reads.
+"""The one seam between vlmc's IR (onnx_ir.Model) and a graph's bytes: every ModelProto vlmc builds or
+reads, the graph and data files, and the content hashes of what they store.
 
 vlmc keeps every graph as an onnx-ir model whose weights stay in their files. Everything that
 touches ``onnx.ModelProto`` is here; the rest of vlmc works on onnx-ir:
+
+* :func:`tensor_hash` / :func:`weight_hashes` / :func:`fingerprint` — content hashes: a weight's
+  sha256, computed once (kept on the tensor and by its stored location), and a graph's (its
+  structure serialized with every weight as a stub naming its hash); :class:`TensorStore` — a data
+  file for the tensors a pass makes, hashed as they are written; :func:`release` — a file-backed
+  tensor's memory map closed; :data:`EXTERNAL_DATA_THRESHOLD` — from which size a tensor is stored
+  as external data.
 
 * :func:`weightless` — THE stub swap: a ModelProto of the graph with chosen initializers holding
   stub tensors (an external pointer, a sparse placeholder, a content hash), the very same tensor
