@@ -593,6 +593,7 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
     kv_idx = _head_cols(lay.kv_of_rank(rank), lay.head_dim)
     seen: set[ir.Value] = set()
     visited: dict[ir.Node, bool] = {}  # target-shape Concats already rewritten (simplify may share them)
+    widths: dict[tuple[ir.Node, int], ir.Value] = {}  # (target-shape Concat, rank's width) -> its copy
     for cut in cuts:
         inner = cut.row.fan_in  # this block's width (heads*head_dim or the MLP's intermediate size)
         w = inner // lay.size
@@ -605,11 +606,17 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
             targets = [(c.proj.node, c.proj.weight, c.proj.out_axis)]
             if c.proj.bias is not None:
                 targets.append((c.proj.bias_add or c.proj.node, c.proj.bias, 0))
+            full = c.proj.width
             for node, v, axis in targets:
                 _sliced(_own(graph, node, v, seen), axis, idx)
+            for view in _views_of(c.proj):
+                _set_view_width(graph, view, full, len(idx), widths)
         row = cut.row
         weight = _own(graph, row.node, row.weight, seen)
         _sliced(weight, 1 - row.out_axis, q_idx if cut.kind == "attention" else mlp_idx)
+        flat = row.node.inputs[0].producer()
+        if flat is not None and flat.op_type == "Reshape":
+            _set_view_width(graph, flat, inner, w, widths)
         if row.bias is not None and row.bias_add is None and rank > 0:
             # A Gemm's bias is inside the partial sum: rank 0 alone adds it, so the sum holds it once.
             _zeroed(_own(graph, row.node, row.bias, seen))
@@ -617,6 +624,62 @@ def _shard(graph: ir.Graph, cuts: list[_Cut], lay: _Layout, rank: int, dec: str)
             folded = _set_head_counts(graph, cut, lay, visited)
             if lay.kv_mode == "replicated":
                 _set_repeat(graph, cut, lay, dec, folded)
+
+
+def _views_of(proj: _Proj) -> list[ir.Node]:
+    """The Reshapes that view a column projection's output (after its bias, through casts) back."""
+    out = proj.bias_add.outputs[0] if proj.bias_add is not None else proj.node.outputs[0]
+    return [u for v in _through_casts(out) for u, i in v.uses() if u.op_type == "Reshape" and i == 0]
+
+
+def _set_view_width(
+    graph: ir.Graph, view: ir.Node, full: int, width: int, widths: dict[tuple[ir.Node, int], ir.Value]
+) -> None:
+    """A Reshape's target shape whose last entry is the constant ``full`` (a sharded projection's feature
+    width in the whole model), made the rank's ``width``.
+
+    onnxsim fuses a 3-D ``MatMul`` + bias ``Add`` into ``Reshape [-1, in] -> Gemm -> Reshape`` back to
+    ``Concat(Shape(x)[:-1], [out])`` (Qwen-VL's q/k/v with their c_attn biases), and a Gemm row projection
+    flattens its input to ``[-1, in]`` the same way: those widths are constants of the whole model and the
+    rank's weights are narrower. A target shape that is a constant gets a constant of its own; a Concat
+    (which simplify may share between q, k and v of different widths) gets one copy per width
+    (``widths``), so each Reshape reads the width its own projection has. Head reshapes (a head_dim last)
+    are :func:`_rewrite_heads`'.
+    """
+    if full == width:
+        return
+    shape = view.inputs[1]
+    c = _int_const(shape)
+    if c is not None:
+        if c.ndim == 1 and c.size and int(c[-1]) == full:
+            new = c.copy()
+            new[-1] = width
+            value = ir.Value(name=f"{view.name}/tp_width", const_value=ir.Tensor(new))
+            value.shape, value.dtype = ir.Shape(new.shape), ir.DataType.from_numpy(new.dtype)
+            graph.register_initializer(value)
+            view.replace_input_with(1, value)
+        return
+    concat = shape.producer()
+    if concat is None or concat.op_type != "Concat" or not concat.inputs:
+        return
+    last = _int_const(concat.inputs[-1])
+    if last is None or last.size != 1 or int(last.reshape(-1)[0]) != full:
+        return
+    key = (concat, width)
+    if key not in widths:
+        c = np.full_like(last, width)
+        value = ir.Value(name=f"{concat.name}/tp_width_{width}", const_value=ir.Tensor(c))
+        value.shape, value.dtype = ir.Shape(c.shape), ir.DataType.from_numpy(c.dtype)
+        graph.register_initializer(value)
+        axis = int(concat.attributes["axis"].value)
+        copy = ir.node(
+            "Concat", [*concat.inputs[:-1], value], {"axis": axis}, name=f"{concat.name}/tp_width_{width}"
+        )
+        copy.outputs[0].name = f"{copy.name}_output_0"
+        copy.outputs[0].dtype = shape.dtype
+        graph.insert_after(concat, [copy])
+        widths[key] = copy.outputs[0]
+    view.replace_input_with(1, widths[key])
 
 
 def _set_chunks(graph: ir.Graph, proj: _Proj, width: int, size: int) -> None:

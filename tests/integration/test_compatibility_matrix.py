@@ -107,3 +107,43 @@ def test_a_lossy_build_with_a_wrong_activation_scale_fails_both_legs(exported, t
     assert broken["status"] == "FAIL", broken
     assert "in exact arithmetic" in broken["reason"]
     assert matrix.shortfalls(broken["fidelity"]), broken["fidelity"]
+
+
+def test_a_weight_only_build_is_judged_against_the_package_in_its_storage_formats(exported, tmp_path):
+    """A weight-only INT4 paged build holds its antiquant_scale and its KV pools in float16 (what
+    NPUWeightQuantBatchMatmulV2 and ReshapeAndCache take), so its exact-arithmetic leg runs against the
+    package holding the same: there the lowered graph's logits are the package's to float32 rounding,
+    and a build wired wrong (layer 0's gate and up weights swapped) fails."""
+    work = tmp_path / "cell"
+    cell = matrix.run_cell(exported("tiny-qwen2-vl"), "fold-awq4-paged", work)["reference"]
+    assert cell["status"] == "ok" and cell["lossy"] == ["decoder"], cell
+    fid = cell["fidelity"]
+    assert fid["exact_agree"] == "6/6" and fid["exact_max_logit_diff"] < 1e-4, fid
+    assert any("antiquant_scale in float16" in f for f in fid["exact_formats"]), fid
+    assert any("KV pools in float16" in f for f in fid["exact_formats"]), fid
+    graph = work / "build" / "graphs" / "decoder.onnx"
+    model = onnx.load(graph, load_external_data=False)  # the weights stay in the .data file beside it
+    ops = {n.name: n for n in model.graph.node if n.op_type == "NPUWeightQuantBatchMatmulV2"}
+    gate, up = (
+        next(n for name, n in ops.items() if f"layers.0/mlp/{p}" in name) for p in ("gate_proj", "up_proj")
+    )
+    for i in (1, 2):  # the weight and its antiquant_scale
+        gate.input[i], up.input[i] = up.input[i], gate.input[i]
+    onnx.save(model, graph)
+    exact = matrix.exact_agreement(work / "package", work / "build")
+    assert exact["max_logit_diff"] > 1e-2, exact
+    broken = matrix.reference_cell(work / "package", work / "build")
+    assert broken["status"] == "FAIL" and "in exact arithmetic" in broken["reason"], broken
+
+
+def test_prune_recipes_take_the_method_the_manifest_supports(exported):
+    """Scored by CLS attention where the attention facts name a CLS query, by the attention received
+    where they name none, uniform where the exporter recorded no attention facts."""
+    for builtin, method in (
+        ("tiny-llava", "cls_attention"),
+        ("tiny-qwen2-vl", "attention_received"),
+        ("tiny-qwen-vl", "uniform"),
+    ):
+        (step,) = [s["prune_visual_tokens"] for s in matrix._passes("prune", exported(builtin))]
+        assert step["method"] == method, (builtin, step)
+        assert step["keep"] >= 1

@@ -93,6 +93,13 @@ def built(tiny_llava, mha, exported, tmp_path_factory):
             [fold, simplify, {"tensor_parallel": {"size": 2}}],
             exported("tiny-qwen2-vl"),
         ),
+        # Qwen-VL's q/k/v carry c_attn's biases: simplify (onnxsim) fuses each MatMul + bias into
+        # Reshape [-1, hidden] -> Gemm -> Reshape back to Concat(Shape[:-1], [width]), the whole model's width
+        "qwen-vl-fold-simplify-tp2-paged": (
+            exported("tiny-qwen-vl"),
+            [fold, simplify, {"tensor_parallel": {"size": 2}}, {"paged_kv": {"block_size": 16}}],
+            exported("tiny-qwen-vl"),
+        ),
         "gqa-tp4": (tiny_llava, [{"tensor_parallel": {"size": 4}}], tiny_llava),
         "mha-tp4": (mha, [{"tensor_parallel": {"size": 4}}], mha),
         "mha-tp4-paged": (
@@ -136,6 +143,7 @@ def groups(built):
         "gqa-fold-simplify-tp2-paged",
         "gqa-fold-simplify-tp4",
         "qwen2-vl-fold-simplify-tp2",
+        "qwen-vl-fold-simplify-tp2-paged",
         "gqa-tp4",
         "mha-tp4",
         "mha-tp4-paged",
@@ -313,7 +321,7 @@ def test_fused_gate_up_gives_each_rank_its_gate_and_up_slices(exported, tmp_path
 
 def test_segments_after_fold_and_simplify_have_only_named_dims(built):
     """Every segment input and output dim is a number or a name the backends size (no unk__N)."""
-    for name in ("gqa-fold-simplify-tp2-paged", "gqa-fold-simplify-tp4"):
+    for name in ("gqa-fold-simplify-tp2-paged", "gqa-fold-simplify-tp4", "qwen-vl-fold-simplify-tp2-paged"):
         m = Package.load(built[name][0]).manifest
         dims = {
             d
@@ -324,6 +332,32 @@ def test_segments_after_fold_and_simplify_have_only_named_dims(built):
             if isinstance(d, str)
         }
         assert dims and not any(d.startswith("unk__") for d in dims), sorted(dims)
+
+
+def test_fused_gemm_views_take_the_ranks_width(built):
+    """After simplify, Qwen-VL's biased q/k/v are Gemms on the flattened stream, viewed back to
+    [batch, sequence, width] by a Concat whose last entry is a constant: each rank's view reads its own
+    projection's width (half the model's), not the whole model's."""
+    path = built["qwen-vl-fold-simplify-tp2-paged"][0]
+    m = Package.load(path).manifest
+    tp = m["tensor_parallel"]
+    rank_width = tp["heads_per_rank"] * m["kv"]["head_dim"]  # MHA: q, k and v alike
+    checked = 0
+    for name, info in m["graphs"].items():
+        if ".rank" not in name:
+            continue
+        graph = ir.load(path / info["file"]).graph
+        for gemm in (n for n in graph if n.op_type == "Gemm"):
+            width = int(gemm.inputs[1].shape[0 if gemm.attributes.get_int("transB", 0) else 1])
+            for view, i in gemm.outputs[0].uses():
+                if view.op_type != "Reshape" or i != 0:
+                    continue
+                concat = view.inputs[1].producer()
+                assert concat is not None and concat.op_type == "Concat"
+                last = ir.convenience.get_const_tensor(concat.inputs[-1]).numpy().reshape(-1)
+                assert int(last[0]) == width == rank_width, (name, gemm.name, int(last[0]), width)
+                checked += 1
+    assert checked >= 2 * 3 * m["kv"]["layers"]  # q, k and v of every layer on both ranks
 
 
 def _weights(path: Path, graph: str) -> int:
