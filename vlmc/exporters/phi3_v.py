@@ -397,7 +397,10 @@ def convert_state_dict(state: dict, config) -> dict:
         if name.startswith(prefix + "wte."):  # the same table as model.embed_tokens (a shared module)
             continue
         if name.startswith(prefix):
-            out["vision_embed_tokens." + name[len(prefix) :]] = t
+            # the remote code's CLIPVisionModel (transformers 4) nests the tower in vision_model; transformers 5's
+            # holds it directly
+            local = name[len(prefix) :].replace("img_processor.vision_model.", "img_processor.", 1)
+            out["vision_embed_tokens." + local] = t
         elif name.startswith("model.") or name.startswith("lm_head."):
             out["language_model." + name] = t
     return out
@@ -410,7 +413,7 @@ def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | No
     out = {}
     for k, v in sd.items():
         if k.startswith("vision_embed_tokens."):
-            out["model." + k] = v
+            out["model." + k.replace(".img_processor.", ".img_processor.vision_model.", 1)] = v
         elif k.startswith("language_model."):
             out[k[len("language_model.") :]] = v
     out["model.vision_embed_tokens.wte.weight"] = sd["language_model.model.embed_tokens.weight"]
@@ -419,7 +422,7 @@ def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | No
     g = torch.Generator().manual_seed(1)
     for i in range(used, full_depth or used):
         for k, v in sd.items():
-            head = "vision_embed_tokens.img_processor.vision_model.encoder.layers.0."
+            head = "vision_embed_tokens.img_processor.encoder.layers.0."
             if k.startswith(head):
                 out[f"{layers}{i}.{k[len(head) :]}"] = torch.randn(v.shape, generator=g) * 0.02
     return {k: v.contiguous().clone() for k, v in out.items()}
@@ -452,7 +455,7 @@ def load_local(path: Path, config) -> Phi3VForConditionalGeneration:
     # computed buffers (in no checkpoint) made again off the meta device: the rotary tables, CLIP's position ids
     lm = model.language_model
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
-    emb = model.vision_embed_tokens.img_processor.vision_model.embeddings
+    emb = model.vision_embed_tokens.img_processor.embeddings
     emb.register_buffer("position_ids", torch.arange(emb.num_positions).expand((1, -1)), persistent=False)
     left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if left:
