@@ -583,7 +583,6 @@ def export(source, pkg: Package) -> None:
         "feature_layer": int(cfg.img_processor.get("layer_idx", -2)),
         "hidden_size": int(tcfg.hidden_size),
         "vision_hidden_size": int(model.vision_embed_tokens.img_processor.config.hidden_size),
-        "processor_images": "flat",
     }
     directory = source.directory
     converted = None if directory is None else source_tokenizer(directory)
