@@ -455,7 +455,8 @@ def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> tuple[int, i
     if rule is not None:
         before = pruned.get("unpruned_tokens_per_image") or tpi
         tokens, rows, note = rule(v, *(image_size or (None, None)))
-        return tokens, rows, note, int(before) * rows
+        # a count per image (hd_crops) has no fixed per-row count: unpruned, it is the count itself
+        return tokens, rows, note, int(before) * rows if before is not None else tokens
     if isinstance(tpi, int):
         return tpi, 1, None, int(pruned.get("tokens_before", tpi))
     packed = _packed_tokens(facts, image_size)

@@ -568,9 +568,11 @@ def _chat(pipe, prompts: list[str], images: list[str], max_new_tokens: int) -> N
 def _distribute(prompts: list[str], images: list[str], marker: str) -> list[list[str]]:
     """Give each prompt as many images as it has placeholders (one each if it has none; a single plain
     prompt takes them all, the chat template places them)."""
+    from vlmc.runtime import markers
+
     out, k = [], 0
     for p in prompts:
-        n = p.count(marker) or (len(images) if len(prompts) == 1 else 1 if images else 0)
+        n = markers.count(p, marker) or (len(images) if len(prompts) == 1 else 1 if images else 0)
         out.append(images[k : k + n])
         k += n
     if k != len(images):

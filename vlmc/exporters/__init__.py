@@ -36,6 +36,7 @@ FAMILY_MODULES = {
     "internvl": "vlmc.exporters.internvl",
     # native rebuilds of remote-code repositories (their own load_local: no repo code runs)
     "qwen_vl": "vlmc.exporters.qwen_vl",
+    "phi3_v": "vlmc.exporters.phi3_v",
 }
 
 
@@ -496,7 +497,9 @@ def _attach_source_files(directory: Path, pkg: Package, trusted: bool = False) -
             pkg.files[f"source/{fname}"] = data
             found.append(fname)
     has_tok = any(f in found for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
-    if has_tok:
+    # a family that stored the tokenizer itself (a native rebuild of remote code: its processor is code vlmc
+    # does not run) keeps it
+    if has_tok and pkg.manifest["text"].get("tokenizer") != "source":
         processor.attach(directory, pkg, trusted)
     if "preprocessor_config.json" in found or "processor_config.json" in found:
         pkg.manifest["vision"]["processor"] = "source"

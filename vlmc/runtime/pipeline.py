@@ -17,7 +17,7 @@ import numpy as np
 
 from vlmc.errors import VlmcError
 from vlmc.package import Package
-from vlmc.runtime import chat, deepstack, extras, positions, preprocess
+from vlmc.runtime import chat, deepstack, extras, markers, positions, preprocess
 from vlmc.runtime import kv as kvmod
 from vlmc.runtime import tokenizer as tokmod
 from vlmc.runtime.executors.ort import Executor, OrtExecutor
@@ -189,7 +189,7 @@ class Pipeline:
         add = bool(t.get("add_bos", True))
         if isinstance(prompt, list):
             return self._render_conversation(prompt, marker, add)
-        if marker in prompt:
+        if markers.count(prompt, marker):
             return prompt, add
         template = (
             tokmod.package_text(self.pkg, t["chat_template"], "text.chat_template")
@@ -262,12 +262,19 @@ class Pipeline:
         marker = t.get("image_marker", "<image>")
         image_id = int(self.m["vision"]["image_token_id"])
         text, add = self.render(prompt, len(counts))
-        n_markers = text.count(marker)
+        n_markers = markers.count(text, marker)
         if n_markers != len(counts):
             raise VlmcError(
                 f"prompt has {n_markers} image placeholder(s) {marker!r} but {len(counts)} image(s) were given"
             )
-        if t.get("image_tokens_first"):
+        if t.get("tokenize_chunks"):
+            # The processor tokenizes the text between the markers one piece at a time, each with its own
+            # special tokens (Phi-3-V: a BOS before every piece), and puts each image's token run between them.
+            pieces = markers.split(text, marker)
+            ids = list(self.tokenizer.encode(pieces[0], add_bos=add))
+            for n, piece in zip(counts, pieces[1:]):
+                ids += [image_id] * n + list(self.tokenizer.encode(piece, add_bos=add))
+        elif t.get("image_tokens_first"):
             # The processor tokenizes the placeholders of all images on their own (no special tokens) and
             # puts them ahead of the tokenized prompt (and its BOS); the marker only says an image is there.
             lead = self.tokenizer.encode(marker * sum(counts), add_bos=False) if counts else []
@@ -277,7 +284,7 @@ class Pipeline:
             # processor puts there ("{tokens}" is the run; e.g. Gemma3's begin/end-of-image around it).
             image_token = t.get("image_token") or marker
             expansion = t.get("image_expansion") or "{tokens}"
-            pieces = text.split(marker)
+            pieces = markers.split(text, marker)
             expanded = pieces[0] + "".join(
                 expansion.replace("{tokens}", image_token * n) + piece for n, piece in zip(counts, pieces[1:])
             )
@@ -536,4 +543,4 @@ def _place_images(text_facts: dict, template: str, n_images: int) -> str:
     if "{images}" not in template:
         return template
     turn = text_facts.get("image_turn") or text_facts.get("image_marker", "<image>")
-    return template.replace("{images}", "".join(turn.replace("{n}", str(i + 1)) for i in range(n_images)))
+    return template.replace("{images}", "".join(markers.nth(turn, i + 1) for i in range(n_images)))

@@ -11,7 +11,7 @@ import numpy as np
 
 from vlmc import limits
 from vlmc.errors import VlmcError
-from vlmc.runtime import anyres, imaging, patches, tiles
+from vlmc.runtime import anyres, hd_crops, imaging, patches, tiles
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ KINDS: dict[str, Callable[[list[np.ndarray], dict], dict[str, np.ndarray]]] = {
     "packed_patches": patches.packed_patches,
     "tiles": tiles.tiles,
     "anyres": anyres.preprocess,
+    "hd_crops": hd_crops.preprocess,
 }
 # A preprocessing output that is not a graph input: per-image tile counts (kind "tiles").
 TILES_KEY = tiles.TILES_KEY
@@ -121,18 +122,23 @@ TILES_KEY = tiles.TILES_KEY
 
 # kind -> function(vision inputs, facts) -> image tokens per image, for kinds whose count depends on the
 # image (anyres); other kinds use vision.tokens_per_image or the image grid.
-COUNTS: dict[str, Callable[[dict[str, np.ndarray], dict], list[int]]] = {"anyres": anyres.token_counts}
+COUNTS: dict[str, Callable[[dict[str, np.ndarray], dict], list[int]]] = {
+    "anyres": anyres.token_counts,
+    "hd_crops": hd_crops.token_counts,
+}
 # kind -> function(vision inputs, facts) -> extra vision graph inputs derived from the processor's outputs
 # (fed to the graphs, never compared with the processor).
 FEEDS: dict[str, Callable[[dict[str, np.ndarray], dict], dict[str, np.ndarray]]] = {
-    "anyres": anyres.graph_feeds
+    "anyres": anyres.graph_feeds,
+    "hd_crops": hd_crops.graph_feeds,
 }
 
 
 # kind -> function(vision manifest facts, height, width) -> (image tokens, vision-graph rows, how counted):
 # the count for an image of a given size without the image (vlmc plan); for kinds whose count depends on it.
 SIZE_COUNTS: dict[str, Callable[[dict, int | None, int | None], tuple[int, int, str]]] = {
-    "tiles": tiles.tokens_for_size
+    "tiles": tiles.tokens_for_size,
+    "hd_crops": hd_crops.size_count,
 }
 
 

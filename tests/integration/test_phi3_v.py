@@ -1,0 +1,211 @@
+"""Phi-3-vision (native rebuild of Phi-3-vision-128k-instruct's remote code): a hub-directory copy exported and run
+token for token against transformers-native decoding of the same weights, the processor's per-chunk token ids,
+verify against the processor's own layout, long rope past original_max_position_embeddings, paged KV.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _phi3_v_hub import PHI_TOKENS, tokenizer, write_hub_copy
+
+from vlmc import exporters, manager
+from vlmc.errors import VlmcError
+from vlmc.exporters import phi3_v
+from vlmc.package import Package
+from vlmc.recipe import Step
+from vlmc.runtime import Pipeline
+
+
+@pytest.fixture(scope="module")
+def hub_copy(tmp_path_factory):
+    return write_hub_copy(tmp_path_factory.mktemp("phi3_v_hub") / "Phi-3-vision-128k-instruct")
+
+
+@pytest.fixture(scope="module")
+def hub_package(hub_copy, tmp_path_factory):
+    # --trust-remote-code is accepted but not needed: nothing of the repository's code exists here, or runs
+    source = exporters.load_source(str(hub_copy), trust_remote_code=True)
+    out = tmp_path_factory.mktemp("phi3_v_pkg") / "pkg"
+    exporters.export(source).save(out)
+    return Package.load(out), source
+
+
+def _native_tokens(source, inp, new: int, eos) -> list[int]:
+    feeds = {
+        k: torch.from_numpy(v)
+        for k, v in {"input_ids": inp.input_ids, "attention_mask": inp.attention_mask, **inp.vision}.items()
+    }
+    want = source.model.generate(**feeds, max_new_tokens=new, eos_token_id=eos)
+    return want[0, inp.input_ids.shape[1] :].tolist()
+
+
+def test_hub_copy_is_the_phi3_v_family(hub_package):
+    pkg, source = hub_package
+    m = pkg.manifest
+    assert m["model"]["family"] == "phi3_v" and type(source.model).__name__ == "Phi3VForConditionalGeneration"
+    assert m["vision"]["preprocess"]["kind"] == "hd_crops" and m["vision"]["preprocess"]["num_crops"] == 4
+    assert m["vision"]["image_token_id"] == 0 and m["text"]["tokenizer"] == "source"
+    assert m["text"]["max_positions"] == 131072
+    # the decoder is transformers' Phi3 with the hub's long rope, su read as longrope
+    rope = source.model.language_model.config.rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 4096
+
+
+def test_hub_copy_loads_into_the_native_model(hub_copy, hub_package):
+    from safetensors.torch import load_file
+
+    _, source = hub_package
+    hub = load_file(str(hub_copy / "model.safetensors"))
+    model = source.model
+    assert torch.equal(model.vision_embed_tokens.glb_GN, hub["model.vision_embed_tokens.glb_GN"])
+    assert torch.equal(
+        model.language_model.model.layers[1].self_attn.qkv_proj.weight,
+        hub["model.layers.1.self_attn.qkv_proj.weight"],
+    )
+    # layer_idx -2: the tower is cut before its last layer, which nothing reads
+    assert len(model.vision_embed_tokens.img_processor.encoder.layers) == 2
+    assert "model.vision_embed_tokens.img_processor.vision_model.encoder.layers.2.mlp.fc1.weight" in hub
+
+
+@pytest.mark.parametrize(
+    ("prompt", "images"),
+    [
+        ("Describe the image.", [(300, 500)]),
+        (
+            "<|user|>\n<|image_1|>\nCompare <|image_2|> with it.<|end|>\n<|assistant|>\n",
+            [(600, 200), (336, 336)],
+        ),
+    ],
+)
+def test_prompt_ids_are_the_processors(hub_package, prompt, images):
+    pkg, source = hub_package
+    rng = np.random.default_rng(0)
+    pics = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in images]
+    inp = Pipeline(pkg).prepare([prompt], [pics])
+    from PIL import Image
+
+    ref = phi3_v.reference_inputs(
+        source.directory, pkg.manifest, [prompt], [[Image.fromarray(p) for p in pics]]
+    )
+    got, want = inp.input_ids[0].tolist(), ref["input_ids"][0].tolist()
+    # the processor's image rows hold -N (image N), vlmc's the image token; every other id is the same
+    assert len(got) == len(want)
+    assert [g for g, w in zip(got, want) if w < 0] == [0] * sum(1 for w in want if w < 0)
+    assert [g for g, w in zip(got, want) if w >= 0] == [w for w in want if w >= 0]
+    # and the pixels bit for bit, the crop grids the same
+    assert np.array_equal(inp.vision["pixel_values"], ref["pixel_values"].numpy())
+    assert np.array_equal(inp.vision["image_sizes"], ref["image_sizes"].numpy())
+
+
+def test_one_pass_tokenization_rule_gives_the_same_ids(hub_package):
+    # The issue's observation: replacing each <|image_N|> with <unk> x count + <s> and tokenizing once gives the
+    # per-chunk ids, for this tokenizer.json format (a Prepend('▁') normalizer applied after every special token).
+    pkg, _ = hub_package
+    tok = tokenizer()
+    pipe = Pipeline(pkg)
+    text = "<|user|>\n<|image_1|>\nWhat is shown here?<|end|>\n<|assistant|>\n"
+    inp = pipe.prepare([text], [["demo:2"]])
+    n = int((inp.input_ids == 0).sum())
+    once = tok.encode(text.replace("<|image_1|>", "<unk>" * n + "<s>"), add_special_tokens=True).ids
+    assert inp.input_ids[0].tolist() == once
+    assert tok.token_to_id("<|end|>") in once and all(tok.token_to_id(t) is not None for t in PHI_TOKENS)
+
+
+def test_markers_must_run_from_one_in_order(hub_package):
+    pkg, _ = hub_package
+    pipe = Pipeline(pkg)
+    with pytest.raises(VlmcError, match="in order"):
+        pipe.prepare(["<|image_2|> then <|image_1|>"], [["demo:0", "demo:1"]])
+    with pytest.raises(VlmcError, match="2 image"):
+        pipe.prepare(["just <|image_1|>"], [["demo:0", "demo:1"]])
+
+
+def test_hub_copy_runs_like_the_native_model(hub_package):
+    pkg, source = hub_package
+    pipe = Pipeline(pkg)
+    eos = pkg.manifest["text"]["eos_token_id"]
+    inp = pipe.prepare(["What is in the picture?"], [[np.full((400, 250, 3), 90, np.uint8)]])
+    assert list(pipe.generate_from(inp, 8).tokens[0]) == _native_tokens(source, inp, 8, eos)
+    two = pipe.prepare(["<|image_1|>\n<|image_2|>\nSame?"], [["demo:0", "demo:3"]])
+    assert list(pipe.generate_from(two, 6).tokens[0]) == _native_tokens(source, two, 6, eos)
+
+
+def test_verify_against_the_processor_layout(hub_package):
+    from vlmc import verify
+
+    pkg, _ = hub_package
+    res = verify.verify(pkg, max_new_tokens=4, prompts=["What is this?"], images=[["demo:0"]])
+    # the processor writes -1 in the image rows: only those ids are not compared; the pixels are equal bit for bit
+    assert res.inputs["ids_equal"] is True and res.inputs["passed"] is True
+    assert res.inputs["pixel_max_abs_diff"] == 0.0
+    assert res.passed and res.token_agreement == 1.0
+
+
+@pytest.fixture(scope="module")
+def short_rope(tmp_path_factory):
+    """The tiny model with original_max_position_embeddings 64 (256 positions): prompts cross the long-rope switch."""
+    cfg = phi3_v.tiny_phi3_v_config(max_position_embeddings=256, original_max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = phi3_v.build_tiny(cfg)
+    source = exporters.Source(
+        name="tiny-phi3-v-short", model=model, config=cfg, family="phi3_v", builtin=True
+    )
+    out = tmp_path_factory.mktemp("phi3_v_short") / "pkg"
+    exporters.export(source).save(out)
+    return Package.load(out), source
+
+
+def test_long_rope_switches_in_the_graph(short_rope):
+    pkg, source = short_rope
+    pipe = Pipeline(pkg)
+    eos = pkg.manifest["text"]["eos_token_id"]
+    # the one-turn layout and 20 bytes are 54 tokens, which cross 64 while decoding; 94 are past it at prefill
+    # (transformers switches to long_factor there)
+    for prompt, new in (("a" * 20, 16), ("abc " * 15, 6)):
+        inp = pipe.prepare([prompt], [[]])
+        got = list(pipe.generate_from(inp, new).tokens[0])
+        assert got == _native_tokens(source, inp, new, eos), prompt
+    # the switch changes the numbers: with the short factors alone the prefill logits differ
+    inp = pipe.prepare(["abc " * 15], [[]])
+    lm = source.model.language_model
+    ids = torch.from_numpy(inp.input_ids)
+    with torch.no_grad():
+        long_logits = lm(input_ids=ids).logits[0, -1]
+        rotary = lm.model.rotary_emb
+        saved = rotary.rope_type, rotary.inv_freq
+        # "default": transformers' forward then keeps the inv_freq it has, here the short one
+        rotary.rope_type, rotary.inv_freq = "default", rotary.original_inv_freq
+        short_logits = lm(input_ids=ids).logits[0, -1]
+        rotary.rope_type, rotary.inv_freq = saved
+    assert float((long_logits - short_logits).abs().max()) > 1e-3
+    assert np.allclose(pipe.generate_from(inp, 1).prefill_logits[0], long_logits.numpy(), atol=1e-4)
+
+
+def test_paged_kv_gives_the_same_tokens(exported):
+    pkg = Package.load(exported("tiny-phi3-v"))
+    paged = manager.run(Package.load(exported("tiny-phi3-v")), [Step("paged_kv", {"block_size": 16}, 1)])
+    assert paged.manifest["kv"]["layout"] == "paged"
+    prompts, images = ["Describe the image.", "What colour?"], [["demo:0"], ["demo:4"]]
+    want = Pipeline(pkg).generate(prompts, images, 6).tokens
+    assert Pipeline(paged).generate(prompts, images, 6).tokens == want
+
+
+def test_tiny_builtin_verifies(exported):
+    from vlmc import verify
+
+    pkg = Package.load(exported("tiny-phi3-v"))
+    assert pkg.manifest["vision"]["tokens_per_image"] is None
+    res = verify.verify(pkg, max_new_tokens=4, prompts=["Describe the image."], images=[["demo:0"]])
+    assert res.passed and res.token_agreement == 1.0
+
+
+def test_unsupported_configs_are_refused():
+    cfg = phi3_v.tiny_phi3_v_config()
+    cfg.embd_layer["hd_transform_order"] = "glb_sub"
+    with pytest.raises(VlmcError, match="sub_glb only"):
+        phi3_v.check_supported(cfg, "x")
+    cfg = phi3_v.tiny_phi3_v_config(rope_scaling={"type": "yarn", "factor": 2.0})
+    with pytest.raises(VlmcError, match="rope_scaling type"):
+        phi3_v.check_supported(cfg, "x")
