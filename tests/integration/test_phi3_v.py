@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _phi3_v_hub import PHI_TOKENS, tokenizer, write_hub_copy
+from _phi3_v_hub import CHAT_TEMPLATE, PHI_TOKENS, tokenizer, write_hub_copy
 
 from vlmc import exporters, manager
 from vlmc.errors import VlmcError
@@ -130,6 +130,18 @@ def test_one_pass_tokenization_rule_gives_the_same_ids(hub_package):
     once = tok.encode(text.replace("<|image_1|>", "<unk>" * n + "<s>"), add_special_tokens=True).ids
     assert inp.input_ids[0].tolist() == once
     assert tok.token_to_id("<|end|>") in once and all(tok.token_to_id(t) is not None for t in PHI_TOKENS)
+
+
+def test_plain_prompt_layout_is_the_chat_templates_one_turn(hub_package):
+    # the hub's chat template rendered for one user turn with string content (the model card's "<|image_1|>\n" +
+    # question) is the package's prompt_template with its images placed
+    from vlmc.runtime import chat
+
+    pkg, _ = hub_package
+    content = "<|image_1|>\n<|image_2|>\nWhat differs?"
+    want = chat.render(CHAT_TEMPLATE, [{"role": "user", "content": content}], 2)
+    text, add_bos = Pipeline(pkg).render("What differs?", 2)
+    assert text == want and add_bos
 
 
 def test_markers_must_run_from_one_in_order(hub_package):

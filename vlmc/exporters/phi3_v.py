@@ -69,11 +69,6 @@ IMAGE_TOKEN = "<unk>"
 # layout: "<|user|>\n<|image_1|>\n{prompt}<|end|>\n<|assistant|>\n".
 PROMPT_TEMPLATE = "<|user|>\n{images}{prompt}<|end|>\n<|assistant|>\n"
 IMAGE_TURN = IMAGE_MARKER + "\n"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|' + message['role'] + '|>' + '\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt and messages[-1]['role'] != 'assistant' %}{{- '<|assistant|>\\n' -}}"
-    "{% endif %}"
-)
 CROP = 336  # processing_phi3_v's HD_transform and padding_336 use 336 as written, whatever the tower says
 
 
