@@ -354,11 +354,13 @@ class Phi3VForConditionalGeneration(nn.Module):
         embeds = self.get_input_embeddings()(input_ids.clamp(min=0))
         if pixel_values is not None:
             facts = dict(self.preprocess, crop_size=CROP)
-            index = hd_crops.graph_feeds(
+            # the crops the batch uses and the gather index (vlmc/runtime/hd_crops.py), as the package's runtime
+            feeds = hd_crops.graph_feeds(
                 {"pixel_values": pixel_values.numpy(), "image_sizes": np.asarray(image_sizes, np.int64)},
                 facts,
-            )["image_feature_index"]
-            feats = self.vision_embed_tokens(pixel_values.to(embeds.dtype), torch.from_numpy(index))
+            )
+            pixels, index = (torch.from_numpy(feeds[k]) for k in ("pixel_values", "image_feature_index"))
+            feats = self.vision_embed_tokens(pixels.to(embeds.dtype), index)
             embeds = embeds.masked_scatter(slots.unsqueeze(-1), feats)
         return embeds
 
@@ -674,9 +676,8 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    sample = _vision_sample(facts)
-    feeds = hd_crops.graph_feeds(sample, facts)
-    args = [torch.from_numpy(sample["pixel_values"]), torch.from_numpy(feeds["image_feature_index"])]
+    feeds = hd_crops.graph_feeds(_vision_sample(facts), facts)
+    args = [torch.from_numpy(feeds["pixel_values"]), torch.from_numpy(feeds["image_feature_index"])]
     base.export_stage(
         pkg,
         "vision_encoder",
@@ -694,7 +695,7 @@ def export(source, pkg: Package) -> None:
     samples.store(
         pkg,
         "vision_encoder",
-        {"pixel_values": sample["pixel_values"], "image_feature_index": feeds["image_feature_index"]},
+        {"pixel_values": feeds["pixel_values"], "image_feature_index": feeds["image_feature_index"]},
     )
     base.export_embed(pkg, lm.get_input_embeddings(), tcfg.vocab_size)
     rotary = lm.model.rotary_emb
