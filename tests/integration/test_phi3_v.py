@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _phi3_v_hub import PHI_TOKENS, tokenizer, write_hub_copy
+from _phi3_v_hub import CHAT_TEMPLATE, PHI_TOKENS, tokenizer, write_hub_copy
 
 from vlmc import exporters, manager
 from vlmc.errors import VlmcError
@@ -60,13 +60,32 @@ def test_hub_copy_loads_into_the_native_model(hub_copy, hub_package):
     hub = load_file(str(hub_copy / "model.safetensors"))
     model = source.model
     assert torch.equal(model.vision_embed_tokens.glb_GN, hub["model.vision_embed_tokens.glb_GN"])
+    attn = model.language_model.model.layers[1].self_attn
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(qkv, hub["model.layers.1.self_attn.qkv_proj.weight"])  # split in rows q | k | v
+    mlp = model.language_model.model.layers[0].mlp
     assert torch.equal(
-        model.language_model.model.layers[1].self_attn.qkv_proj.weight,
-        hub["model.layers.1.self_attn.qkv_proj.weight"],
+        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), hub["model.layers.0.mlp.gate_up_proj.weight"]
     )
     # layer_idx -2: the tower is cut before its last layer, which nothing reads
     assert len(model.vision_embed_tokens.img_processor.encoder.layers) == 2
     assert "model.vision_embed_tokens.img_processor.vision_model.encoder.layers.2.mlp.fc1.weight" in hub
+
+
+def test_decoder_is_transformers_phi3(hub_copy, hub_package):
+    """The Llama form of the decoder gives transformers' Phi3ForCausalLM's logits on the hub's fused weights."""
+    from safetensors.torch import load_file
+    from transformers import Phi3ForCausalLM
+
+    _, source = hub_package
+    phi3 = Phi3ForCausalLM(phi3_v.phi3_config(source.config)).eval()
+    hub = load_file(str(hub_copy / "model.safetensors"))
+    phi3.load_state_dict({k: v for k, v in hub.items() if not k.startswith("model.vision_embed_tokens.")})
+    ids = torch.randint(3, 400, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = phi3(input_ids=ids).logits
+        got = source.model.language_model(input_ids=ids).logits
+    assert float((want - got).abs().max()) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -111,6 +130,18 @@ def test_one_pass_tokenization_rule_gives_the_same_ids(hub_package):
     once = tok.encode(text.replace("<|image_1|>", "<unk>" * n + "<s>"), add_special_tokens=True).ids
     assert inp.input_ids[0].tolist() == once
     assert tok.token_to_id("<|end|>") in once and all(tok.token_to_id(t) is not None for t in PHI_TOKENS)
+
+
+def test_plain_prompt_layout_is_the_chat_templates_one_turn(hub_package):
+    # the hub's chat template rendered for one user turn with string content (the model card's "<|image_1|>\n" +
+    # question) is the package's prompt_template with its images placed
+    from vlmc.runtime import chat
+
+    pkg, _ = hub_package
+    content = "<|image_1|>\n<|image_2|>\nWhat differs?"
+    want = chat.render(CHAT_TEMPLATE, [{"role": "user", "content": content}], 2)
+    text, add_bos = Pipeline(pkg).render("What differs?", 2)
+    assert text == want and add_bos
 
 
 def test_markers_must_run_from_one_in_order(hub_package):

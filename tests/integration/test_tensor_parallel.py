@@ -179,6 +179,7 @@ FAMILIES = [
     "tiny-internvl",
     "tiny-llava-next",
     "tiny-llava-onevision",
+    "tiny-phi3-v",
 ]
 FAMILY_PROMPTS, FAMILY_IMAGES, FAMILY_TOKENS = ["Describe the image."], [["demo:1"]], 4
 

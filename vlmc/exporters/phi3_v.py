@@ -10,9 +10,11 @@ rebuilt from config.json and the weights:
   after every row of the crop grid and of the global image, ``glb_GN`` between them) is one gather over the table
   [every crop's merged tokens, sub_GN, glb_GN] (:class:`Phi3VEmbedding`), whose indices the runtime computes
   (vlmc/runtime/hd_crops.py), then the 2-layer projection;
-- the language model is transformers' native ``Phi3ForCausalLM`` with the checkpoint's own names (``qkv_proj``,
-  ``gate_up_proj``), rope_scaling type "su" read as "longrope" (the same short/long factors and attention factor), so
-  the shared decoder wrapper, paged KV, tensor parallelism and quantization apply unchanged.
+- the language model is Phi-3-mini, which is transformers' ``Phi3ForCausalLM`` and, with its fused ``qkv_proj`` /
+  ``gate_up_proj`` split in rows, transformers' native ``LlamaForCausalLM`` (the same logits, tests compare them);
+  rope_scaling type "su" is read as "longrope" (the same short/long factors and attention factor). The Llama form
+  is exported because the tensor_parallel pass slices separate q/k/v and gate/up projections; the shared decoder
+  wrapper, paged KV, tensor parallelism and quantization apply unchanged.
 
 Sources read (the remote code of microsoft/Phi-3-vision-128k-instruct as mirrored on GitHub, e.g. in
 Aritra02091998/Phi-3-vision-128k-instruct-Improvised-for-QLORA-Training and g1y5x3/vlm-study):
@@ -67,11 +69,6 @@ IMAGE_TOKEN = "<unk>"
 # layout: "<|user|>\n<|image_1|>\n{prompt}<|end|>\n<|assistant|>\n".
 PROMPT_TEMPLATE = "<|user|>\n{images}{prompt}<|end|>\n<|assistant|>\n"
 IMAGE_TURN = IMAGE_MARKER + "\n"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|' + message['role'] + '|>' + '\\n' + message['content'] + '<|end|>\\n' }}"
-    "{% endfor %}{% if add_generation_prompt and messages[-1]['role'] != 'assistant' %}{{- '<|assistant|>\\n' -}}"
-    "{% endif %}"
-)
 CROP = 336  # processing_phi3_v's HD_transform and padding_336 use 336 as written, whatever the tower says
 
 
@@ -208,11 +205,9 @@ def clip_config(cfg):
     return out
 
 
-def phi3_config(cfg):
-    """transformers' Phi3Config of the same decoder (rope_scaling "su" = "longrope": the same factors and the same
-    attention factor sqrt(1 + ln(max / original) / ln(original)))."""
-    from transformers import Phi3Config
-
+def _rope(cfg) -> dict:
+    """rope_scaling "su" as transformers' "longrope": the same factors and the same attention factor
+    sqrt(1 + ln(max / original) / ln(original))."""
     rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     if cfg.su_rope:
         rope = {
@@ -223,6 +218,38 @@ def phi3_config(cfg):
             "original_max_position_embeddings": int(cfg.original_max_position_embeddings),
             "factor": int(cfg.max_position_embeddings) / int(cfg.original_max_position_embeddings),
         }
+    return rope
+
+
+def llama_config(cfg):
+    """The decoder as transformers' LlamaConfig: Phi-3-mini with separate q/k/v and gate/up projections (no biases)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=int(cfg.vocab_size),
+        hidden_size=int(cfg.hidden_size),
+        intermediate_size=int(cfg.intermediate_size),
+        num_hidden_layers=int(cfg.num_hidden_layers),
+        num_attention_heads=int(cfg.num_attention_heads),
+        num_key_value_heads=int(cfg.num_key_value_heads),
+        hidden_act=str(cfg.hidden_act),
+        max_position_embeddings=int(cfg.max_position_embeddings),
+        rms_norm_eps=float(cfg.rms_norm_eps),
+        rope_parameters=_rope(cfg),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=bool(cfg.tie_word_embeddings),
+        attn_implementation="eager",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def phi3_config(cfg):
+    """transformers' Phi3Config of the same decoder (the reference the Llama form is tested against)."""
+    from transformers import Phi3Config
+
     return Phi3Config(
         vocab_size=int(cfg.vocab_size),
         hidden_size=int(cfg.hidden_size),
@@ -234,7 +261,7 @@ def phi3_config(cfg):
         max_position_embeddings=int(cfg.max_position_embeddings),
         original_max_position_embeddings=int(cfg.original_max_position_embeddings),
         rms_norm_eps=float(cfg.rms_norm_eps),
-        rope_parameters=rope,
+        rope_parameters=_rope(cfg),
         # the remote's eager mask applies sliding_window (131072 in the hub config, the whole context): no effect
         sliding_window=None,
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
@@ -301,7 +328,8 @@ def preprocess_facts(config, directory=None) -> dict:
 
 
 class Phi3VForConditionalGeneration(nn.Module):
-    """The native rebuild: ``vision_embed_tokens`` (:class:`Phi3VEmbedding`) + ``language_model`` (Phi3ForCausalLM).
+    """The native rebuild: ``vision_embed_tokens`` (:class:`Phi3VEmbedding`) + ``language_model`` (LlamaForCausalLM,
+    Phi-3-mini with its fused projections split).
 
     forward/generate take ``input_ids`` whose image rows hold ``image_token_id`` (the runtime's) or negative ids (the
     processor's), ``pixel_values`` [images, crops, 3, 336, 336] and ``image_sizes`` [images, 2] (the HD image's
@@ -310,11 +338,11 @@ class Phi3VForConditionalGeneration(nn.Module):
 
     def __init__(self, config: Phi3VConfig) -> None:
         super().__init__()
-        from transformers import Phi3ForCausalLM
+        from transformers import LlamaForCausalLM
 
         self.config = config
         self.vision_embed_tokens = Phi3VEmbedding(config)
-        self.language_model = Phi3ForCausalLM(phi3_config(config))
+        self.language_model = LlamaForCausalLM(llama_config(config))
         self.image_token_id = int(getattr(config, "image_token_id", 0))
         self.preprocess = preprocess_facts(config)
 
@@ -326,11 +354,13 @@ class Phi3VForConditionalGeneration(nn.Module):
         embeds = self.get_input_embeddings()(input_ids.clamp(min=0))
         if pixel_values is not None:
             facts = dict(self.preprocess, crop_size=CROP)
-            index = hd_crops.graph_feeds(
+            # the crops the batch uses and the gather index (vlmc/runtime/hd_crops.py), as the package's runtime
+            feeds = hd_crops.graph_feeds(
                 {"pixel_values": pixel_values.numpy(), "image_sizes": np.asarray(image_sizes, np.int64)},
                 facts,
-            )["image_feature_index"]
-            feats = self.vision_embed_tokens(pixel_values.to(embeds.dtype), torch.from_numpy(index))
+            )
+            pixels, index = (torch.from_numpy(feeds[k]) for k in ("pixel_values", "image_feature_index"))
+            feats = self.vision_embed_tokens(pixels.to(embeds.dtype), index)
             embeds = embeds.masked_scatter(slots.unsqueeze(-1), feats)
         return embeds
 
@@ -386,8 +416,11 @@ class Phi3VForConditionalGeneration(nn.Module):
 
 def convert_state_dict(state: dict, config) -> dict:
     """The hub checkpoint's names -> this module's: ``model.vision_embed_tokens.*`` -> ``vision_embed_tokens.*`` (the
-    tower's layers past ``layer_idx`` dropped: nothing reads them), ``model.*`` / ``lm_head`` -> the Phi3 model's."""
+    tower's layers past ``layer_idx`` dropped: nothing reads them), ``model.*`` / ``lm_head`` -> the Llama form's
+    (``qkv_proj`` split in rows q | k | v, ``gate_up_proj`` in gate | up)."""
     used = clip_config(config).num_hidden_layers
+    head_dim = int(config.hidden_size) // int(config.num_attention_heads)
+    q, kv = int(config.num_attention_heads) * head_dim, int(config.num_key_value_heads) * head_dim
     prefix = "model.vision_embed_tokens."
     layers = prefix + "img_processor.vision_model.encoder.layers."
     out = {}
@@ -401,6 +434,14 @@ def convert_state_dict(state: dict, config) -> dict:
             # holds it directly
             local = name[len(prefix) :].replace("img_processor.vision_model.", "img_processor.", 1)
             out["vision_embed_tokens." + local] = t
+        elif name.endswith(".self_attn.qkv_proj.weight"):
+            head = "language_model." + name[: -len("qkv_proj.weight")]
+            for part, rows in zip(("q", "k", "v"), t.split([q, kv, kv])):
+                out[f"{head}{part}_proj.weight"] = rows
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            head = "language_model." + name[: -len("gate_up_proj.weight")]
+            gate, up = t.chunk(2)  # Phi3MLP: gate, up = gate_up_proj(x).chunk(2); down(up * act(gate))
+            out[head + "gate_proj.weight"], out[head + "up_proj.weight"] = gate, up
         elif name.startswith("model.") or name.startswith("lm_head."):
             out["language_model." + name] = t
     return out
@@ -414,8 +455,19 @@ def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | No
     for k, v in sd.items():
         if k.startswith("vision_embed_tokens."):
             out["model." + k.replace(".img_processor.", ".img_processor.vision_model.", 1)] = v
-        elif k.startswith("language_model."):
-            out[k[len("language_model.") :]] = v
+        elif k.startswith("language_model.") and not k.endswith(
+            ("k_proj.weight", "v_proj.weight", "up_proj.weight")
+        ):
+            name = k[len("language_model.") :]
+            if name.endswith("q_proj.weight"):
+                head = k[: -len("q_proj.weight")]
+                fused = [sd[f"{head}{p}_proj.weight"] for p in ("q", "k", "v")]
+                out[name.replace("q_proj", "qkv_proj")] = torch.cat(fused)
+            elif name.endswith("gate_proj.weight"):
+                head = k[: -len("gate_proj.weight")]
+                out[name.replace("gate_proj", "gate_up_proj")] = torch.cat([v, sd[head + "up_proj.weight"]])
+            else:
+                out[name] = v
     out["model.vision_embed_tokens.wte.weight"] = sd["language_model.model.embed_tokens.weight"]
     used = model.vision_embed_tokens.img_processor.config.num_hidden_layers
     layers = "model.vision_embed_tokens.img_processor.vision_model.encoder.layers."
@@ -624,9 +676,8 @@ def export(source, pkg: Package) -> None:
     m["kv"] = kv = kv_facts(tcfg)
     m["pipeline"] = {"image": ["vision_encoder"], "embed": "embed_tokens", "decoder": ["decoder"]}
 
-    sample = _vision_sample(facts)
-    feeds = hd_crops.graph_feeds(sample, facts)
-    args = [torch.from_numpy(sample["pixel_values"]), torch.from_numpy(feeds["image_feature_index"])]
+    feeds = hd_crops.graph_feeds(_vision_sample(facts), facts)
+    args = [torch.from_numpy(feeds["pixel_values"]), torch.from_numpy(feeds["image_feature_index"])]
     base.export_stage(
         pkg,
         "vision_encoder",
@@ -644,7 +695,7 @@ def export(source, pkg: Package) -> None:
     samples.store(
         pkg,
         "vision_encoder",
-        {"pixel_values": sample["pixel_values"], "image_feature_index": feeds["image_feature_index"]},
+        {"pixel_values": feeds["pixel_values"], "image_feature_index": feeds["image_feature_index"]},
     )
     base.export_embed(pkg, lm.get_input_embeddings(), tcfg.vocab_size)
     rotary = lm.model.rotary_emb

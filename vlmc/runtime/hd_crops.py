@@ -19,9 +19,10 @@ g1y5x3/vlm-study) and the model's ``image_embedding_phi3_v.py`` (``hd_feature_tr
   every grid row, then ``glb_GN``, then the global image's 12 x 12 tokens, ``sub_GN`` after each row:
   ``(rows * cols + 1) * 144 + 1 + (rows + 1) * 12`` tokens per image (the processor's ``num_img_tokens``).
 
-The vision graph runs the tower on every crop and gathers its output tokens from the table
-[every crop's merged tokens..., sub_GN, glb_GN] with ``image_feature_index`` [image tokens], computed
-here from ``image_sizes`` (:func:`graph_feeds`), so one graph serves every image size.
+The vision graph runs the tower on the crops the batch uses (the processor's zero crops past the largest grid
+are dropped) and gathers its output tokens from the table [every crop's merged tokens..., sub_GN, glb_GN] with
+``image_feature_index`` [image tokens], computed here from ``image_sizes`` (:func:`graph_feeds`), so one graph
+serves every image size.
 """
 
 from __future__ import annotations
@@ -218,17 +219,24 @@ def image_layout(rows: int, cols: int, first: int, facts: dict, sub: int, glb: i
 
 
 def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndarray]:
-    """image_feature_index for the vision graph, from pixel_values' shape and image_sizes."""
-    n, most = vision["pixel_values"].shape[:2]
+    """The vision graph's inputs from the processor's: ``pixel_values`` without the zero crops no image of the
+    batch uses (the processor pads every image to num_crops + 1; the features of those crops are never read, so
+    the graph runs only the crops the batch's largest grid needs), and ``image_feature_index`` into that table."""
     side, per = int(facts["crop_size"]), int(facts["crop_tokens_side"]) ** 2
+    pixels = vision["pixel_values"]
+    grids = [(int(h) // side, int(w) // side) for h, w in vision["image_sizes"]]
+    most = max(1 + r * c for r, c in grids)
+    if most > pixels.shape[1]:
+        raise VlmcError(
+            f"an image has {most - 1} crops, more than pixel_values holds ({pixels.shape[1] - 1})"
+        )
+    n = pixels.shape[0]
     sub = n * most * per  # the table's last two rows: sub_GN, glb_GN
-    out = []
-    for i, (h, w) in enumerate(vision["image_sizes"]):
-        rows, cols = int(h) // side, int(w) // side
-        if 1 + rows * cols > most:
-            raise VlmcError(f"image {i} has {rows}x{cols} crops, more than pixel_values holds ({most - 1})")
-        out.append(image_layout(rows, cols, i * most * per, facts, sub, sub + 1))
-    return {"image_feature_index": np.concatenate(out)}
+    index = [image_layout(r, c, i * most * per, facts, sub, sub + 1) for i, (r, c) in enumerate(grids)]
+    return {
+        "pixel_values": np.ascontiguousarray(pixels[:, :most]),
+        "image_feature_index": np.concatenate(index),
+    }
 
 
 def most_tokens(facts: dict) -> int:

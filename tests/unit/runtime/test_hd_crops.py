@@ -111,7 +111,8 @@ def test_gather_index_is_the_remote_hd_feature_transform():
     imgs = [rng.integers(0, 256, s + (3,), dtype=np.uint8) for s in [(300, 900), (800, 300), (336, 336)]]
     facts = dict(FACTS, num_crops=6)
     vision = hd_crops.preprocess(imgs, facts)
-    n, crops = vision["pixel_values"].shape[:2]
+    feeds = hd_crops.graph_feeds(vision, facts)
+    n, crops = feeds["pixel_values"].shape[:2]
     c = 5
     features = torch.from_numpy(rng.standard_normal((n, crops, 576, c)).astype(np.float32))
     sub, glb = torch.randn(1, 1, 1, 4 * c), torch.randn(1, 1, 4 * c)
@@ -119,9 +120,21 @@ def test_gather_index_is_the_remote_hd_feature_transform():
     # the table the vision graph gathers from: every crop's 2 x 2-merged tokens, then sub_GN, then glb_GN
     merged = features.reshape(-1, 12, 2, 12, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4 * c)
     table = torch.cat([merged, sub.reshape(1, -1), glb.reshape(1, -1)])
-    index = torch.from_numpy(hd_crops.graph_feeds(vision, facts)["image_feature_index"])
+    index = torch.from_numpy(feeds["image_feature_index"])
     assert torch.equal(table[index], want)
     assert sum(hd_crops.token_counts(vision, facts)) == len(want)
+
+
+def test_zero_crops_past_the_largest_grid_are_not_fed():
+    rng = np.random.default_rng(1)
+    imgs = [rng.integers(0, 256, s + (3,), dtype=np.uint8) for s in [(300, 500), (300, 450)]]  # 3x5, 3x4
+    vision = hd_crops.preprocess(imgs, FACTS)
+    assert vision["pixel_values"].shape[1] == 17  # the processor pads every image to num_crops + 1
+    rows = [(int(h) // 336) * (int(w) // 336) for h, w in vision["image_sizes"]]
+    feeds = hd_crops.graph_feeds(vision, FACTS)
+    assert feeds["pixel_values"].shape[1] == 1 + max(rows) < 17
+    assert np.array_equal(feeds["pixel_values"], vision["pixel_values"][:, : 1 + max(rows)])
+    assert not vision["pixel_values"][:, 1 + max(rows) :].any()  # what is dropped is zeros
 
 
 def test_most_tokens_and_plan_count():
