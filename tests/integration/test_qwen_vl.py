@@ -4,6 +4,7 @@ prompt layout with numbered pictures, 448² bicubic + CLIP preprocessing, and a 
 
 from __future__ import annotations
 
+import re
 import unicodedata
 from pathlib import Path
 
@@ -353,3 +354,34 @@ def test_hub_download_fetches_every_file_the_family_reads(hub_copy, tmp_path, mo
     assert (source.directory / "qwen.tiktoken").is_file()
     pkg = exporters.export(source)
     assert pkg.manifest["text"]["tokenizer"] == "source"
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("drop", "the checkpoint has no transformer.h.1.attn.c_attn.weight"),
+        ("int16", "weight transformer.ln_f.weight is I16, not a float"),
+        ("narrow", "weight transformer.h.0.attn.c_attn.bias has shape [96], the config implies [768]"),
+    ],
+)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_damaged_checkpoints_are_refused_in_one_line(hub_copy, tmp_path, damage, message, streamed):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "copy"
+    if streamed:  # deep enough that `vlmc export` cuts it (qwen_vl.load_reduced checks the same map)
+        write_hub_copy(src, layers=3, vision_layers=3)
+    else:
+        shutil.copytree(hub_copy, src)
+    state = load_file(str(src / "model.safetensors"))
+    if damage == "drop":
+        del state["transformer.h.1.attn.c_attn.weight"]
+    elif damage == "int16":
+        state["transformer.ln_f.weight"] = state["transformer.ln_f.weight"].to(torch.int16)
+    else:
+        state["transformer.h.0.attn.c_attn.bias"] = state["transformer.h.0.attn.c_attn.bias"][:96].clone()
+    save_file(state, str(src / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(VlmcError, match=re.escape(message)):
+        exporters.load_source(str(src), lazy=streamed)
