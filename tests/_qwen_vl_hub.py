@@ -121,29 +121,46 @@ def ranks_file(ranks: dict[bytes, int]) -> bytes:
     return b"".join(base64.b64encode(t) + b" " + str(r).encode() + b"\n" for t, r in ranks.items())
 
 
-def narrow_config(n_ranks: int) -> dict:
+def narrow_config(n_ranks: int, layers: int = 2, vision_layers: int = 2) -> dict:
     cfg = json.loads(json.dumps(PUBLISHED_CONFIG))
     cfg.update(
-        hidden_size=256, intermediate_size=512, kv_channels=64, num_attention_heads=4, num_hidden_layers=2
+        hidden_size=256,
+        intermediate_size=512,
+        kv_channels=64,
+        num_attention_heads=4,
+        num_hidden_layers=layers,
     )
     cfg["initializer_range"] = 0.2
     # tokenization_qwen: <img> is special token 214 (3 + 205 extras + 6 ref/box/quad tags) after the ranks
-    cfg["visual"].update(heads=4, layers=2, output_dim=256, width=64, image_start_id=n_ranks + 214)
+    cfg["visual"].update(
+        heads=4, layers=vision_layers, output_dim=256, width=64, image_start_id=n_ranks + 214
+    )
     # no padding rows past the last special token (the published 151936 pads 151860 ids): a random-weight model
     # may emit any id, and the remote tokenizer's decode (in model.chat) fails on an id it does not know
     cfg["vocab_size"] = n_ranks + 217
     return cfg
 
 
-def write_hub_copy(out: Path, seed: int = 0) -> Path:
-    """Write a narrow random-weight copy of the repository (config, generation and tokenizer files, weights)."""
+def write_hub_copy(
+    out: Path,
+    seed: int = 0,
+    layers: int = 2,
+    vision_layers: int = 2,
+    dtype: torch.dtype | None = None,
+    shards: int = 1,
+) -> Path:
+    """Write a narrow random-weight copy of the repository (config, generation and tokenizer files, weights).
+
+    ``layers`` / ``vision_layers``: the decoder's and the ViT's depth; ``dtype``: the weights' (the published
+    checkpoint is bf16); ``shards`` > 1 splits the weights over that many files with a
+    ``model.safetensors.index.json``, as the hub's are."""
     from safetensors.torch import save_file
 
     from vlmc.exporters import qwen_vl
 
     out.mkdir(parents=True, exist_ok=True)
     ranks = train_ranks()
-    cfg = narrow_config(len(ranks))
+    cfg = narrow_config(len(ranks), layers, vision_layers)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2))
     (out / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=2))
@@ -154,5 +171,21 @@ def write_hub_copy(out: Path, seed: int = 0) -> Path:
         model = qwen_vl.build_tiny(qwen_vl.QwenVLConfig(**{k: v for k, v in cfg.items() if k != "auto_map"}))
     finally:
         torch.random.set_rng_state(state)
-    save_file(qwen_vl.to_hub_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = qwen_vl.to_hub_state_dict(model)
+    if dtype is not None:
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    if shards <= 1:
+        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+        return out
+    names = sorted(weights)
+    weight_map = {}
+    for n in range(shards):
+        shard = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[n::shards]
+        save_file({k: weights[k] for k in part}, str(out / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in weights.values())}}
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({**index, "weight_map": weight_map}, indent=2)
+    )
     return out

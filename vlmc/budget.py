@@ -266,8 +266,14 @@ def fit(
     img_tokens = images * spec.tokens_per_image
     seq = img_tokens + text_tokens
     notes = []
-    if seq > spec.max_positions:
-        notes.append(f"{seq} tokens per sequence exceed the model's {spec.max_positions} positions")
+    within = seq <= spec.max_positions
+    if not within:
+        # the runtime refuses a sequence past the context (vlmc/runtime: prepare and the scheduler), so it fits
+        # nowhere, whatever the memory says
+        notes.append(
+            f"{seq} tokens per sequence exceed the model's {spec.max_positions} positions: the runtime refuses "
+            "such a sequence, so it does not fit whatever the memory"
+        )
     if seq > ctx_max:
         ctx_max = seq
         notes.append("max context raised to the sequence length")
@@ -316,8 +322,8 @@ def fit(
         paged_reservation=paged,
         contiguous_reservation=contiguous,
         paged_saving=contiguous - paged,
-        fits_paged=free >= paged,
-        fits_contiguous=free >= contiguous,
+        fits_paged=within and free >= paged,
+        fits_contiguous=within and free >= contiguous,
         max_sequences_paged=max(0, (free - RESERVED_BLOCKS * per_block) // seq_paged) if seq_paged else 0,
         max_sequences_contiguous=max(0, free // (ctx_max * per_tok)),
         max_context_one_sequence=max(0, min(free // per_tok, spec.max_positions)),
@@ -623,6 +629,7 @@ def spec_from_hf_config(
     from transformers import AutoConfig
 
     d = {k: v for k, v in d.items() if k not in ("architectures", "transformers_version", "_name_or_path")}
+    exporters.families()  # the native families register their config classes (Qwen-VL's model_type "qwen")
     try:
         config = AutoConfig.for_model(**d)
     except (ValueError, KeyError, TypeError) as exc:
@@ -654,13 +661,14 @@ def spec_from_hf_config(
         GraphWeights(g, r, prec[r], count[r], int(count[r] * WEIGHT_BYTES[prec[r]]))
         for g, r in (("vision_encoder", "vision"), ("embed_tokens", "embed"), ("decoder", "decoder"))
     ]
-    t = config.get_text_config()
+    # a native rebuild states its decoder's config (Qwen-VL: Qwen2's, at the package's context) and ViT sizes
+    t = mod.text_config(config) if hasattr(mod, "text_config") else config.get_text_config()
     v = getattr(config, "vision_config", None)
     heads = int(t.num_attention_heads)
     head_dim = int(getattr(t, "head_dim", None) or t.hidden_size // heads)
     tpi, rows, note = _tokens_per_image(mod, config, image_size, directory, name)
-    vision = {}
-    if v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
+    vision = mod.vision_dims(config) if hasattr(mod, "vision_dims") else {}
+    if not vision and v is not None and getattr(v, "image_size", None) and getattr(v, "patch_size", None):
         vision = {
             "patches": (_side(v.image_size) // _side(v.patch_size)) ** 2 + 1,
             "width": int(v.hidden_size),
@@ -716,6 +724,64 @@ def _tokens_per_image(mod, config, image_size, directory, name) -> tuple[int, in
     rows_fn = getattr(family, "vision_rows_for_size", None)
     rows = int(rows_fn(config, h, w, directory)) if rows_fn else 1
     return tokens, rows, f"{h}x{w}: {tokens} tokens" + (f" in {rows} tiles" if rows > 1 else "")
+
+
+# a quantize key (a role, or the graph name the exporters give that role) -> the plan's role
+_PLAN_ROLES = {
+    "vision": "vision",
+    "vision_encoder": "vision",
+    "embed": "embed",
+    "embed_tokens": "embed",
+    "decoder": "decoder",
+}
+
+
+@dataclass
+class RecipePlan:
+    """What a recipe changes about the memory plan of the model it is run on (:func:`recipe_plan`)."""
+
+    precision: dict  # role -> precision, for the roles its quantize step sets
+    prune: dict | None  # prune_visual_tokens' keep / ratio
+    block_size: int | None  # paged_kv's block size
+
+
+def _precision(graph: dict) -> str | None:
+    weights, acts = graph.get("weights"), graph.get("activations")
+    if weights == "int8":
+        return "int8" if acts == "int8" else "int8_weight_only"
+    return {"int4": "int4_weight_only", "fp16": "fp16", "fp32": "fp32"}.get(weights)
+
+
+def recipe_plan(recipe) -> RecipePlan:
+    """The precisions (quantize), image tokens (prune_visual_tokens' keep) and block size (paged_kv) a validated
+    recipe (vlmc/recipe.py) gives the model, for `vlmc plan --config ... --recipe ...`. Roles the recipe does not
+    quantize keep the plan's default (fp16, what the device runs a float graph in)."""
+    precision, prune, block = {}, None, None
+    for step in recipe.steps:
+        o = step.options
+        if step.name == "quantize":
+            for key, graph in o.items():
+                role = _PLAN_ROLES.get(key)
+                if role is not None and isinstance(graph, dict) and _precision(graph) is not None:
+                    precision[role] = _precision(graph)
+        elif step.name == "prune_visual_tokens":
+            prune = {"keep": o.get("keep"), "ratio": o.get("ratio")}
+        elif step.name == "paged_kv":
+            block = int(o.get("block_size") or 128)
+    return RecipePlan(precision, prune, block)
+
+
+def with_recipe(spec: Spec, plan: RecipePlan) -> Spec:
+    """``spec`` with the recipe's pruned image tokens and paged block size (its precisions go to the counting)."""
+    if plan.prune is not None:
+        n = spec.tokens_per_image_unpruned
+        # k as passes/prune_visual_tokens' keep_count: keep, or the ratio of the tokens rounded (at least 1)
+        keep = plan.prune["keep"]
+        k = int(keep) if keep is not None else max(1, int(round(float(plan.prune["ratio"]) * n)))
+        spec.tokens_per_image = min(k, n)
+    if plan.block_size is not None:
+        spec.block_size = plan.block_size
+    return spec
 
 
 def load_spec(

@@ -764,6 +764,12 @@ def inspect(package, as_json, pruning_image, output):
     type=click.Path(path_type=Path),
     help="Plan from a Hugging Face config.json or a vlmc sizing spec instead of a package.",
 )
+@click.option(
+    "--recipe",
+    "recipe_path",
+    type=click.Path(path_type=Path),
+    help="With --config: the precisions, pruned image tokens and paged block size this recipe gives the model.",
+)
 @click.option("--device-memory", required=True, help="Memory per card, e.g. 16GiB or 16GB.")
 @click.option(
     "--images",
@@ -823,6 +829,7 @@ def inspect(package, as_json, pruning_image, output):
 def plan(
     package,
     config_path,
+    recipe_path,
     device_memory,
     images,
     text_tokens,
@@ -847,6 +854,7 @@ def plan(
     With --tp N, also one card's memory when the tensor_parallel pass splits the decoder over N cards.
     """
     from vlmc import budget
+    from vlmc import recipe as recipe_mod
     from vlmc.package import Package
 
     if (package is None) == (config_path is None):
@@ -860,8 +868,12 @@ def plan(
             )
         prec[role] = value
     size = budget.parse_image_size(image_size)
+    if recipe_path is not None and config_path is None:
+        raise click.UsageError("--recipe needs --config (a package already carries what its recipe did)")
+    steps = budget.recipe_plan(recipe_mod.load(recipe_path)) if recipe_path is not None else None
     if config_path is not None:
-        spec = budget.load_spec(config_path, prec or None, size)
+        spec = budget.load_spec(config_path, {**(steps.precision if steps else {}), **prec} or None, size)
+        spec = budget.with_recipe(spec, steps) if steps else spec
     else:
         if prec:
             raise click.UsageError(

@@ -301,6 +301,10 @@ def prompt_too_long(work, pkg):
     return ["run", str(pkg), "--prompt", "x" * 600]
 
 
+def generation_past_context(work, pkg):
+    return ["run", str(pkg), "--prompt", "x" * 400, "--max-new-tokens", "200"]
+
+
 def more_images_than_placeholders(work, pkg):
     return ["run", str(pkg), "--image", "demo", "--image", "demo:1", "--prompt", "<image> one picture"]
 
@@ -418,6 +422,11 @@ CASES = [
     Case("image-missing", image_missing, ("does not exist",)),
     Case(
         "prompt-longer-than-context", prompt_too_long, ("longer than the model's context of 512", "shorten")
+    ),
+    Case(
+        "generation-past-context",
+        generation_past_context,
+        ("and max_new_tokens 200 exceed the model's context of 512 tokens", "give at most"),
     ),
     Case(
         "more-images-than-placeholders",

@@ -163,6 +163,8 @@ def test_cli_plan_on_a_package_and_errors(exported):
             "1GiB",
             "--images",
             "2",
+            "--text-tokens",
+            "64",
             "--batch",
             "3",
             "--json",
@@ -171,6 +173,11 @@ def test_cli_plan_on_a_package_and_errors(exported):
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["batch"] == 3 and d["images"] == 2 and d["device_memory"] == 2**30 and d["fits_paged"]
+    # the default 512 text tokens beside two images are past tiny-llava's 512 positions: refused, so no fit
+    res = runner.invoke(
+        main, ["plan", str(exported("tiny-llava")), "--device-memory", "1GiB", "--images", "2"]
+    )
+    assert res.exit_code == 0 and "the runtime refuses" in " ".join(res.output.split())
     res = runner.invoke(main, ["plan", str(exported("tiny-llava")), "--device-memory", "lots"])
     assert res.exit_code == 2 and "cannot read size 'lots'" in res.output
     res = runner.invoke(main, ["plan", "--device-memory", "16GB"])
@@ -235,3 +242,59 @@ def test_claim_llava_paged_saves_about_4gb_of_28gb_on_two_cards(monkeypatch):
     assert 27e9 < total_contiguous < 30e9
     assert 3.5e9 < d["paged_saving"] < 5e9
     assert d["contiguous_reservation"] == 6 * 4096 * 512 * 1024
+
+
+QWEN_CONFIG = REPO / "docs" / "plan" / "qwen-vl-chat" / "config.json"
+QWEN_RECIPE = REPO / "recipes" / "qwen-vl-chat-910b.yaml"
+
+
+def test_qwen_vl_chat_config_is_the_published_one():
+    from _qwen_vl_hub import PUBLISHED_CONFIG
+
+    assert json.loads(QWEN_CONFIG.read_text()) == PUBLISHED_CONFIG
+
+
+def test_meta_count_of_the_real_qwen_vl_chat_config_equals_the_sizing_spec():
+    # the native rebuild counted on the meta device from the published config.json; the sizing spec's formula
+    # (docs/plan/qwen-vl-chat.json) for the same dimensions, its resampler stated as extra_params
+    real = budget.load_spec(QWEN_CONFIG, {"vision": "int8"})
+    spec = budget.load_spec(QWEN_SPEC)
+    params = {g.role: g.params for g in real.graphs}
+    want = {g.role: g.params for g in spec.graphs}
+    assert params["embed"] == want["embed"] == 151936 * 4096
+    assert params["decoder"] == want["decoder"]
+    assert abs(params["vision"] - want["vision"]) / want["vision"] < 0.01
+    assert (real.layers, real.kv_heads, real.head_dim, real.tokens_per_image) == (32, 32, 128, 256)
+    assert real.max_positions == 2048  # seq_length: past it Qwen switches on dynamic NTK + logn, vlmc refuses
+    assert real.vision == {"patches": 1024, "width": 1664, "intermediate": 8192, "heads": 16}
+
+
+def test_plan_of_the_qwen_vl_recipe_on_the_real_config_answers_4_images_and_2k_text(monkeypatch):
+    monkeypatch.chdir(REPO)
+    base = [
+        "--config",
+        str(QWEN_CONFIG),
+        "--recipe",
+        str(QWEN_RECIPE),
+        "--images",
+        "4",
+        "--text-tokens",
+        "2048",
+    ]
+    d = _plan_json(*base, "--device-memory", "16GB")
+    roles = {w["role"]: w["precision"] for w in d["weights"]}
+    assert roles == {"vision": "int8", "embed": "fp16", "decoder": "fp16"}  # the recipe's quantize step
+    assert (d["tokens_per_image"], d["tokens_per_image_unpruned"], d["block_size"]) == (96, 256, 128)
+    assert d["sequence_tokens"] == 4 * 96 + 2048
+    # FP16 LLM + FP16 embedding + INT8 ViT-bigG: over 16 GB of weights before any KV
+    assert d["weight_bytes"] > 16e9 and not d["fits_paged"] and not d["fits_contiguous"]
+    assert any("exceed the model's 2048 positions" in n for n in d["notes"])
+    # INT8 LLM (a given --precision wins over the recipe's): the memory holds such sequences, but 2432 tokens are
+    # past Qwen-VL's 2048-token context (dynamic NTK + logn past it, which vlmc refuses): no fit
+    d = _plan_json(*base, "--device-memory", "16GB", "--precision", "decoder=int8")
+    assert d["weight_bytes"] < 11e9 and d["max_sequences_paged"] >= 2 and not d["fits_paged"]
+    # 4 images + 1664 text tokens is 2048: that fits, paged and contiguous
+    d = _plan_json(*base[:-1], "1664", "--device-memory", "16GB", "--precision", "decoder=int8")
+    assert d["sequence_tokens"] == 2048 and d["fits_paged"] and d["fits_contiguous"]
+    res = CliRunner().invoke(main, ["plan", "--recipe", str(QWEN_RECIPE), "--device-memory", "16GB", "x"])
+    assert res.exit_code == 2 and "--recipe needs --config" in res.output

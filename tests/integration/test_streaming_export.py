@@ -339,6 +339,43 @@ def test_every_family_streams_the_graphs_of_its_whole_export(family, tmp_path, c
     assert tokens[0] == tokens[1]
 
 
+def test_qwen_vl_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
+    """The native Qwen-VL rebuild (its own loader, the hub's names: q/k/v are row blocks of c_attn) streams like
+    the transformers families: both stacks cut to two layers, the others read from the bf16 shards."""
+    from _qwen_vl_hub import write_hub_copy
+
+    from vlmc.runtime.pipeline import Pipeline
+
+    src = write_hub_copy(tmp_path / "src", layers=5, vision_layers=4, dtype=torch.bfloat16, shards=3)
+    lazy = exporters.load_source(str(src), lazy=True)
+    assert lazy.streamed
+    stacks = {name: len(m) for name, m in lazy.model.named_modules() if streaming.stack_of(m) is not None}
+    assert stacks == {"visual.transformer.resblocks": 2, "language_model.model.layers": 2}
+    assert lazy.config.num_hidden_layers == 5 and lazy.config.visual["layers"] == 4
+    # only the traced layers' weights were read: q/k/v of a stitched layer are rows of its c_attn
+    ckpt = streaming.stack_of(lazy.model.language_model.model.layers).checkpoint
+    assert ckpt.rows["language_model.model.layers.4.self_attn.v_proj.weight"] == (512, 768)
+    capsys.readouterr()
+    exporters.export(lazy).save(tmp_path / "streamed")
+    captured = capsys.readouterr()
+    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
+    whole = exporters.load_source(str(src))
+    assert not whole.streamed and len(whole.model.language_model.model.layers) == 5
+    exporters.export(whole).save(tmp_path / "whole")
+    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
+    _compare_graphs(streamed_pkg, whole_pkg)
+    vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
+    assert any(n.name.startswith("/visual/transformer/resblocks.3/") for n in vision.node)
+    marker = whole_pkg.manifest["text"]["image_marker"]
+    prompts, images = [f"{marker}What is this?", "Say something."], [[_real_tokenizers.image(64, 96, 3)], []]
+    tokens = []
+    for pkg in (streamed_pkg, whole_pkg):
+        pipeline = Pipeline(pkg)
+        tokens.append(pipeline.generate(prompts, images, max_new_tokens=6).tokens)
+        pipeline.close()
+    assert tokens[0] == tokens[1]
+
+
 # ---- stitch() on hand-built graphs -----------------------------------------------------------
 
 H = 4

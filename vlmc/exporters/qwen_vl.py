@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from vlmc import paths
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, processor, qwen_vl_tokenizer, zoo
+from vlmc.exporters import base, checkpoint, processor, qwen_vl_tokenizer, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -124,6 +124,29 @@ _register()
 
 def model_class():
     return QwenVLForConditionalGeneration
+
+
+def tokens_per_image(config) -> int:
+    """Image tokens per picture (`vlmc plan --config`): the resampler's queries, whatever the image."""
+    return int(config.visual.get("n_queries", IMG_TOKEN_SPAN))
+
+
+def text_config(config):
+    """The decoder's config as `vlmc plan --config` sizes it: Qwen2's, with the package's context (seq_length,
+    past which dynamic NTK and logn attention start and vlmc refuses)."""
+    return qwen2_config(config)
+
+
+def vision_dims(config) -> dict:
+    """The ViT's sizes for `vlmc plan`'s activation estimate (patches without a CLS row)."""
+    v = config.visual
+    width = int(v["width"])
+    return {
+        "patches": (int(v["image_size"]) // int(v["patch_size"])) ** 2,
+        "width": width,
+        "intermediate": int(width * float(v["mlp_ratio"])),
+        "heads": int(v["heads"]),
+    }
 
 
 def check_supported(cfg, where: str) -> None:
@@ -325,8 +348,18 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.language_model = Qwen2ForCausalLM(qwen2_config(config))
         self.image_token_id = int(config.visual["image_start_id"]) + 2
 
+    @classmethod
+    def _from_config(cls, config):
+        return cls(config)
+
     def get_input_embeddings(self):
         return self.language_model.get_input_embeddings()
+
+    def get_decoder(self):
+        return self.language_model.model
+
+    def get_output_embeddings(self):
+        return self.language_model.lm_head
 
     def _embeds(self, input_ids, pixel_values):
         embeds = self.get_input_embeddings()(input_ids)
@@ -383,89 +416,121 @@ class QwenVLForConditionalGeneration(nn.Module):
         return out
 
 
-def convert_state_dict(state: dict, num_layers: int) -> dict:
-    """The hub checkpoint's names and tensors -> this module's: ``transformer.visual.*`` -> ``visual.*``,
-    the Qwen blocks onto Qwen2 (c_attn split in rows q | k | v, QWenMLP's ``a1 * silu(a2)`` = up(w1) * act(gate(w2)))."""
-    out = {}
-    for name, t in state.items():
-        if name.startswith("transformer.visual."):
-            out["visual." + name[len("transformer.visual.") :]] = t
-    lm = "language_model."
-    out[lm + "model.embed_tokens.weight"] = state["transformer.wte.weight"]
-    out[lm + "model.norm.weight"] = state["transformer.ln_f.weight"]
-    out[lm + "lm_head.weight"] = state["lm_head.weight"]
-    for i in range(num_layers):
-        src, dst = f"transformer.h.{i}.", f"{lm}model.layers.{i}."
-        for kind in ("weight", "bias"):
-            q, k, v = state[f"{src}attn.c_attn.{kind}"].chunk(3, dim=0)
-            out[f"{dst}self_attn.q_proj.{kind}"] = q
-            out[f"{dst}self_attn.k_proj.{kind}"] = k
-            out[f"{dst}self_attn.v_proj.{kind}"] = v
-        out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}attn.c_proj.weight"]
-        out[f"{dst}input_layernorm.weight"] = state[f"{src}ln_1.weight"]
-        out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}ln_2.weight"]
-        out[f"{dst}mlp.gate_proj.weight"] = state[f"{src}mlp.w2.weight"]
-        out[f"{dst}mlp.up_proj.weight"] = state[f"{src}mlp.w1.weight"]
-        out[f"{dst}mlp.down_proj.weight"] = state[f"{src}mlp.c_proj.weight"]
-    return out
+# one Qwen block's tensors under Qwen2's names (model key inside ``model.layers.{i}.``) -> the hub's (inside
+# ``transformer.h.{i}.``); q/k/v are the three row blocks of c_attn (weight and bias), in that order
+_LAYER_NAMES = {
+    "self_attn.o_proj.weight": "attn.c_proj.weight",
+    "input_layernorm.weight": "ln_1.weight",
+    "post_attention_layernorm.weight": "ln_2.weight",
+    # QWenMLP: c_proj(w1(x) * silu(w2(x))) = down(up(x) * act(gate(x)))
+    "mlp.gate_proj.weight": "mlp.w2.weight",
+    "mlp.up_proj.weight": "mlp.w1.weight",
+    "mlp.down_proj.weight": "mlp.c_proj.weight",
+}
+_QKV = ("q", "k", "v")
+_LM, _LAYERS = "language_model.", "language_model.model.layers."
+_TOP_NAMES = {
+    _LM + "model.embed_tokens.weight": "transformer.wte.weight",
+    _LM + "model.norm.weight": "transformer.ln_f.weight",
+    _LM + "lm_head.weight": "lm_head.weight",
+}
+# the resampler's 2-D sin-cos table: a frozen parameter, computed where a checkpoint leaves it out
+_COMPUTED = "visual.attn_pool.pos_embed"
+
+
+def hub_key(key: str, hidden: int) -> tuple[str, tuple[int, int] | None]:
+    """Where this module's weight ``key`` is in the hub checkpoint: (checkpoint key, rows or None).
+
+    ``transformer.visual.*`` is ``visual.*``; the Qwen blocks map onto Qwen2's (:data:`_LAYER_NAMES`), with
+    ``q_proj`` / ``k_proj`` / ``v_proj`` the row blocks ``[0, h)``, ``[h, 2h)``, ``[2h, 3h)`` of ``c_attn``.
+    """
+    if key.startswith("visual."):
+        return "transformer." + key, None
+    if key in _TOP_NAMES:
+        return _TOP_NAMES[key], None
+    if key.startswith(_LAYERS):
+        layer, rel = key[len(_LAYERS) :].split(".", 1)
+        src = f"transformer.h.{layer}."
+        if rel in _LAYER_NAMES:
+            return src + _LAYER_NAMES[rel], None
+        proj, kind = rel.rsplit(".", 1)
+        if proj in (f"self_attn.{p}_proj" for p in _QKV):
+            block = _QKV.index(proj[len("self_attn.")])
+            return f"{src}attn.c_attn.{kind}", (block * hidden, (block + 1) * hidden)
+    raise KeyError(key)
 
 
 def to_hub_state_dict(model: QwenVLForConditionalGeneration) -> dict:
-    """The inverse of :func:`convert_state_dict`: this model's weights under the hub checkpoint's names (tests
-    write narrow random-weight copies of the published repository with it)."""
+    """This model's weights under the hub checkpoint's names (the inverse of :func:`hub_key`; tests write narrow
+    random-weight copies of the published repository with it)."""
     sd = model.state_dict()
-    out = {"transformer.visual." + k[len("visual.") :]: v for k, v in sd.items() if k.startswith("visual.")}
-    lm = "language_model."
-    out["transformer.wte.weight"] = sd[lm + "model.embed_tokens.weight"]
-    out["transformer.ln_f.weight"] = sd[lm + "model.norm.weight"]
-    out["lm_head.weight"] = sd[lm + "lm_head.weight"]
-    for i in range(int(model.config.num_hidden_layers)):
-        src, dst = f"{lm}model.layers.{i}.", f"transformer.h.{i}."
-        for kind in ("weight", "bias"):
-            out[f"{dst}attn.c_attn.{kind}"] = torch.cat(
-                [sd[f"{src}self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")], dim=0
-            )
-        out[f"{dst}attn.c_proj.weight"] = sd[f"{src}self_attn.o_proj.weight"]
-        out[f"{dst}ln_1.weight"] = sd[f"{src}input_layernorm.weight"]
-        out[f"{dst}ln_2.weight"] = sd[f"{src}post_attention_layernorm.weight"]
-        out[f"{dst}mlp.w2.weight"] = sd[f"{src}mlp.gate_proj.weight"]
-        out[f"{dst}mlp.w1.weight"] = sd[f"{src}mlp.up_proj.weight"]
-        out[f"{dst}mlp.c_proj.weight"] = sd[f"{src}mlp.down_proj.weight"]
+    hidden = int(model.config.hidden_size)
+    out, fused = {}, {}
+    for key, t in sd.items():
+        name, rows = hub_key(key, hidden)
+        if rows is None:
+            out[name] = t
+        else:
+            fused.setdefault(name, {})[rows[0]] = t
+    for name, parts in fused.items():
+        out[name] = torch.cat([parts[r] for r in sorted(parts)], dim=0)
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def load_local(path: Path, config) -> QwenVLForConditionalGeneration:
-    """Build the native model from a hub directory's config and safetensors weights (no repo code)."""
-    from safetensors.torch import load_file
-
-    check_supported(config, str(path))
-    files = sorted(path.glob("*.safetensors"))
-    state = {}
-    for f in files:
-        state.update(load_file(str(f)))
-    pos = state.get("transformer.visual.positional_embedding")
-    cfg = copy.deepcopy(config)
-    if pos is not None:
-        cfg.visual["pos_rows"] = int(pos.shape[0])
-    with torch.device("meta"):
-        model = QwenVLForConditionalGeneration(cfg)
-    try:
-        converted = convert_state_dict(state, int(cfg.num_hidden_layers))
-    except KeyError as exc:
-        raise VlmcError(f"{path}: the checkpoint has no {exc.args[0]} (not a Qwen-VL checkpoint?)") from None
-    # the resampler's 2-D sin-cos table is a frozen parameter: computed, where a checkpoint leaves it out
-    converted.setdefault("visual.attn_pool.pos_embed", _sincos_pos(cfg))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(converted))
-    if missing:
-        raise VlmcError(f"{path}: the checkpoint has no weights for {missing[0]} ({len(missing)} missing)")
-    for name, t in converted.items():
-        if name in expected and tuple(expected[name].shape) != tuple(t.shape):
+def _checkpoint(path: Path, config, held: dict, expected: dict):
+    """The hub checkpoint's tensors for every weight of ``expected`` (a model's state dict, meta tensors): a
+    :class:`streaming.Checkpoint` by this module's names, each checked against the shape the config implies."""
+    hidden = int(config.hidden_size)
+    files, rows = {}, {}
+    for key, want in expected.items():
+        name, span = hub_key(key, hidden)
+        tensor = held.get(name)
+        if tensor is None:
+            if key == _COMPUTED:
+                continue
+            missing = sum(1 for k in expected if hub_key(k, hidden)[0] not in held and k != _COMPUTED)
             raise VlmcError(
-                f"{path}: weight {name} has shape {list(t.shape)}, the config implies {list(expected[name].shape)}"
+                f"{path}: the checkpoint has no {name} (not a Qwen-VL checkpoint?); {missing} missing"
             )
-    converted = {k: v.float() for k, v in converted.items() if k in expected}
-    model.load_state_dict(converted, strict=True, assign=True)
+        if tensor.dtype not in checkpoint.FLOAT_WEIGHTS:
+            raise VlmcError(
+                f"{path}: weight {name} is {tensor.dtype}, not a float ({', '.join(checkpoint.FLOAT_WEIGHTS)})"
+            )
+        shape = tuple(tensor.shape)
+        if span is not None:
+            shape = (span[1] - span[0], *shape[1:]) if shape and shape[0] == 3 * hidden else shape
+            rows[key] = span
+        if shape != tuple(want.shape):
+            raise VlmcError(
+                f"{path}: weight {name} has shape {list(tensor.shape)}, the config implies "
+                f"{list(want.shape) if span is None else [3 * want.shape[0], *want.shape[1:]]}"
+            )
+        files[key] = (tensor.shard, name)
+    return streaming.Checkpoint(path, files, rows)
+
+
+def _full_config(config, held: dict):
+    """The config with the checkpoint's position-table row count (visual.py's table may differ from the grid)."""
+    cfg = copy.deepcopy(config)
+    pos = held.get("transformer.visual.positional_embedding")
+    if pos is not None and pos.shape:
+        cfg.visual["pos_rows"] = int(pos.shape[0])
+    return cfg
+
+
+def _load(path: Path, cfg, held: dict, built) -> QwenVLForConditionalGeneration:
+    """Build ``built`` (a config, possibly cut in depth) on the meta device and load its weights from the checkpoint
+    one tensor at a time (FP32), reading only the rows each weight is."""
+    with torch.device("meta"):
+        full = QwenVLForConditionalGeneration(cfg)
+        model = full if built is cfg else QwenVLForConditionalGeneration(built)
+    ckpt = _checkpoint(path, cfg, held, full.state_dict())
+    state = {}
+    for key in model.state_dict():
+        if key in ckpt:
+            state[key] = ckpt.tensor(key).float()
+    state.setdefault(_COMPUTED, _sincos_pos(cfg))
+    model.load_state_dict(state, strict=True, assign=True)
     # the rotary table is a non-persistent buffer (in no checkpoint): made again off the meta device
     lm = model.language_model
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
@@ -473,7 +538,42 @@ def load_local(path: Path, config) -> QwenVLForConditionalGeneration:
     if left:
         raise VlmcError(f"{path}: {left[0]} was not loaded")
     model.language_model.config._attn_implementation = "eager"
+    model._vlmc_checkpoint = ckpt
     return model.eval()
+
+
+def load_local(path: Path, config) -> QwenVLForConditionalGeneration:
+    """Build the native model from a hub directory's config and safetensors weights (no repo code)."""
+    check_supported(config, str(path))
+    held = checkpoint.tensors(path)
+    cfg = _full_config(config, held)
+    return _load(path, cfg, held, cfg)
+
+
+def load_reduced(path: Path, config):
+    """The model with its two layer stacks (the ViT blocks and the decoder layers) cut to the streaming export's
+    traced depth, for ``vlmc export`` / ``vlmc build`` (vlmc/exporters/streaming.py): the other layers' weights are
+    streamed from the checkpoint into the stitched graphs, q/k/v as their rows of c_attn. Returns ``(model,
+    full config)``, or None when neither stack is deeper than the trace."""
+    check_supported(config, str(path))
+    held = checkpoint.tensors(path)
+    cfg = _full_config(config, held)
+    traced = streaming.TRACED_LAYERS
+    depths = {"lm": int(cfg.num_hidden_layers), "visual": int(cfg.visual["layers"])}
+    if max(depths.values()) <= traced:
+        return None
+    reduced = copy.deepcopy(cfg)
+    reduced.num_hidden_layers = min(depths["lm"], traced)
+    reduced.visual["layers"] = min(depths["visual"], traced)
+    model = _load(path, cfg, held, reduced)
+    ckpt = model._vlmc_checkpoint
+    for prefix, module, depth in (
+        ("visual.transformer.resblocks", model.visual.transformer.resblocks, depths["visual"]),
+        ("language_model.model.layers", model.language_model.model.layers, depths["lm"]),
+    ):
+        if depth > len(module):
+            module._vlmc_stack = streaming.Stack(prefix=prefix, depth=depth, checkpoint=ckpt)
+    return model, cfg
 
 
 def _sincos_pos(cfg) -> torch.Tensor:
@@ -510,7 +610,8 @@ def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     check_supported(cfg, source.name)
     lm = model.language_model
-    tcfg = lm.config
+    # the text config at full depth (a streamed source's model is cut to the traced layers; its config is whole)
+    tcfg = qwen2_config(cfg)
     size = int(cfg.visual["image_size"])
     patch = int(cfg.visual["patch_size"])
     n_tokens = int(cfg.visual.get("n_queries", IMG_TOKEN_SPAN))

@@ -477,6 +477,14 @@ class Pipeline:
             raise VlmcError("max_new_tokens must be at least 1")
         t = self.m["text"]
         batch = inp.input_ids.shape[0]
+        n, limit = int(inp.input_ids.shape[1]), int(t.get("max_positions", 1 << 30))
+        if n + max_new_tokens > limit:
+            # past the context a model computes what its graphs do not (Qwen-VL: dynamic NTK and logn attention
+            # past seq_length), so generation never runs there; the same rule as the scheduler's
+            raise VlmcError(
+                f"the prompt ({n} tokens) and max_new_tokens {max_new_tokens} exceed the model's context of "
+                f"{limit} tokens; give at most {max(limit - n, 0)} new tokens"
+            )
         eos_ids = self.eos_ids()
         pad = int(t.get("pad_token_id") or 0)
         merged, embeds, pos, extra = self.start(inp)
