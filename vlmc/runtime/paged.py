@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from vlmc import tensor_names
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,13 @@ class PagedPool:
     A :class:`PagedKV` state makes its own for one batch; the request scheduler
     (vlmc/runtime/scheduler.py) keeps one for its whole life and hands it to the state of every step,
     so sequences that join and leave a running batch all live in the same blocks.
+
+    A pool is a numpy array, or an executor's pool object with ``write(rows, slot_mapping)``. Where an
+    executor keeps every layer's pool in one stacked pool (vlmc/backends/ascend/stack_kv.py), its
+    per-layer pools are ``parent``/``layer`` views of it; when a step's rows are likewise the layers
+    of one stacked output (``parent``/``layer`` too) and the stacked pool has
+    ``write_stack(rows_parent, slot_mapping)``, the step's rows of all layers are stored with that one
+    call per K and V, instead of one per layer.
     """
 
     def __init__(self, kv: dict, allocator: BlockAllocator, dtype, new_pool=None) -> None:
@@ -221,8 +229,13 @@ class PagedPool:
         self.allocator = allocator
         self.dtype = np.dtype(dtype)
         self._new_pool = new_pool
-        names = [f"{k}_cache.{i}" for i in range(self.layers) for k in ("key", "value")]
+        names = [tensor_names.cache(i, k) for i in range(self.layers) for k in tensor_names.KV_KINDS]
         self.arrays = {name: self._pool(name, allocator.num_blocks) for name in names}
+        # (pool name, rows name) of every layer, per K and V: what write() pairs every step.
+        self._pairs = {
+            k: [(tensor_names.cache(i, k), tensor_names.new_rows(i, k)) for i in range(self.layers)]
+            for k in tensor_names.KV_KINDS
+        }
 
     def _zeros(self, n: int) -> np.ndarray:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
@@ -246,16 +259,7 @@ class PagedPool:
             VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
                 ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
         """
-        written = 0
-        for name, rows in outputs.items():
-            m = _ROWS_RE.match(name)
-            if m:
-                pool = self.arrays[f"{m[1]}_cache.{m[2]}"]
-                if isinstance(pool, np.ndarray):
-                    write_rows(pool, rows, slots)
-                else:
-                    pool.write(rows, slots)
-                written += 1
+        written = sum(rows in outputs for pairs in self._pairs.values() for _, rows in pairs)
         if written != 2 * self.layers:
             old = any(_OLD_RE.match(name) for name in outputs)
             raise VlmcError(
@@ -266,6 +270,17 @@ class PagedPool:
                     else ""
                 )
             )
+        for pairs in self._pairs.values():
+            pools = [self.arrays[p] for p, _ in pairs]
+            rows = [outputs[r] for _, r in pairs]
+            stack = _one_stack(pools, rows)
+            if stack is not None and stack[0].write_stack(stack[1], slots):
+                continue  # every layer's rows in one call
+            for pool, layer_rows in zip(pools, rows):
+                if isinstance(pool, np.ndarray):
+                    write_rows(pool, layer_rows, slots)
+                else:
+                    pool.write(layer_rows, slots)
 
     def clear(self) -> None:
         self.arrays.clear()
@@ -364,6 +379,23 @@ class PagedKV:
         self.pool.clear()
 
 
+def _one_stack(pools: list, rows: list) -> tuple[object, object] | None:
+    """(stacked pool, stacked rows) when ``pools`` are layers 0..L-1 of one stacked pool that has
+    ``write_stack`` and covers exactly them, and ``rows`` are the same layers of one stacked output."""
+    pool, src = getattr(pools[0], "parent", None), getattr(rows[0], "parent", None)
+    if pool is None or src is None or not hasattr(pool, "write_stack"):
+        return None
+    axis = getattr(pools[0], "axis", None)
+    if axis is None or len(pools) != pool.shape[axis]:
+        return None  # the stack holds other layers too (or fewer): layer by layer
+    for i, (p, r) in enumerate(zip(pools, rows)):
+        if getattr(p, "parent", None) is not pool or getattr(r, "parent", None) is not src:
+            return None
+        if p.layer != i or r.layer != i:
+            return None
+    return pool, src
+
+
 def pool_factory(pipeline: object | None):
     """The executor's ``new_pool`` (device-held pools), or None for numpy pools."""
     return getattr(getattr(pipeline, "executor", None), "new_pool", None)
@@ -390,5 +422,4 @@ def _cache_dtype(pipeline: object | None) -> str | None:
     return None
 
 
-_ROWS_RE = re.compile(r"^new_(key|value)\.(\d+)$")
 _OLD_RE = re.compile(r"^(key|value)_cache_out\.(\d+)$")
