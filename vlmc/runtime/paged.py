@@ -101,15 +101,20 @@ class BlockAllocator:
             OutOfBlocks: not enough free blocks (nothing is allocated then).
         """
         need = self.blocks_needed(seq, n_tokens)
-        self._ensure_free(need, f"sequence {seq!r} needs {need} more block(s)")
+        if need:
+            self._ensure_free(need, f"sequence {seq!r} needs {need} more block(s)")
         table = self._tables.setdefault(seq, [])
         for _ in range(need):
             block = self._free.pop()
             self._refs[block] = 1
             table.append(block)
         start = self._lengths.get(seq, 0)
-        pos = np.arange(start, start + n_tokens)
         self._lengths[seq] = start + n_tokens
+        if n_tokens == 1:  # a decode step: one slot, no arrays to build
+            return np.array(
+                [table[start // self.block_size] * self.block_size + start % self.block_size], np.int64
+            )
+        pos = np.arange(start, start + n_tokens)
         blocks = np.asarray(table, np.int64)[pos // self.block_size] if n_tokens else np.zeros(0, np.int64)
         return blocks * self.block_size + pos % self.block_size
 
@@ -236,6 +241,7 @@ class PagedPool:
             k: [(tensor_names.cache(i, k), tensor_names.new_rows(i, k)) for i in range(self.layers)]
             for k in tensor_names.KV_KINDS
         }
+        self._row_names = frozenset(r for pairs in self._pairs.values() for _, r in pairs)
 
     def _zeros(self, n: int) -> np.ndarray:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
@@ -259,8 +265,9 @@ class PagedPool:
             VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
                 ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
         """
-        written = sum(rows in outputs for pairs in self._pairs.values() for _, rows in pairs)
-        if written != 2 * self.layers:
+        missing = self._row_names - outputs.keys()
+        if missing:
+            written = 2 * self.layers - len(missing)
             old = any(_OLD_RE.match(name) for name in outputs)
             raise VlmcError(
                 f"paged KV: the decoder returned {written} of {2 * self.layers} new_key/new_value outputs"
@@ -346,17 +353,21 @@ class PagedKV:
         mask = np.asarray(step["attention_mask"])
         n = int(step["new_tokens"])
         new = mask[:, -n:] != 0
-        slots = np.full((self.batch, n), -1, np.int64)
-        for b in range(self.batch):
-            slots[b, new[b]] = self.allocator.allocate(self.seqs[b], int(new[b].sum()))
+        slots = np.full((self.batch, n), -1, np.int32)
+        for b, count in enumerate(new.sum(axis=1).tolist()):
+            got = self.allocator.allocate(self.seqs[b], count)
+            if count == n:
+                slots[b] = got  # every position real (a decode step): no mask to index by
+            else:
+                slots[b, new[b]] = got
         ctx = np.array([self.allocator.length(s) for s in self.seqs], np.int32)
-        if not np.array_equal(ctx, mask.sum(axis=1)):
+        real = mask.sum(axis=1)
+        if ctx.shape != real.shape or (ctx != real).any():
             raise VlmcError(
-                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask "
-                f"{mask.sum(axis=1).tolist()}"
+                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask {real.tolist()}"
             )
         self.pool.resize()
-        self._slots = slots.astype(np.int32)
+        self._slots = slots
         out = dict(self.pools)
         out.update(
             {

@@ -184,10 +184,14 @@ class DevicePool:
         for stack, slot_mapping, layer in groups:
             handle = stack.handle
             handle.check_fresh()
-            rows = stack.row_index().reshape(-1)
-            slots, live = self._slots(slot_mapping, self.slot_bytes, self.nbytes)
+            # Python lists: a step has a few slots, and per-element numpy indexing costs more than it saves.
+            rows = stack.row_index().reshape(-1).tolist()
+            slots = np.asarray(slot_mapping).reshape(-1).tolist()
             if len(rows) != len(slots):
                 raise VlmcError(f"{self.name}: {len(rows)} rows for {len(slots)} slots")
+            live = [k for k, slot in enumerate(slots) if slot >= 0]
+            if live and (max(slots) + 1) * self.slot_bytes > self.nbytes:
+                raise VlmcError(f"{self.name}: slot {max(slots)} is outside the pool")
             src_slot = math.prod(handle.shape[2:]) * handle.dtype.itemsize
             if src_slot != self.slot_bytes:
                 raise VlmcError(f"{self.name}: the stacked rows do not fit the pool {list(self.shape)}")
@@ -195,21 +199,21 @@ class DevicePool:
             merge = layer is None
             for first, dst, n in _runs(live, slots, merge, order=rows):
                 offset = dst * self.slot_bytes + shift
-                src = handle.ptr + int(rows[first]) * self.slot_bytes + shift
+                src = handle.ptr + rows[first] * self.slot_bytes + shift
                 ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src, (n - 1) * self.slot_bytes + width,
                                     _MEMCPY_DEVICE_TO_DEVICE)  # fmt: skip
                 _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
 
 
-def _runs(live: np.ndarray, slots: np.ndarray, merge: bool, order: np.ndarray | None = None):
+def _runs(live, slots, merge: bool, order=None):
     """(first index, first slot, length) of each run of ``live`` entries whose slots (and, given ``order``,
-    source rows) are consecutive; every entry its own run unless ``merge``."""
+    source rows) are consecutive; every entry its own run unless ``merge``. Takes numpy arrays or lists."""
     start = 0
-    while start < live.size:
+    while start < len(live):
         end = start + 1
         while (
             merge
-            and end < live.size
+            and end < len(live)
             and live[end] == live[end - 1] + 1
             and slots[live[end]] == slots[live[end - 1]] + 1
             and (order is None or order[live[end]] == order[live[end - 1]] + 1)

@@ -167,6 +167,7 @@ class DeviceStack:
     def __init__(self, handle, shape: tuple[int, ...], dims: list, axis: int) -> None:
         self.handle, self.shape, self.dims, self.axis = handle, tuple(shape), list(dims), axis
         self.dtype = handle.dtype
+        self.layer_shape = self.shape[:axis] + self.shape[axis + 1 :]  # each OutputLayer's
         self._rows = None
 
     def to_host(self) -> np.ndarray:
@@ -187,10 +188,15 @@ class OutputLayer:
     """Layer ``layer`` of a :class:`DeviceStack`: what the loop holds as ``present.{i}.*`` / ``new_*.{i}``."""
 
     def __init__(self, parent: DeviceStack, layer: int) -> None:
-        self.parent, self.layer = parent, layer
-        shape = parent.shape
-        self.shape = shape[: parent.axis] + shape[parent.axis + 1 :]
-        self.dtype = parent.dtype
+        self.parent, self.layer = parent, layer  # one per layer and step: nothing else worked out here
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parent.layer_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parent.dtype
 
     def __array__(self, dtype=None, copy=None):
         arr = np.take(self.parent.to_host(), self.layer, axis=self.parent.axis)
