@@ -159,7 +159,7 @@ class PoolLayer:
 
 
 class DeviceStack:
-    """A stacked KV output the device kept (``acl_device.DeviceOutput``, its buffer at the executed gear)
+    """A stacked KV output the device kept (``acl.DeviceOutput``, its buffer at the executed gear)
     and the real part of it: ``shape`` is the real stacked shape, the padding being where the runner puts
     it (sequence axes on the left, rows at the end). Fed back as a stacked input, it is bound on the device
     when its buffer already has the input's layout at the chosen gear, else brought to the host once."""
@@ -248,7 +248,7 @@ class BuildExecutor:
         }
         # stacked input -> its per-layer member names, stacked output -> its members (_stack, run)
         self._members: dict[tuple[str, int], list[str]] = {}
-        self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl_device)
+        self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl.AclDevice)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self._device_pool = getattr(device, "new_pool", None)
         self.new_pool = self._new_pool if self._device_pool is not None else None
