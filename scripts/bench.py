@@ -704,7 +704,11 @@ def host_loop_section(results: list[dict], command: str) -> list[str]:
         f"1-token and a {r['steps'] + 1}-token run over the extra decode steps, batch 1, median of "
         f"{r['repeats']} repeats on one warm session. The stand-in's calls are Python functions and its "
         "device copies `bytearray` copies, so this is the host side of the same calls on pyACL at most; "
-        "nothing here ran on a card.",
+        "nothing here ran on a card. CPU time still grows with the machine's load (shared caches and "
+        "cores): the 1-minute load average was "
+        + ", ".join(f"{x['load']:.1f} ({x['layout']})" for x in results)
+        + " during these rows, on "
+        + f"{os.cpu_count()} cores; compare rows measured at the same load only.",
         "",
         *bench_host_loop.table(results),
         "",

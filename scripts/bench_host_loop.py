@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -96,6 +97,7 @@ def host_cost(root: Path, tokens: int, repeats: int = 5) -> dict:
 
     acl.mdl.execute = timed
     standin.STATE.reset()
+    load = os.getloadavg()[0]  # CPU time still grows with the machine's load (caches, frequency): say it
     walls, devices, calls = [], [], {}
     pkg, executor = runner.open_build(root, "acl")
     with executor:
@@ -121,6 +123,7 @@ def host_cost(root: Path, tokens: int, repeats: int = 5) -> dict:
         "execute_ms": statistics.median(devices),
         "host_ms": statistics.median(hosts),
         "repeats": repeats,
+        "load": (load + os.getloadavg()[0]) / 2,
         "calls_per_step": per_step,
     }
 

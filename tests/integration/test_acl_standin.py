@@ -236,6 +236,31 @@ def test_an_interrupt_mid_generation_releases_everything(acl, llava_build, monke
     assert state.finalized == 1 and not any(state.live().values()) and state.violations == []
 
 
+def test_a_device_error_mid_run_through_the_cli_reaches_finalize(acl, llava_build, monkeypatch):
+    # `vlmc run BUILD --executor acl` (the error path is the CLI's): the device fails a step after
+    # the session opened (acl.init, builds loaded, buffers made). The CLI says so in one line, and every
+    # resource is released, acl.finalize included.
+    module, state = acl
+    real = module.mdl.execute
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        return standin.ACL_ERROR_RT_MEMORY_ALLOCATION if len(calls) == 3 else real(*args)
+
+    monkeypatch.setattr(module.mdl, "execute", failing)
+    args = ["run", str(llava_build), "--executor", "acl", "--image", "demo", "--prompt", PROMPTS[0]]
+    out = CliRunner().invoke(main, [*args, "--max-new-tokens", "4"])
+    assert out.exit_code == VlmcError.exit_code and "Traceback" not in out.output, out.output
+    last = out.output.strip().splitlines()[-1]
+    assert (
+        last.startswith("vlmc: error:")
+        and f"failed with error {standin.ACL_ERROR_RT_MEMORY_ALLOCATION}" in last
+    )
+    assert len(calls) == 3 and state.calls["acl.init"] == 1
+    assert state.finalized == 1 and not any(state.live().values()) and state.violations == []
+
+
 def test_a_failed_open_releases_what_it_made(acl, llava_build, monkeypatch):
     module, state = acl
     monkeypatch.setattr(module.rt, "create_context", lambda device: (0, standin.ACL_ERROR_RT_PARAM_INVALID))
@@ -305,8 +330,17 @@ def _deep_build(deep, tmp_path, layout, **target):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
-def test_a_32_layer_decoder_runs_with_a_short_dims_vector(acl, deep, tmp_path, layout):
+def test_a_32_layer_decoder_runs_with_a_short_dims_vector(acl, deep, tmp_path, layout, monkeypatch):
     _, state = acl
+    stored = {"write_stack": 0, "write_layer": 0}  # how the loop hands a step's rows to the device pools
+    for method in stored:
+        real = getattr(acl_device.DevicePool, method)
+
+        def counted(self, *args, _real=real, _name=method):
+            stored[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(acl_device.DevicePool, method, counted)
     summary, root = _deep_build(deep, tmp_path, layout, batch_sizes=[1, 2])
     decoder = [b for b in summary["builds"] if b["graph"] == "decoder"]
     assert all(b["gears"] for b in decoder)  # batch (and sequence/past) gears: every step sets dims
@@ -332,8 +366,10 @@ def test_a_32_layer_decoder_runs_with_a_short_dims_vector(acl, deep, tmp_path, l
         assert state.calls["acl.update_data_buffer"] >= 4 * (executor.runs["decoder_decode"] - 1)
         assert state.copies.get("device->host", 0) <= sum(executor.runs.values()) + 2
     else:
-        # The new rows of all layers reach the pools with one copy per sequence and stack, not per layer.
+        # The new rows of all layers reach the pools with one copy per sequence and stack, not per layer,
+        # and the loop hands them over with one call per stack and step (PagedPool.write), not per layer.
         assert 0 < state.copies["device->device"] <= 2 * 2 * steps
+        assert stored == {"write_stack": 2 * steps, "write_layer": 0}, (stored, steps)
 
 
 def test_a_kv_output_bound_as_an_input_without_a_swap_is_refused(acl, deep, tmp_path):

@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 
+from vlmc import tensor_names
 from vlmc.errors import VlmcError
 
 logger = logging.getLogger(__name__)
@@ -100,15 +101,20 @@ class BlockAllocator:
             OutOfBlocks: not enough free blocks (nothing is allocated then).
         """
         need = self.blocks_needed(seq, n_tokens)
-        self._ensure_free(need, f"sequence {seq!r} needs {need} more block(s)")
+        if need:
+            self._ensure_free(need, f"sequence {seq!r} needs {need} more block(s)")
         table = self._tables.setdefault(seq, [])
         for _ in range(need):
             block = self._free.pop()
             self._refs[block] = 1
             table.append(block)
         start = self._lengths.get(seq, 0)
-        pos = np.arange(start, start + n_tokens)
         self._lengths[seq] = start + n_tokens
+        if n_tokens == 1:  # a decode step: one slot, no arrays to build
+            return np.array(
+                [table[start // self.block_size] * self.block_size + start % self.block_size], np.int64
+            )
+        pos = np.arange(start, start + n_tokens)
         blocks = np.asarray(table, np.int64)[pos // self.block_size] if n_tokens else np.zeros(0, np.int64)
         return blocks * self.block_size + pos % self.block_size
 
@@ -199,6 +205,13 @@ class PagedPool:
     A :class:`PagedKV` state makes its own for one batch; the request scheduler
     (vlmc/runtime/scheduler.py) keeps one for its whole life and hands it to the state of every step,
     so sequences that join and leave a running batch all live in the same blocks.
+
+    A pool is a numpy array, or an executor's pool object with ``write(rows, slot_mapping)``. Where an
+    executor keeps every layer's pool in one stacked pool (vlmc/backends/ascend/stack_kv.py), its
+    per-layer pools are ``parent``/``layer`` views of it; when a step's rows are likewise the layers
+    of one stacked output (``parent``/``layer`` too) and the stacked pool has
+    ``write_stack(rows_parent, slot_mapping)``, the step's rows of all layers are stored with that one
+    call per K and V, instead of one per layer.
     """
 
     def __init__(self, kv: dict, allocator: BlockAllocator, dtype, new_pool=None) -> None:
@@ -221,8 +234,14 @@ class PagedPool:
         self.allocator = allocator
         self.dtype = np.dtype(dtype)
         self._new_pool = new_pool
-        names = [f"{k}_cache.{i}" for i in range(self.layers) for k in ("key", "value")]
+        names = [tensor_names.cache(i, k) for i in range(self.layers) for k in tensor_names.KV_KINDS]
         self.arrays = {name: self._pool(name, allocator.num_blocks) for name in names}
+        # (pool name, rows name) of every layer, per K and V: what write() pairs every step.
+        self._pairs = {
+            k: [(tensor_names.cache(i, k), tensor_names.new_rows(i, k)) for i in range(self.layers)]
+            for k in tensor_names.KV_KINDS
+        }
+        self._row_names = frozenset(r for pairs in self._pairs.values() for _, r in pairs)
 
     def _zeros(self, n: int) -> np.ndarray:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
@@ -246,17 +265,9 @@ class PagedPool:
             VlmcError: the graph returned no rows (a package from the earlier whole-pool interface,
                 ``key_cache_out.{i}``: re-run paged_kv on the contiguous package).
         """
-        written = 0
-        for name, rows in outputs.items():
-            m = _ROWS_RE.match(name)
-            if m:
-                pool = self.arrays[f"{m[1]}_cache.{m[2]}"]
-                if isinstance(pool, np.ndarray):
-                    write_rows(pool, rows, slots)
-                else:
-                    pool.write(rows, slots)
-                written += 1
-        if written != 2 * self.layers:
+        missing = self._row_names - outputs.keys()
+        if missing:
+            written = 2 * self.layers - len(missing)
             old = any(_OLD_RE.match(name) for name in outputs)
             raise VlmcError(
                 f"paged KV: the decoder returned {written} of {2 * self.layers} new_key/new_value outputs"
@@ -266,6 +277,17 @@ class PagedPool:
                     else ""
                 )
             )
+        for pairs in self._pairs.values():
+            pools = [self.arrays[p] for p, _ in pairs]
+            rows = [outputs[r] for _, r in pairs]
+            stack = _one_stack(pools, rows)
+            if stack is not None and stack[0].write_stack(stack[1], slots):
+                continue  # every layer's rows in one call
+            for pool, layer_rows in zip(pools, rows):
+                if isinstance(pool, np.ndarray):
+                    write_rows(pool, layer_rows, slots)
+                else:
+                    pool.write(layer_rows, slots)
 
     def clear(self) -> None:
         self.arrays.clear()
@@ -331,17 +353,21 @@ class PagedKV:
         mask = np.asarray(step["attention_mask"])
         n = int(step["new_tokens"])
         new = mask[:, -n:] != 0
-        slots = np.full((self.batch, n), -1, np.int64)
-        for b in range(self.batch):
-            slots[b, new[b]] = self.allocator.allocate(self.seqs[b], int(new[b].sum()))
+        slots = np.full((self.batch, n), -1, np.int32)
+        for b, count in enumerate(new.sum(axis=1).tolist()):
+            got = self.allocator.allocate(self.seqs[b], count)
+            if count == n:
+                slots[b] = got  # every position real (a decode step): no mask to index by
+            else:
+                slots[b, new[b]] = got
         ctx = np.array([self.allocator.length(s) for s in self.seqs], np.int32)
-        if not np.array_equal(ctx, mask.sum(axis=1)):
+        real = mask.sum(axis=1)
+        if ctx.shape != real.shape or (ctx != real).any():
             raise VlmcError(
-                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask "
-                f"{mask.sum(axis=1).tolist()}"
+                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask {real.tolist()}"
             )
         self.pool.resize()
-        self._slots = slots.astype(np.int32)
+        self._slots = slots
         out = dict(self.pools)
         out.update(
             {
@@ -362,6 +388,23 @@ class PagedKV:
         for s in self.seqs:
             self.allocator.release(s)
         self.pool.clear()
+
+
+def _one_stack(pools: list, rows: list) -> tuple[object, object] | None:
+    """(stacked pool, stacked rows) when ``pools`` are layers 0..L-1 of one stacked pool that has
+    ``write_stack`` and covers exactly them, and ``rows`` are the same layers of one stacked output."""
+    pool, src = getattr(pools[0], "parent", None), getattr(rows[0], "parent", None)
+    if pool is None or src is None or not hasattr(pool, "write_stack"):
+        return None
+    axis = getattr(pools[0], "axis", None)
+    if axis is None or len(pools) != pool.shape[axis]:
+        return None  # the stack holds other layers too (or fewer): layer by layer
+    for i, (p, r) in enumerate(zip(pools, rows)):
+        if getattr(p, "parent", None) is not pool or getattr(r, "parent", None) is not src:
+            return None
+        if p.layer != i or r.layer != i:
+            return None
+    return pool, src
 
 
 def pool_factory(pipeline: object | None):
@@ -390,5 +433,4 @@ def _cache_dtype(pipeline: object | None) -> str | None:
     return None
 
 
-_ROWS_RE = re.compile(r"^new_(key|value)\.(\d+)$")
 _OLD_RE = re.compile(r"^(key|value)_cache_out\.(\d+)$")

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,7 @@ class DevicePool:
 
     ``[num_blocks, block_size, kv_heads, head_dim]``, or stacked slot-major ``[num_blocks, block_size,
     layers, kv_heads, head_dim]`` for a build that takes all layers in one input (stack_kv.py); a layer of
-    a stack is written with :meth:`write_layer`.
+    a stack is written with :meth:`write_layer`, a step's rows of every layer with :meth:`write_stack`.
     """
 
     def __init__(self, device: AclDevice, name: str, shape: tuple[int, ...], dtype) -> None:
@@ -94,10 +95,12 @@ class DevicePool:
         self.row_bytes = int(np.prod(self.shape[-2:], dtype=np.int64)) * self.dtype.itemsize
         self.ptr = device._malloc(self.nbytes, f"pool {name}")
         self._pending: dict[int, tuple[object, np.ndarray]] = {}  # layer -> (device rows, slots)
+        self._whole: tuple[object, np.ndarray] | None = None  # (device rows of every layer, slots)
         self.zero()
 
     def zero(self) -> None:
         self._pending.clear()  # rows of the generation before: a zeroed pool stores none of them
+        self._whole = None
         _check(
             self.device.acl.rt.memset(self.ptr, self.nbytes, 0, self.nbytes), f"acl.rt.memset({self.name})"
         )
@@ -119,6 +122,20 @@ class DevicePool:
             self._write_host(layer * size, rows, slot_mapping, self.row_bytes, self.row_bytes, size)
         else:  # slot-major: a layer's rows are one row apart in every slot, no run spans two slots
             self._write_host(layer * self.row_bytes, rows, slot_mapping, self.slot_bytes, self.row_bytes)
+
+    def write_stack(self, rows, slot_mapping: np.ndarray) -> bool:
+        """Every layer's rows at once: ``rows`` is a stacked output the device kept (runner.DeviceStack)
+        with this slot-major pool's layers, stored at the next execution with one device-to-device copy
+        per run of consecutive slots. False (nothing done) for anything else: the caller writes layer by
+        layer then."""
+        if self.axis != 2 or not isinstance(getattr(rows, "handle", None), DeviceOutput):
+            return False
+        if rows.shape[2] != self.shape[2]:
+            raise VlmcError(f"{self.name}: {rows.shape[2]} layers of rows for a pool of {self.shape[2]}")
+        self._pending.clear()  # superseded: this step's rows cover every layer
+        self._whole = (rows, np.asarray(slot_mapping))
+        self.device._dirty.add(self)
+        return True
 
     def _slots(self, slot_mapping, stride: int, size: int) -> tuple[np.ndarray, np.ndarray]:
         slots = np.asarray(slot_mapping).reshape(-1).astype(np.int64)
@@ -146,52 +163,57 @@ class DevicePool:
         """Store the pending device rows: one device-to-device copy per run of consecutive slots for all
         layers when every layer's rows come from one stacked output at the same slots, else per layer."""
         pending, self._pending = self._pending, {}
-        if not pending:
-            return
+        stored, self._whole = self._whole, None
+        groups = [] if stored is None else [(*stored, None)]  # write_stack's: every layer at once
+        if pending:  # write_layer's (after any write_stack of the same step, so stored after it)
+            layers = self.shape[self.axis]
+            stacks = {id(p) for p, _ in pending.values()}
+            first_stack, first_slots = pending[min(pending)]
+            whole = (
+                len(pending) == layers
+                and len(stacks) == 1
+                and self.axis == 2
+                and all(np.array_equal(s, first_slots) for _, s in pending.values())
+            )
+            groups += (
+                [(first_stack, first_slots, None)]
+                if whole
+                else [(p, s, layer) for layer, (p, s) in pending.items()]
+            )
         acl = self.device.acl
-        layers = self.shape[self.axis]
-        stacks = {id(p) for p, _ in pending.values()}
-        first_stack, first_slots = pending[min(pending)]
-        whole = (
-            len(pending) == layers
-            and len(stacks) == 1
-            and self.axis == 2
-            and all(np.array_equal(s, first_slots) for _, s in pending.values())
-        )
-        groups = (
-            [(first_stack, first_slots, None)]
-            if whole
-            else [(p, s, layer) for layer, (p, s) in pending.items()]
-        )
         for stack, slot_mapping, layer in groups:
             handle = stack.handle
             handle.check_fresh()
-            rows = stack.row_index().reshape(-1)
-            slots, live = self._slots(slot_mapping, self.slot_bytes, self.nbytes)
+            # Python lists: a step has a few slots, and per-element numpy indexing costs more than it saves.
+            rows = stack.row_index().reshape(-1).tolist()
+            slots = np.asarray(slot_mapping).reshape(-1).tolist()
             if len(rows) != len(slots):
                 raise VlmcError(f"{self.name}: {len(rows)} rows for {len(slots)} slots")
-            src_slot = int(np.prod(handle.shape[2:], dtype=np.int64)) * handle.dtype.itemsize
+            live = [k for k, slot in enumerate(slots) if slot >= 0]
+            if live and (max(slots) + 1) * self.slot_bytes > self.nbytes:
+                raise VlmcError(f"{self.name}: slot {max(slots)} is outside the pool")
+            src_slot = math.prod(handle.shape[2:]) * handle.dtype.itemsize
             if src_slot != self.slot_bytes:
                 raise VlmcError(f"{self.name}: the stacked rows do not fit the pool {list(self.shape)}")
             width, shift = (self.slot_bytes, 0) if layer is None else (self.row_bytes, layer * self.row_bytes)
             merge = layer is None
             for first, dst, n in _runs(live, slots, merge, order=rows):
                 offset = dst * self.slot_bytes + shift
-                src = handle.ptr + int(rows[first]) * self.slot_bytes + shift
+                src = handle.ptr + rows[first] * self.slot_bytes + shift
                 ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src, (n - 1) * self.slot_bytes + width,
                                     _MEMCPY_DEVICE_TO_DEVICE)  # fmt: skip
                 _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
 
 
-def _runs(live: np.ndarray, slots: np.ndarray, merge: bool, order: np.ndarray | None = None):
+def _runs(live, slots, merge: bool, order=None):
     """(first index, first slot, length) of each run of ``live`` entries whose slots (and, given ``order``,
-    source rows) are consecutive; every entry its own run unless ``merge``."""
+    source rows) are consecutive; every entry its own run unless ``merge``. Takes numpy arrays or lists."""
     start = 0
-    while start < live.size:
+    while start < len(live):
         end = start + 1
         while (
             merge
-            and end < live.size
+            and end < len(live)
             and live[end] == live[end - 1] + 1
             and slots[live[end]] == slots[live[end - 1]] + 1
             and (order is None or order[live[end]] == order[live[end - 1]] + 1)
@@ -216,7 +238,7 @@ class DeviceOutput:
         self.session, self.index, self.buffer = session, index, buffer
         self.version = buffer.version
         self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
-        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize  # Python ints: no overflow, no numpy call
 
     @property
     def ptr(self) -> int:
@@ -277,6 +299,7 @@ class _BuildSession:
         self.outputs = device._dataset([(b.ptr, b.size) for b in self.out_bufs], f"{build.name} outputs")
         self.out_data = [acl.mdl.get_dataset_buffer(self.outputs, i) for i in range(len(self.out_bufs))]
         self.out_dtypes = [np.dtype(o["dtype"]) for o in build.outputs]
+        self.in_dtypes = [np.dtype(i["dtype"]) for i in build.inputs]
         self.kept = [tensor_names.is_stacked_output(o["name"]) for o in build.outputs]  # left on the device
         self.inputs: int | None = None  # made at the first execution, when the pools are known
         self.in_data: list[int] = []
@@ -347,7 +370,7 @@ class _BuildSession:
                 self._bind(i, value)
                 continue
             host = np.ascontiguousarray(value)
-            if host.dtype != np.dtype(spec["dtype"]):
+            if host.dtype != self.in_dtypes[i]:
                 raise VlmcError(
                     f"{build.name}: input {spec['name']} is {host.dtype}, the build declares {spec['dtype']}"
                 )

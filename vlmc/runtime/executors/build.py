@@ -85,28 +85,44 @@ class BuildSpec:
         self.gears: list[list[int]] = entry["gears"]
         self.gear_symbols: list[str] = entry["gear_symbols"]
         self.bindings: dict[str, list[int]] = entry["bindings"]
+        # Facts the host loop asks every step, worked out once (compile.json does not change under a run).
+        self.input_shape: list[tuple[str, list[int]]] = [(i["name"], list(i["shape"])) for i in self.inputs]
+        self.input_names = frozenset(i["name"] for i in self.inputs)
+        self._dims: dict[tuple[int, ...], list[int]] = {}
+        self._points: list | None = None
+        # The gear symbol of each rolled stacked present's past axis (stack_kv.py; BuildExecutor._fit).
+        self.rolled = [
+            o["dims"][tensor_names.ROLLED_AXIS + 1]
+            for o in self.outputs
+            if tensor_names.is_stacked_output(o["name"])
+            and tensor_names.rolled_input(o["name"]) in self.input_names
+        ]
 
-    @property
-    def input_shape(self) -> list[tuple[str, list[int]]]:
-        return [(i["name"], list(i["shape"])) for i in self.inputs]
+    def dims(self, gear: list[int]) -> list[int]:
+        """:func:`dims_vector` of this build at ``gear``, computed once per gear (the caller must not change it)."""
+        key = tuple(gear)
+        if key not in self._dims:
+            self._dims[key] = dims_vector(self.input_shape, gear)
+        return self._dims[key]
 
     def points(self) -> list[tuple[list[int] | None, dict[str, int]]]:
-        """Every shape the build takes: (gear or None for a static build, symbol -> value)."""
-        static = {s: v[0] for s, v in self.bindings.items() if len(v) == 1}
-        if not self.gears:
-            return [(None, static)]
-        out = []
-        for gear in self.gears:
-            values = dict(static)
-            values.update(zip(self.gear_symbols, gear))
-            out.append((gear, values))
-        return out
+        """Every shape the build takes: (gear or None for a static build, symbol -> value); one list,
+        made once, that callers read and do not change."""
+        if self._points is None:
+            static = {s: v[0] for s, v in self.bindings.items() if len(v) == 1}
+            if not self.gears:
+                self._points = [(None, static)]
+            else:
+                self._points = [
+                    (gear, {**static, **dict(zip(self.gear_symbols, gear))}) for gear in self.gears
+                ]
+        return self._points
 
     def allowed_dims(self) -> list[list[int]]:
         """The full dims vector of every gear (one entry, the static shape, for a static build)."""
         if not self.gears:
             return [[d for _, dims in self.input_shape for d in dims]]
-        return [dims_vector(self.input_shape, g) for g in self.gears]
+        return [self.dims(g) for g in self.gears]
 
 
 class Device(Protocol):
@@ -143,7 +159,7 @@ class PoolLayer:
 
 
 class DeviceStack:
-    """A stacked KV output the device kept (``acl_device.DeviceOutput``, its buffer at the executed gear)
+    """A stacked KV output the device kept (``acl.DeviceOutput``, its buffer at the executed gear)
     and the real part of it: ``shape`` is the real stacked shape, the padding being where the runner puts
     it (sequence axes on the left, rows at the end). Fed back as a stacked input, it is bound on the device
     when its buffer already has the input's layout at the chosen gear, else brought to the host once."""
@@ -151,6 +167,7 @@ class DeviceStack:
     def __init__(self, handle, shape: tuple[int, ...], dims: list, axis: int) -> None:
         self.handle, self.shape, self.dims, self.axis = handle, tuple(shape), list(dims), axis
         self.dtype = handle.dtype
+        self.layer_shape = self.shape[:axis] + self.shape[axis + 1 :]  # each OutputLayer's
         self._rows = None
 
     def to_host(self) -> np.ndarray:
@@ -171,10 +188,15 @@ class OutputLayer:
     """Layer ``layer`` of a :class:`DeviceStack`: what the loop holds as ``present.{i}.*`` / ``new_*.{i}``."""
 
     def __init__(self, parent: DeviceStack, layer: int) -> None:
-        self.parent, self.layer = parent, layer
-        shape = parent.shape
-        self.shape = shape[: parent.axis] + shape[parent.axis + 1 :]
-        self.dtype = parent.dtype
+        self.parent, self.layer = parent, layer  # one per layer and step: nothing else worked out here
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parent.layer_shape
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.parent.dtype
 
     def __array__(self, dtype=None, copy=None):
         arr = np.take(self.parent.to_host(), self.layer, axis=self.parent.axis)
@@ -206,6 +228,7 @@ class BuildExecutor:
             for s in ROW_PADDED + tuple(resolution.get("row_padded") or ())
             if s not in (resolution.get("unpadded") or ())
         )
+        self._paddable = frozenset(LEFT_PADDED + self.row_padded + NULL_PADDED)
         self.runs: dict[str, int] = {}  # build -> executions (the CLI reports it)
         # Stacked KV inputs (stack_kv.py) of each graph: stacked name -> layers.
         self._stacked: dict[str, dict[str, int]] = {
@@ -218,14 +241,24 @@ class BuildExecutor:
             for graph, builds in self.builds.items()
         }
         self._stack_pools: dict[str, object] = {}
-        self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl_device)
+        self._inputs: dict[str, list[dict]] = {}  # graph -> inputs(graph)
+        # graph -> every input name any of its builds declares (_fit)
+        self._graph_inputs = {
+            g: frozenset().union(*(b.input_names for b in bs)) for g, bs in self.builds.items()
+        }
+        # stacked input -> its per-layer member names, stacked output -> its members (_stack, run)
+        self._members: dict[tuple[str, int], list[str]] = {}
+        self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl.AclDevice)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self._device_pool = getattr(device, "new_pool", None)
         self.new_pool = self._new_pool if self._device_pool is not None else None
 
     # ---- Executor protocol ------------------------------------------------------------------
     def inputs(self, graph: str) -> list[dict]:
-        """The inputs of the graph's widest build (a contiguous prefill build takes no past)."""
+        """The inputs of the graph's widest build (a contiguous prefill build takes no past); one list per
+        graph, made at the first call (the loop asks every step), which callers read and do not change."""
+        if graph in self._inputs:
+            return self._inputs[graph]
         builds = self._builds(graph)
         widest = max(builds, key=lambda b: len(b.inputs))
         out = []
@@ -233,6 +266,7 @@ class BuildExecutor:
             layers = self._stacked[graph].get(i["name"])
             names = [i["name"]] if layers is None else tensor_names.stack_members(i["name"], layers)
             out += [{"name": n, "dtype": i["dtype"]} for n in names]  # the graph's own per-layer names
+        self._inputs[graph] = out
         return out
 
     def _new_pool(self, name: str, shape: tuple[int, ...], dtype):
@@ -255,7 +289,7 @@ class BuildExecutor:
             return feeds
         out = dict(feeds)
         for name, layers in stacked.items():
-            members = tensor_names.stack_members(name, layers)
+            members = self._member_names(name, layers)
             if not all(m in feeds for m in members):
                 continue
             values = [out.pop(m) for m in members]
@@ -271,6 +305,19 @@ class BuildExecutor:
                     f"graph {graph}: the {name} inputs are not one stacked pool's layers in order"
                 )
         return out
+
+    def _member_names(self, stacked: str, layers: int) -> list[str]:
+        """The per-layer names of a stacked input or output (tensor_names.stack_members / output_members),
+        spelled once per run rather than every step."""
+        key = (stacked, layers)
+        if key not in self._members:
+            members = (
+                tensor_names.output_members
+                if tensor_names.is_stacked_output(stacked)
+                else tensor_names.stack_members
+            )
+            self._members[key] = members(stacked, layers)
+        return self._members[key]
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feeds = self._stack(graph, feeds)
@@ -299,7 +346,7 @@ class BuildExecutor:
         if build.name not in self._loaded:
             self.device.load(build, self.root)
             self._loaded.add(build.name)
-        dims = dims_vector(build.input_shape, gear) if gear is not None else None
+        dims = build.dims(gear) if gear is not None else None
         outs = self.device.execute(build, padded, dims)
         self.runs[build.name] = self.runs.get(build.name, 0) + 1
         result = {}
@@ -313,7 +360,7 @@ class BuildExecutor:
             real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in o["dims"]]
             if tensor_names.rolled_input(o["name"]) in padded:
                 real[tensor_names.ROLLED_AXIS + 1] = actual[tensor_names.ROLLED_REAL]
-            members = tensor_names.output_members(o["name"], int(o["dims"][axis]))
+            members = self._member_names(o["name"], int(o["dims"][axis]))
             if isinstance(value, np.ndarray):
                 real_part = _take_real(value, o["dims"], real)
                 for i, m in enumerate(members):
@@ -349,9 +396,8 @@ class BuildExecutor:
 
     def _fit(self, build: BuildSpec, feeds: dict[str, np.ndarray]):
         """(padding cost, gear, symbol values, real symbol values) for the cheapest gear; else why not."""
-        declared = {i["name"] for i in build.inputs}
-        graph_inputs = {i["name"] for b in self.builds[build.graph] for i in b.inputs}
-        for name in graph_inputs - declared:
+        declared = build.input_names
+        for name in self._graph_inputs[build.graph] - declared:
             # A build without an input the graph has (a contiguous prefill build has no past) fits only
             # while that feed is empty.
             if name in feeds and 0 not in _shape(feeds[name]):
@@ -371,11 +417,7 @@ class BuildExecutor:
                     return f"{d} is {actual[d]} in one input and {n} in {spec['name']}"
         # A rolled present (stack_kv.py) drops its first position, which must be padding: its past gear
         # has to exceed the real past, i.e. hold the present's real length.
-        rolled = [
-            (o["dims"][tensor_names.ROLLED_AXIS + 1], actual.get(tensor_names.ROLLED_REAL))
-            for o in build.outputs
-            if tensor_names.is_stacked_output(o["name"]) and tensor_names.rolled_input(o["name"]) in declared
-        ]
+        rolled = [(sym, actual.get(tensor_names.ROLLED_REAL)) for sym in build.rolled]
         best = None
         for gear, values in build.points():
             if any(real is not None and values.get(sym, 0) < real for sym, real in rolled):
@@ -385,7 +427,7 @@ class BuildExecutor:
                 target = values.get(sym)
                 if target is None or target == n:
                     continue
-                if n > target or sym not in LEFT_PADDED + self.row_padded + NULL_PADDED:
+                if n > target or sym not in self._paddable:
                     cost = None
                     break
                 cost += target - n
@@ -413,9 +455,15 @@ class BuildExecutor:
                 )
                 continue
             fill = self.pad_token_id if spec["name"] == "input_ids" else _FILL.get(spec["name"], 0)
-            widths = [(0, 0)] * arr.ndim
-            widths[axis] = (extra, 0) if d in LEFT_PADDED else (0, extra)
-            arr = np.pad(arr, widths, constant_values=np.array(fill).astype(arr.dtype))
+            # np.full and one slice assignment: what np.pad with a constant does, at a fraction of its
+            # per-call cost (several inputs are padded every decode step).
+            shape = list(arr.shape)
+            shape[axis] += extra
+            out = np.full(shape, fill, arr.dtype)
+            index = [slice(None)] * arr.ndim
+            index[axis] = slice(extra, None) if d in LEFT_PADDED else slice(0, arr.shape[axis])
+            out[tuple(index)] = arr
+            arr = out
         return arr
 
 
