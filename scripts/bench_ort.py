@@ -2,10 +2,11 @@
 
 Makes the model (scripts/bench.py's ``llava-1.5`` size: real widths, 1 decoder + 2 vision layers,
 random weights), exports it, quantizes the decoder to INT4 (RTN, group 128) with the signed scale
-rule and with absmax, and compiles the signed package with ``--target ort``. Reports bytes on disk,
-the first-token logit cosine of each INT4 variant against FP32 (demo image), the compile check, and
-the decode-step rate of each decoder (FP32 package, INT4 package, INT4 ort build) in alternating
-rounds, medians.
+rule and with absmax, and compiles the FP32 package and the signed INT4 package with ``--target ort``
+(MatMulNBits for INT4; RMSNorm, rotary and attention fused in both). Reports bytes on disk, the
+first-token logit cosine of each variant against the FP32 package (demo image), the compile checks,
+and the decode-step rate of each decoder (FP32 package, FP32 ort build, INT4 package, INT4 ort
+build) in alternating rounds, medians.
 
     .venv/bin/python scripts/bench_ort.py --root /tmp/bench-ort --rounds 3 --threads 2
 """
@@ -75,9 +76,25 @@ def prepare(root: Path, group: int, force: bool) -> dict:
         t = time.perf_counter()
         backends.get("ort").compile(Package.load(int4), build, {"backend": "ort"}, force=True)
         timings["compile_s"] = time.perf_counter() - t
+    fp32_build = root / "fp32-ort"
+    if force or "export_s" in timings or not (fp32_build / "compile.json").is_file():
+        t = time.perf_counter()
+        backends.get("ort").compile(Package.load(fp32), fp32_build, {"backend": "ort"}, force=True)
+        timings["compile_fp32_s"] = time.perf_counter() - t
     summary = json.loads((build / "compile.json").read_text())
-    timings["check"] = summary["graphs"]["decoder"]["lowering"]["check"]["outputs"]["logits"]
-    timings["bytes"] = {"fp32": _du(fp32), "int4": _du(int4), "int4-ort": _du(build / "package")}
+    timings["check"] = summary["graphs"]["decoder"]["check"]["outputs"]["logits"]
+    timings["fusions"] = {
+        k: {"fused": v.get("fused"), "rms_relative": (v.get("check") or {}).get("outputs", {}).get("logits")}
+        for k, v in summary["graphs"]["decoder"].get("fusions", {}).items()
+    }
+    fp32_summary = json.loads((fp32_build / "compile.json").read_text())
+    timings["check_fp32"] = fp32_summary["graphs"]["decoder"]["check"]["outputs"]["logits"]
+    timings["bytes"] = {
+        "fp32": _du(fp32),
+        "fp32-ort": _du(fp32_build / "package"),
+        "int4": _du(int4),
+        "int4-ort": _du(build / "package"),
+    }
     timings["cosine_vs_fp32"] = _cosines(root)
     return timings
 
@@ -93,6 +110,7 @@ def _cosines(root: Path) -> dict:
         ("int4-signed", root / "int4"),
         ("int4-absmax", root / "int4-absmax"),
         ("int4-ort", root / "int4-ort" / "package"),
+        ("fp32-ort", root / "fp32-ort" / "package"),
     ):
         pipe = Pipeline(Package.load(path), threads=2)
         try:
@@ -132,7 +150,12 @@ def measure(root: Path, rounds: int, steps: int, threads: int, past: int) -> dic
     from vlmc import ortsession
     from vlmc.package import Package
 
-    variants = {"fp32": root / "fp32", "int4": root / "int4", "int4-ort": root / "int4-ort" / "package"}
+    variants = {
+        "fp32": root / "fp32",
+        "fp32-ort": root / "fp32-ort" / "package",
+        "int4": root / "int4",
+        "int4-ort": root / "int4-ort" / "package",
+    }
     sessions = {k: ortsession.for_graph(Package.load(v), "decoder", threads) for k, v in variants.items()}
     feed = _decode_feed(past)
     times: dict = {k: [] for k in variants}

@@ -286,8 +286,8 @@ def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSessio
     """Session for a package graph: straight from disk when unmodified, else from memory."""
     path = pkg.path_of(name)
     precision = pkg.info(name).get("precision")
-    if pkg.info(name).get("ort"):  # lowered by the ort target: no dequant chain is left to keep unfolded
-        precision = None
+    if (pkg.info(name).get("ort") or {}).get("nodes_lowered"):
+        precision = None  # MatMulNBits by the ort target: no dequant chain is left to keep unfolded
     if path is not None:
         return from_path(path, threads, precision)
     return from_model(pkg.model(name), threads, precision=precision)
