@@ -6,7 +6,9 @@ rule and with absmax, and compiles the FP32 package and the signed INT4 package 
 (MatMulNBits for INT4; RMSNorm, rotary and attention fused in both). Reports bytes on disk, the
 first-token logit cosine of each variant against the FP32 package (demo image), the compile checks,
 and the decode-step rate of each decoder (FP32 package, FP32 ort build, INT4 package, INT4 ort
-build) in alternating rounds, medians.
+build, and the INT4 ort build with the fusions off: MatMulNBits alone) in alternating rounds,
+medians. The INT4 package's embedding table is also quantized to INT8 and to INT4 (quantize's
+``embeddings`` option) for the bytes-on-disk and cosine rows.
 
     .venv/bin/python scripts/bench_ort.py --root /tmp/bench-ort --rounds 3 --threads 2
 """
@@ -76,6 +78,21 @@ def prepare(root: Path, group: int, force: bool) -> dict:
         t = time.perf_counter()
         backends.get("ort").compile(Package.load(int4), build, {"backend": "ort"}, force=True)
         timings["compile_s"] = time.perf_counter() - t
+    for bits, dest in (("int8", root / "int4-emb8"), ("int4", root / "int4-emb4")):
+        # The INT4 package with its embedding table quantized too (quantize's `embeddings` option).
+        if not force and not stale and (dest / "vlmc.json").is_file():
+            continue
+        emb = {"weights": bits, "embeddings": True, "group_size": group}
+        steps = recipe.from_dict(
+            {"passes": [{"quantize": {"embed_tokens": emb, "eval_samples": 0, "eval_tokens": 0}}]}
+        ).steps
+        t = time.perf_counter()
+        manager.run(Package.load(int4), steps).save(dest, force=True)
+        timings[f"quantize_embed_{bits}_s"] = time.perf_counter() - t
+    unfused = root / "int4-ort-unfused"  # MatMulNBits alone: what the fusions add on top, side by side
+    if force or stale or not (unfused / "compile.json").is_file():
+        off = {"fuse_norms": False, "fuse_rotary": False, "fuse_attention": False}
+        backends.get("ort").compile(Package.load(int4), unfused, {"backend": "ort", **off}, force=True)
     fp32_build = root / "fp32-ort"
     if force or "export_s" in timings or not (fp32_build / "compile.json").is_file():
         t = time.perf_counter()
@@ -94,6 +111,8 @@ def prepare(root: Path, group: int, force: bool) -> dict:
         "fp32-ort": _du(fp32_build / "package"),
         "int4": _du(int4),
         "int4-ort": _du(build / "package"),
+        "int4-emb8": _du(root / "int4-emb8"),
+        "int4-emb4": _du(root / "int4-emb4"),
     }
     timings["cosine_vs_fp32"] = _cosines(root)
     return timings
@@ -111,6 +130,8 @@ def _cosines(root: Path) -> dict:
         ("int4-absmax", root / "int4-absmax"),
         ("int4-ort", root / "int4-ort" / "package"),
         ("fp32-ort", root / "fp32-ort" / "package"),
+        ("int4-emb8", root / "int4-emb8"),
+        ("int4-emb4", root / "int4-emb4"),
     ):
         pipe = Pipeline(Package.load(path), threads=2)
         try:
@@ -155,6 +176,7 @@ def measure(root: Path, rounds: int, steps: int, threads: int, past: int) -> dic
         "fp32-ort": root / "fp32-ort" / "package",
         "int4": root / "int4",
         "int4-ort": root / "int4-ort" / "package",
+        "int4-ort-unfused": root / "int4-ort-unfused" / "package",
     }
     sessions = {k: ortsession.for_graph(Package.load(v), "decoder", threads) for k, v in variants.items()}
     feed = _decode_feed(past)
