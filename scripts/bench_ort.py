@@ -2,10 +2,13 @@
 
 Makes the model (scripts/bench.py's ``llava-1.5`` size: real widths, 1 decoder + 2 vision layers,
 random weights), exports it, quantizes the decoder to INT4 (RTN, group 128) with the signed scale
-rule and with absmax, and compiles the signed package with ``--target ort``. Reports bytes on disk,
-the first-token logit cosine of each INT4 variant against FP32 (demo image), the compile check, and
-the decode-step rate of each decoder (FP32 package, INT4 package, INT4 ort build) in alternating
-rounds, medians.
+rule and with absmax, and compiles the FP32 package and the signed INT4 package with ``--target ort``
+(MatMulNBits for INT4; RMSNorm, rotary and attention fused in both). Reports bytes on disk, the
+first-token logit cosine of each variant against the FP32 package (demo image), the compile checks,
+and the decode-step rate of each decoder (FP32 package, FP32 ort build, INT4 package, INT4 ort
+build, and the INT4 ort build with the fusions off: MatMulNBits alone) in alternating rounds,
+medians. The INT4 package's embedding table is also quantized to INT8 and to INT4 (quantize's
+``embeddings`` option) for the bytes-on-disk and cosine rows.
 
     .venv/bin/python scripts/bench_ort.py --root /tmp/bench-ort --rounds 3 --threads 2
 """
@@ -43,7 +46,7 @@ def _rule_of(pkg: Path) -> str | None:
     return ((m["graphs"]["decoder"].get("quantization") or {}).get("weights") or {}).get("scale_rule")
 
 
-def prepare(root: Path, group: int, force: bool) -> dict:
+def prepare(root: Path, group: int, force: bool, cosines: bool = True) -> dict:
     """The FP32 package, the INT4 package and its ort build under ``root`` (kept for later runs)."""
     import bench
 
@@ -75,10 +78,44 @@ def prepare(root: Path, group: int, force: bool) -> dict:
         t = time.perf_counter()
         backends.get("ort").compile(Package.load(int4), build, {"backend": "ort"}, force=True)
         timings["compile_s"] = time.perf_counter() - t
+    for bits, dest in (("int8", root / "int4-emb8"), ("int4", root / "int4-emb4")):
+        # The INT4 package with its embedding table quantized too (quantize's `embeddings` option).
+        if not force and not stale and (dest / "vlmc.json").is_file():
+            continue
+        emb = {"weights": bits, "embeddings": True, "group_size": group}
+        steps = recipe.from_dict(
+            {"passes": [{"quantize": {"embed_tokens": emb, "eval_samples": 0, "eval_tokens": 0}}]}
+        ).steps
+        t = time.perf_counter()
+        manager.run(Package.load(int4), steps).save(dest, force=True)
+        timings[f"quantize_embed_{bits}_s"] = time.perf_counter() - t
+    unfused = root / "int4-ort-unfused"  # MatMulNBits alone: what the fusions add on top, side by side
+    if force or stale or not (unfused / "compile.json").is_file():
+        off = {"fuse_norms": False, "fuse_rotary": False, "fuse_attention": False}
+        backends.get("ort").compile(Package.load(int4), unfused, {"backend": "ort", **off}, force=True)
+    fp32_build = root / "fp32-ort"
+    if force or "export_s" in timings or not (fp32_build / "compile.json").is_file():
+        t = time.perf_counter()
+        backends.get("ort").compile(Package.load(fp32), fp32_build, {"backend": "ort"}, force=True)
+        timings["compile_fp32_s"] = time.perf_counter() - t
     summary = json.loads((build / "compile.json").read_text())
-    timings["check"] = summary["graphs"]["decoder"]["lowering"]["check"]["outputs"]["logits"]
-    timings["bytes"] = {"fp32": _du(fp32), "int4": _du(int4), "int4-ort": _du(build / "package")}
-    timings["cosine_vs_fp32"] = _cosines(root)
+    timings["check"] = summary["graphs"]["decoder"]["check"]["outputs"]["logits"]
+    timings["fusions"] = {
+        k: {"fused": v.get("fused"), "rms_relative": (v.get("check") or {}).get("outputs", {}).get("logits")}
+        for k, v in summary["graphs"]["decoder"].get("fusions", {}).items()
+    }
+    fp32_summary = json.loads((fp32_build / "compile.json").read_text())
+    timings["check_fp32"] = fp32_summary["graphs"]["decoder"]["check"]["outputs"]["logits"]
+    timings["bytes"] = {
+        "fp32": _du(fp32),
+        "fp32-ort": _du(fp32_build / "package"),
+        "int4": _du(int4),
+        "int4-ort": _du(build / "package"),
+        "int4-emb8": _du(root / "int4-emb8"),
+        "int4-emb4": _du(root / "int4-emb4"),
+    }
+    if cosines:
+        timings["cosine_vs_fp32"] = _cosines(root)
     return timings
 
 
@@ -93,6 +130,9 @@ def _cosines(root: Path) -> dict:
         ("int4-signed", root / "int4"),
         ("int4-absmax", root / "int4-absmax"),
         ("int4-ort", root / "int4-ort" / "package"),
+        ("fp32-ort", root / "fp32-ort" / "package"),
+        ("int4-emb8", root / "int4-emb8"),
+        ("int4-emb4", root / "int4-emb4"),
     ):
         pipe = Pipeline(Package.load(path), threads=2)
         try:
@@ -132,7 +172,13 @@ def measure(root: Path, rounds: int, steps: int, threads: int, past: int) -> dic
     from vlmc import ortsession
     from vlmc.package import Package
 
-    variants = {"fp32": root / "fp32", "int4": root / "int4", "int4-ort": root / "int4-ort" / "package"}
+    variants = {
+        "fp32": root / "fp32",
+        "fp32-ort": root / "fp32-ort" / "package",
+        "int4": root / "int4",
+        "int4-ort": root / "int4-ort" / "package",
+        "int4-ort-unfused": root / "int4-ort-unfused" / "package",
+    }
     sessions = {k: ortsession.for_graph(Package.load(v), "decoder", threads) for k, v in variants.items()}
     feed = _decode_feed(past)
     times: dict = {k: [] for k in variants}
@@ -163,9 +209,14 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--force", action="store_true", help="rebuild the packages")
     ap.add_argument("--prepare-only", action="store_true")
+    ap.add_argument(
+        "--no-cosines",
+        action="store_true",
+        help="skip the first-token cosines (a run that only times decode)",
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    result = {"prepare": prepare(args.root, args.group_size, args.force)}
+    result = {"prepare": prepare(args.root, args.group_size, args.force, cosines=not args.no_cosines)}
     print(json.dumps(result["prepare"], indent=1), flush=True)
     if not args.prepare_only:
         result["measure"] = measure(args.root, args.rounds, args.steps, args.threads, args.past)

@@ -286,8 +286,8 @@ def for_graph(pkg, name: str, threads: int | None = None) -> ort.InferenceSessio
     """Session for a package graph: straight from disk when unmodified, else from memory."""
     source, info = pkg.source(name)  # one question to the package: its file or its IR, and its facts
     precision = info.get("precision")
-    if info.get("ort"):  # lowered by the ort target: no dequant chain is left to keep unfolded
-        precision = None
+    if (info.get("ort") or {}).get("nodes_lowered"):
+        precision = None  # MatMulNBits by the ort target: no dequant chain is left to keep unfolded
     if isinstance(source, ir.Model):
         return from_model(source, threads, precision=precision)
     return from_path(source, threads, precision)

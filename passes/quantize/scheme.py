@@ -103,6 +103,14 @@ GRAPH = (
         choices=INT4_SCALES,
     ),
     Option(
+        "embeddings",
+        bool,
+        None,
+        "int8/int4 weight-only: also quantize embedding tables (a Gather of a 2-D float table, e.g. "
+        "embed_tokens): int8 per row, int4 in groups of group_size along each row; only the gathered "
+        "rows are dequantized (default false)",
+    ),
+    Option(
         "keep_io_fp32",
         bool,
         None,
@@ -173,6 +181,7 @@ class GraphScheme:
     activation_symmetric: bool = True
     target: str = "ascend"
     keep_io_fp32: bool = True
+    embeddings: bool = False
     op_types: tuple[str, ...] = DEFAULT_OP_TYPES
     calibration: Calibration = field(default_factory=Calibration)
     keep_fp32: KeepFp32 = field(default_factory=KeepFp32)
@@ -234,6 +243,7 @@ def parse_graph(
         activation_symmetric=d.get("activation_symmetric", target == "ascend"),
         target=target,
         keep_io_fp32=d.get("keep_io_fp32", True),
+        embeddings=bool(d.get("embeddings", False)),
         op_types=tuple(d.get("op_types", DEFAULT_OP_TYPES)),
         calibration=parse_calibration(d.get("calibration"), f"{where}.calibration", calib),
         keep_fp32=keep.merged(parse_keep(d.get("keep_fp32"), f"{where}.keep_fp32")),

@@ -79,6 +79,35 @@ def candidates(model: ir.Model, keep, group_size: int | None) -> tuple[list, lis
     return take, kept, skipped
 
 
+def gather_candidates(model: ir.Model, keep) -> tuple[list, dict[str, str]]:
+    """(Gather node, table value) of embedding lookups to quantize (a 2-D float32 table gathered on axis 0
+    that nothing else reads), and skipped Gathers with reasons."""
+    take, skipped = [], {}
+    for node in model.graph:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or keep.matches(node):
+            continue
+        w = node.inputs[0]
+        if w is None or not w.is_initializer() or w.const_value is None:
+            continue
+        if w.const_value.dtype != ir.DataType.FLOAT or len(w.const_value.shape) != 2:
+            continue
+        axis = node.attributes.get("axis")
+        if axis is not None and axis.value != 0:
+            skipped[node.name] = f"Gather on axis {axis.value} (an embedding lookup gathers rows)"
+            continue
+        if len(w.uses()) + int(w.is_graph_output()) != 1:
+            skipped[node.name] = "table shared with other nodes (a tied LM head)"
+            continue
+        take.append((node, w))
+    return take, skipped
+
+
+def quant_int8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric int8 per row of a [v, d] table: (q int8 [v, d], scale float32 [v, 1])."""
+    q, scale = quant_int8_channel(np.ascontiguousarray(w.T))
+    return np.ascontiguousarray(q.T), scale.reshape(-1, 1)
+
+
 def quant_int8_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 per output channel of a [k, n] weight: (q int8 [k, n], scale float32 [n])."""
     amax = np.abs(w).max(axis=0)
@@ -522,6 +551,12 @@ def quantize_weight_only(
         _release(src)
         nodes_facts[node.name] = fact
         del stats
+    gathers, gather_skipped = gather_candidates(model, scheme.keep_fp32) if scheme.embeddings else ([], {})
+    skipped.update(gather_skipped)
+    gather_facts: dict[str, dict] = {}
+    for node, w_val in gathers:
+        b, a, gather_facts[node.name] = _quantize_gather(graph, node, w_val, bits, g, rule, const)
+        before, after = before + b, after + a
     rank = {t[0].name: i for i, t in enumerate(take)}  # facts in graph order, as they are quantized in RTN
     nodes_facts = dict(sorted(nodes_facts.items(), key=lambda kv: rank.get(kv[0], len(rank))))
     mode = "int4_weight_only" if bits == 4 else "int8_weight_only"
@@ -529,7 +564,7 @@ def quantize_weight_only(
         "mode": mode,
         "target": scheme.target,
         "method": scheme.method,
-        "nodes_quantized": list(nodes_facts),
+        "nodes_quantized": list(nodes_facts) + list(gather_facts),
         "nodes_kept_fp32": kept,
         "nodes_skipped": skipped,
         "weights": {
@@ -539,9 +574,88 @@ def quantize_weight_only(
             "group_size": g,
             **({"scale_rule": rule} if bits == 4 else {}),
             "nodes": nodes_facts,
+            **({"gathers": gather_facts} if gather_facts else {}),
         },
     }
     return model, {**facts, "_weight_bytes": (before, after)}
+
+
+def _quantize_gather(graph, node, w_val, bits: int, g: int | None, rule: str, const) -> tuple[int, int, dict]:
+    """One embedding table to INT8 (per row) or INT4 (groups of ``g`` along each row, packed in pairs).
+
+    The lookup gathers the integer rows and their scales and dequantizes only those rows:
+    ``Gather(q, ids) -> Cast -> Mul(Gather(scale, ids))`` (INT4: the packed pairs split with integer
+    Div/Sub first), so no float table exists at run time. Returns (bytes before, after, facts).
+    """
+    w = w_val.const_value.numpy()
+    ids = node.inputs[1]
+    prefix = node.name or w_val.name
+    new_nodes: list[ir.Node] = []
+    add = functools.partial(_add, new_nodes)
+    t = functools.partial("{}_{}".format, prefix)
+    v, d = w.shape
+    before = w.nbytes
+    if bits == 8 or d % (g or 1):
+        if bits == 4:  # a row that does not split into whole groups stays INT8
+            bits = 8
+        q, scale = quant_int8_rows(w)
+        qi, si = const(q, f"{w_val.name}_int8"), const(scale, f"{w_val.name}_scale")
+        rows = add("Gather", [qi, ids], t("q_rows"), t("Gather_q"), axis=0)
+        srows = add("Gather", [si, ids], t("scale_rows"), t("Gather_scale"), axis=0)
+        qf = add("Cast", [rows], t("q_float"), t("Cast_float"), to=ir.DataType.FLOAT)
+        out = add("Mul", [qf, srows], t("rows_dequant"), t("Mul_scales"))
+        fact = {"weight": qi.name, "scale": si.name, "bits": 8, "axis": 0, "scale_per": "row"}
+        after = q.nbytes + scale.nbytes
+    else:
+        # The [k, n] group quantizer on the transposed table: groups of g along each row.
+        qk, scale_kn = quant_int4_group(np.ascontiguousarray(w.T), g, rule)
+        q = np.ascontiguousarray(qk.T)  # [v, d] in [-8, 7]
+        scale = np.ascontiguousarray(scale_kn.T)  # [v, d/g]
+        del qk, scale_kn
+        u = (q.astype(np.int16) + 8).astype(np.uint8)
+        packed = (u[:, 0::2] | (u[:, 1::2] << 4)).astype(np.uint8)  # [v, d/2]: column 2j low, 2j+1 high
+        pi, si = const(packed, f"{w_val.name}_int4_packed"), const(scale, f"{w_val.name}_scale")
+        c16 = const(np.array(16, np.int32), t("c16"))
+        c8 = const(np.array(8, np.float32), t("c8"))
+        axis_last = const(np.array([-1], np.int64), t("axis_last"))
+        zero2 = const(np.array([0, 0, d // g, g], np.int64), t("group_shape"))
+        zero1 = const(np.array([0, 0, d], np.int64), t("row_shape"))
+        scale_axis = const(np.array([-1], np.int64), t("scale_axis"))
+        rows = add("Gather", [pi, ids], t("packed_rows"), t("Gather_packed"), axis=0)
+        p32 = add("Cast", [rows], t("p32"), t("Cast_packed"), to=ir.DataType.INT32)
+        hi = add("Div", [p32, c16], t("hi"), t("Div_hi"))
+        lo = add("Sub", [p32, add("Mul", [hi, c16], t("hi16"), t("Mul_hi"))], t("lo"), t("Sub_lo"))
+        pairs = add(
+            "Concat",
+            [add("Unsqueeze", [lo, axis_last], t("lo3"), t("Unsqueeze_lo")),
+             add("Unsqueeze", [hi, axis_last], t("hi3"), t("Unsqueeze_hi"))],
+            t("pairs"), t("Concat_nibbles"), axis=-1,
+        )  # fmt: skip
+        uf = add("Cast", [pairs], t("uf"), t("Cast_float"), to=ir.DataType.FLOAT)
+        centered = add("Sub", [uf, c8], t("q_float"), t("Sub_offset"))
+        grouped = add("Reshape", [centered, zero2], t("q_grouped"), t("Reshape_groups"))
+        srows = add("Gather", [si, ids], t("scale_rows"), t("Gather_scale"), axis=0)
+        s4 = add("Unsqueeze", [srows, scale_axis], t("scale_rows4"), t("Unsqueeze_scale"))
+        deq = add("Mul", [grouped, s4], t("rows_grouped"), t("Mul_scales"))
+        out = add("Reshape", [deq, zero1], t("rows_dequant"), t("Reshape_rows"))
+        fact = {
+            "weight": pi.name, "scale": si.name, "bits": 4, "axis": 0, "group_size": g,
+            "packing": "uint8 [v, d/2]: low nibble column 2j, high nibble column 2j+1, stored q+8",
+            "scale_rule": rule,
+        }  # fmt: skip
+        after = packed.nbytes + scale.nbytes
+    # The lookup's output keeps its name (the graph output inputs_embeds).
+    old_out = node.outputs[0]
+    name = old_out.name
+    graph.insert_before(node, new_nodes)
+    ir.convenience.replace_all_uses_with(old_out, out, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    out.name = name
+    out.shape, out.type = old_out.shape, old_out.type
+    graph.initializers.pop(w_val.name)
+    del w  # the table's mapped bytes: released only once nothing views them
+    _release(w_val.const_value)
+    return before, after, fact
 
 
 def _add(nodes: list[ir.Node], op: str, inputs: list[ir.Value], out: str, name: str, **attrs) -> ir.Value:

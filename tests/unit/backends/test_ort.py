@@ -38,8 +38,9 @@ def test_ort_compile_writes_a_runnable_package(tiny_llava, tmp_path):
 
 def test_ort_target_options():
     # Targets are validated (recipe load, `vlmc compile`) before any backend's compile sees them.
-    assert [o.name for o in ort_backend.TARGET_OPTIONS] == ["matmul_nbits", "accuracy_level"]
-    with pytest.raises(VlmcError, match=r"unknown option 'soc'; valid options: matmul_nbits, accuracy_level"):
+    names = ["matmul_nbits", "accuracy_level", "fuse_norms", "fuse_rotary", "fuse_attention"]
+    assert [o.name for o in ort_backend.TARGET_OPTIONS] == names
+    with pytest.raises(VlmcError, match=r"unknown option 'soc'; valid options: " + ", ".join(names)):
         backends.validate_target({"backend": "ort", "soc": "Ascend910B3"})
     with pytest.raises(VlmcError, match="accuracy_level"):
         backends.validate_target({"backend": "ort", "accuracy_level": 5})
@@ -47,6 +48,9 @@ def test_ort_target_options():
         "backend": "ort",
         "matmul_nbits": True,
         "accuracy_level": 4,
+        "fuse_norms": True,
+        "fuse_rotary": True,
+        "fuse_attention": True,
     }
 
 
