@@ -212,13 +212,21 @@ def run_cell(source: Path, recipe: str, work: Path) -> dict:
 
 def reference_cell(pkg: Path, build: Path, package_tokens: list[int] | None = None) -> dict:
     """The ``reference`` cell of a compiled ``pkg``: ``vlmc run BUILD --executor reference --against PKG``,
-    judged token-exact, or by :data:`FIDELITY` where the build is lossy (:func:`lossy_graphs`)."""
-    code, out, err = _cli("run", str(build), "--executor", "reference", "--against", str(pkg), *RUN_ARGS)
+    judged token-exact against the package in the build's storage formats (:func:`deploy_format`), or by
+    :data:`FIDELITY` where the build is lossy (:func:`lossy_graphs`)."""
+    lossy = lossy_graphs(build)
+    with tempfile.TemporaryDirectory(prefix="vlmc-deploy-format-") as tmp:
+        # A build that is not lossy computes the package's function on what it stores, so it is judged
+        # token-exact against the package holding the same (deploy_format: a paged build's KV pools in
+        # float16); a lossy one against the package itself by FIDELITY, its exact leg in exact_agreement.
+        against, formats = (pkg, []) if lossy else deploy_format(pkg, build, Path(tmp) / "package")
+        code, out, err = _cli(
+            "run", str(build), "--executor", "reference", "--against", str(against), *RUN_ARGS
+        )
     if code != 0:
         return {"status": "FAIL", "reason": f"run: {_reason(code, out, err)}"}
     got = _json_line(out)
     agree, row = got["agreement"], got["tokens"][0]
-    lossy = lossy_graphs(build)
     exact = exact_agreement(pkg, build) if lossy else None
     failed = judge(agree, exact)
     cell: dict = {
@@ -226,6 +234,8 @@ def reference_cell(pkg: Path, build: Path, package_tokens: list[int] | None = No
         "tokens": row,
         "agree": f"{agree['tokens_agree']}/{agree['tokens']}",
     }
+    if formats:
+        cell["formats"] = formats
     if lossy:
         cell["lossy"] = lossy
         cell["fidelity"] = {
@@ -237,12 +247,21 @@ def reference_cell(pkg: Path, build: Path, package_tokens: list[int] | None = No
     # --against runs the package on the pixels the build ran on: a build with resolution gears resizes the
     # image to a compiled resolution (docs/ascend.md "Resolution gears"), and its tokens are then the
     # package's on that image, not on the original one.
-    fitted = exact["package_tokens"] if lossy else row  # the package's tokens on those pixels
-    if not failed and package_tokens is not None and fitted != package_tokens:
+    fitted = exact["package_tokens"] if lossy else row  # the package's (or its stored form's) tokens there
+    if not failed and package_tokens is not None and fitted != package_tokens and _resizes(build):
         cell["resized"] = True
     if failed:
         cell["reason"] = failed
     return cell
+
+
+def _resizes(build: Path) -> bool:
+    """Whether the build's resolution gears resize the demo image (its runtime manifest's facts)."""
+    from vlmc.runtime import preprocess
+    from vlmc.runtime.executors import build as runner
+
+    _, rpkg = runner.read_build(build)
+    return bool(preprocess.fit_to_gears(["demo"], rpkg.manifest["vision"]["preprocess"])[1])
 
 
 def lossy_graphs(build: Path) -> list[str]:
@@ -491,7 +510,13 @@ def markdown(results: dict, families: list[str], recipes: list[str]) -> str:
         'to a compiled resolution (docs/ascend.md, "Resolution gears"), so both ran on that image and the',
         "tokens differ from the package's on the original one). `lossy`: the build's INT8/INT4 Ascend ops",
         "compute in fp16 on the 910B where the package computes in fp32, and the cell is judged by the",
-        "fidelity rule below instead of token by token. `refused`: a pass",
+        "fidelity rule below instead of token by token. A paged build's KV pools are float16 whatever",
+        "the package's are (compile.json `paged_kv.dtype`: ReshapeAndCache takes float16, bfloat16 or int8",
+        "caches, [ATB ReshapeAndCacheOperation, CANN 8.0.RC2](https://www.hiascend.com/document/detail/zh/"
+        'canncommercial/80RC2/apiref/ascendtbapi/ascendtb_01_0073.html); docs/ascend.md, "Paged decoder',
+        'builds"), so a paged build that is not lossy is judged token by token against the package with',
+        "float16 pools (a near-tie in the logits may go the other way against float32 ones; a build that",
+        "computes something else still fails). `refused`: a pass",
         "or the compile refused the combination in one line (the reason below); `FAIL`: anything else.",
         "",
         f"**Summary: {counts['ok']} working, {counts['refused']} refused, {counts['FAIL']} failing** "
@@ -538,7 +563,8 @@ def markdown(results: dict, families: list[str], recipes: list[str]) -> str:
         'verified").',
         "",
         "`tests/integration/test_compatibility_matrix.py` checks that a build with a wrong activation scale",
-        "fails both, and a weight-only build with two layers' weights swapped the first.",
+        "fails both, a weight-only build with two layers' weights swapped the first, and a paged build",
+        "with two weights swapped the token-by-token check against the package with float16 pools.",
         "",
         "The lossy cells of this run. `exact max Δ`: the float32 leg's largest logit difference from that",
         "package while the tokens agree. An INT8 static build's integer kernels are not the package's float",

@@ -136,6 +136,27 @@ def test_a_weight_only_build_is_judged_against_the_package_in_its_storage_format
     assert broken["status"] == "FAIL" and "in exact arithmetic" in broken["reason"], broken
 
 
+def test_a_paged_build_is_judged_token_exact_against_the_package_with_float16_pools(exported, tmp_path):
+    """A paged build that is not lossy holds its KV pools in float16 (what ReshapeAndCache takes), so it
+    is judged token-exact against the package holding the same: the tensor-parallel paged build passes,
+    and the same build wired wrong (rank 0's layer-0 k_proj and v_proj weights swapped) fails."""
+    work = tmp_path / "cell"
+    cell = matrix.run_cell(exported("tiny-llava"), "fold-tp2-paged", work)["reference"]
+    assert cell["status"] == "ok" and "lossy" not in cell and cell["agree"] == "6/6", cell
+    assert cell["formats"] and all(f.endswith("KV pools in float16") for f in cell["formats"]), cell
+    graph = work / "build" / "graphs" / "decoder.rank0.0.onnx"
+    model = onnx.load(graph, load_external_data=False)  # the weights stay in the .data file beside it
+    ops = {n.name: n for n in model.graph.node if n.op_type == "MatMul"}
+    k, v = (
+        next(n for name, n in ops.items() if f"layers.0/self_attn/{p}/" in name) for p in ("k_proj", "v_proj")
+    )
+    k.input[1], v.input[1] = v.input[1], k.input[1]
+    onnx.save(model, graph)
+    broken = matrix.reference_cell(work / "package", work / "build")
+    assert broken["status"] == "FAIL" and "tokens agree with the package" in broken["reason"], broken
+    assert broken["formats"] == cell["formats"], broken
+
+
 def test_prune_recipes_take_the_method_the_manifest_supports(exported):
     """Scored by CLS attention where the attention facts name a CLS query, by the attention received
     where they name none, uniform where the exporter recorded no attention facts."""
