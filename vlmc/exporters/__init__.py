@@ -325,6 +325,19 @@ def _load_local(path: Path, trust_remote_code: bool, allow_pickle: bool, lazy: b
         if not has_safetensors:
             raise VlmcError(f"{path}: {family} is exported from safetensors weights; convert the .bin files")
         checkpoint.tensors(path)
+        if lazy and hasattr(mod, "load_reduced"):
+            # its layer stacks cut to the traced depth, the other layers streamed (vlmc/exporters/streaming.py)
+            loaded = mod.load_reduced(path, config)
+            if loaded is not None:
+                model, full_config = loaded
+                return Source(
+                    name=str(path),
+                    model=model,
+                    config=full_config,
+                    family=family,
+                    directory=path,
+                    streamed=True,
+                )
         model = mod.load_local(path, config)
         return Source(name=str(path), model=model, config=model.config, family=family, directory=path)
     if has_safetensors:

@@ -57,6 +57,9 @@ class Checkpoint:
 
     directory: Path
     files: dict[str, tuple[str, str]] = field(default_factory=dict)  # model key -> (shard, checkpoint key)
+    # model key -> (start, stop): the weight is these rows of the checkpoint tensor (a fused projection a
+    # native rebuild splits, e.g. Qwen-VL's c_attn into q | k | v); only those rows are read
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def __contains__(self, key: str) -> bool:
         return key in self.files
@@ -69,6 +72,9 @@ class Checkpoint:
 
         shard, name = self.files[key]
         with safe_open(str(self.directory / shard), framework="pt") as f:
+            if key in self.rows:
+                start, stop = self.rows[key]
+                return f.get_slice(name)[start:stop].contiguous()
             return f.get_tensor(name)
 
 
