@@ -502,7 +502,7 @@ def _checkpoint(path: Path, config, held: dict, expected: dict) -> streaming.Che
         name, span = hub_key(key, config)
         tensor = held.get(name)
         if tensor is None:
-            missing = sum(1 for k in expected if hub_key(k, config)[0] not in held)
+            missing = len({hub_key(k, config)[0] for k in expected} - set(held))  # checkpoint tensors
             raise VlmcError(f"{path}: the checkpoint has no weights for {name} ({missing} missing)")
         if tensor.dtype not in checkpoint.FLOAT_WEIGHTS:
             raise VlmcError(
