@@ -121,8 +121,19 @@ def tokenizer():
     return tok
 
 
-def write_hub_copy(path: Path, seed: int = 3, **config_over) -> Path:
-    """A directory laid out as the hub repository (without its Python files), narrow random weights."""
+def write_hub_copy(
+    path: Path,
+    seed: int = 3,
+    vision_layers: int = NARROW_CLIP["num_hidden_layers"],
+    dtype: torch.dtype | None = None,
+    shards: int = 1,
+    **config_over,
+) -> Path:
+    """A directory laid out as the hub repository (without its Python files), narrow random weights.
+
+    ``vision_layers``: the CLIP tower's depth (its last layer, past ``layer_idx`` -2, is unused); ``dtype``: the
+    weights' (the published checkpoint is bf16); ``shards`` > 1 splits the weights over that many files with a
+    ``model.safetensors.index.json``, as the hub's are; ``config_over``: config.json keys."""
     from safetensors.torch import save_file
 
     from vlmc.exporters import phi3_v
@@ -134,7 +145,7 @@ def write_hub_copy(path: Path, seed: int = 3, **config_over) -> Path:
     cfg = json.loads(json.dumps(PUBLISHED_CONFIG))
     cfg.update(NARROW)
     cfg["img_processor"]["image_dim_out"] = NARROW_CLIP["hidden_size"]
-    cfg["img_processor"]["vision_config"] = dict(NARROW_CLIP)
+    cfg["img_processor"]["vision_config"] = {**NARROW_CLIP, "num_hidden_layers": vision_layers}
     cfg["vocab_size"] = tok.get_vocab_size() + 8  # padded past the tokenizer, as 32064 is past 32011
     cfg.update(config_over)
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -175,8 +186,21 @@ def write_hub_copy(path: Path, seed: int = 3, **config_over) -> Path:
         model = phi3_v.build_tiny(config)
     finally:
         torch.random.set_rng_state(state)
-    save_file(
-        phi3_v.to_hub_state_dict(model, full_depth=NARROW_CLIP["num_hidden_layers"]),
-        str(path / "model.safetensors"),
+    weights = phi3_v.to_hub_state_dict(model, full_depth=vision_layers)
+    if dtype is not None:
+        weights = {k: v.to(dtype) for k, v in weights.items()}
+    if shards <= 1:
+        save_file(weights, str(path / "model.safetensors"))
+        return path
+    names = sorted(weights)
+    weight_map = {}
+    for n in range(shards):
+        shard = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[n::shards]
+        save_file({k: weights[k] for k in part}, str(path / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    total = sum(v.numel() * v.element_size() for v in weights.values())
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
     )
     return path

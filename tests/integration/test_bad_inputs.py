@@ -313,6 +313,15 @@ def fewer_images_than_placeholders(work, pkg):
     return ["run", str(pkg), "--image", "demo", "--prompt", "<image> and <image>"]
 
 
+def image_markers_out_of_order(work, pkg):
+    from vlmc import exporters
+
+    phi3_v = work / "phi3_v"  # a numbered-marker family: Phi-3-vision's <|image_N|>
+    exporters.export(exporters.load_source("tiny-phi3-v")).save(phi3_v)
+    prompt = "<|image_2|> then <|image_1|>: what differs?"
+    return ["run", str(phi3_v), "--image", "demo", "--image", "demo:1", "--prompt", prompt]
+
+
 # ---- compile outputs (`vlmc run BUILD_DIR`) ------------------------------------------------------------
 def _build(work: Path, pkg: Path) -> Path:
     from vlmc.backends import ascend
@@ -437,6 +446,14 @@ CASES = [
         "fewer-images-than-placeholders",
         fewer_images_than_placeholders,
         ("1 image(s) given but the prompts take 2",),
+    ),
+    Case(
+        "image-markers-out-of-order",
+        image_markers_out_of_order,
+        (
+            "image markers must be <|image_1|>, <|image_2|>, ... in order",
+            "the prompt has <|image_2|>, <|image_1|>",
+        ),
     ),
 ]
 

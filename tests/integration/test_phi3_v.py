@@ -240,3 +240,68 @@ def test_unsupported_configs_are_refused():
     cfg = phi3_v.tiny_phi3_v_config(rope_scaling={"type": "yarn", "factor": 2.0})
     with pytest.raises(VlmcError, match="rope_scaling type"):
         phi3_v.check_supported(cfg, "x")
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        # layer 2 of 3: a stitched layer when streamed (two are traced)
+        ("drop", "the checkpoint has no weights for model.layers.2.self_attn.qkv_proj.weight (1 missing)"),
+        ("int16", "weight model.norm.weight is I16, not a float"),
+        (
+            "narrow",
+            "weight model.layers.2.mlp.gate_up_proj.weight has shape [100, 64], the config implies [256, 64]",
+        ),
+    ],
+)
+@pytest.mark.parametrize("streamed", [False, True])
+def test_damaged_checkpoints_are_refused_in_one_line(tmp_path, damage, message, streamed):
+    """The whole load and the streamed one (phi3_v.load_reduced) check the same map of the hub's names."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    src = write_hub_copy(tmp_path / "copy", num_hidden_layers=3, vision_layers=4)
+    state = load_file(str(src / "model.safetensors"))
+    if damage == "drop":
+        del state["model.layers.2.self_attn.qkv_proj.weight"]
+    elif damage == "int16":
+        state["model.norm.weight"] = state["model.norm.weight"].to(torch.int16)
+    else:
+        state["model.layers.2.mlp.gate_up_proj.weight"] = state["model.layers.2.mlp.gate_up_proj.weight"][
+            :100
+        ].clone()
+    save_file(state, str(src / "model.safetensors"))
+    with pytest.raises(VlmcError, match=re.escape(message)):
+        exporters.load_source(str(src), lazy=streamed)
+
+
+def test_streamed_load_reads_only_the_traced_layers(tmp_path):
+    """The cut model holds two decoder layers and two tower layers, and its stitched layers' q/k/v and gate/up are
+    the checkpoint's rows: read through the map they equal the slices of the fused tensors."""
+    from safetensors.torch import load_file
+
+    from vlmc.exporters import streaming
+
+    src = write_hub_copy(tmp_path / "copy", num_hidden_layers=4, vision_layers=5)
+    lazy = exporters.load_source(str(src), lazy=True)
+    assert lazy.streamed and len(lazy.model.language_model.model.layers) == 2
+    assert len(lazy.model.vision_embed_tokens.img_processor.encoder.layers) == 2
+    stack = streaming.stack_of(lazy.model.vision_embed_tokens.img_processor.encoder.layers)
+    assert stack.depth == 4  # 5 layers, the last past layer_idx -2 unused
+    state = load_file(str(src / "model.safetensors"))
+    ckpt = streaming.stack_of(lazy.model.language_model.model.layers).checkpoint
+    qkv, gate_up = (
+        state["model.layers.3.self_attn.qkv_proj.weight"],
+        state["model.layers.3.mlp.gate_up_proj.weight"],
+    )
+    for part, rows in zip("qkv", qkv.split(64)):
+        assert torch.equal(ckpt.tensor(f"language_model.model.layers.3.self_attn.{part}_proj.weight"), rows)
+    gate, up = gate_up.chunk(2)
+    assert torch.equal(ckpt.tensor("language_model.model.layers.3.mlp.gate_proj.weight"), gate)
+    assert torch.equal(ckpt.tensor("language_model.model.layers.3.mlp.up_proj.weight"), up)
+    # the traced layers' weights are loaded as the whole model has them
+    whole = exporters.load_source(str(src))
+    cut, full = lazy.model.state_dict(), whole.model.state_dict()
+    for key, value in cut.items():
+        assert torch.equal(value, full[key]), key

@@ -376,6 +376,51 @@ def test_qwen_vl_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     assert tokens[0] == tokens[1]
 
 
+def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
+    """The native Phi-3-vision rebuild (its own loader, the hub's names: q/k/v and gate/up are row blocks of
+    qkv_proj / gate_up_proj) streams like the transformers families: the decoder and the CLIP tower (the layers up
+    to layer_idx -2) cut to two layers, the others read from the bf16 shards."""
+    from _phi3_v_hub import write_hub_copy
+
+    from vlmc.runtime.pipeline import Pipeline
+
+    src = write_hub_copy(
+        tmp_path / "src", num_hidden_layers=5, vision_layers=6, dtype=torch.bfloat16, shards=3
+    )
+    lazy = exporters.load_source(str(src), lazy=True)
+    assert lazy.streamed
+    stacks = {name: len(m) for name, m in lazy.model.named_modules() if streaming.stack_of(m) is not None}
+    assert stacks == {"vision_embed_tokens.img_processor.encoder.layers": 2, "language_model.model.layers": 2}
+    assert lazy.config.num_hidden_layers == 5
+    # only the traced layers' weights were read: a stitched layer's projections are rows of the fused ones
+    ckpt = streaming.stack_of(lazy.model.language_model.model.layers).checkpoint
+    assert ckpt.rows["language_model.model.layers.4.self_attn.v_proj.weight"] == (128, 192)
+    assert ckpt.rows["language_model.model.layers.4.mlp.up_proj.weight"] == (128, 256)
+    capsys.readouterr()
+    exporters.export(lazy).save(tmp_path / "streamed")
+    captured = capsys.readouterr()
+    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
+    whole = exporters.load_source(str(src))
+    assert not whole.streamed and len(whole.model.language_model.model.layers) == 5
+    exporters.export(whole).save(tmp_path / "whole")
+    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
+    assert streamed_pkg.manifest["kv"] == whole_pkg.manifest["kv"]
+    _compare_graphs(streamed_pkg, whole_pkg)
+    vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
+    assert any("/layers.4/" in n.name for n in vision.node)  # the 5 layers up to layer_idx -2
+    assert not any("/layers.5/" in n.name for n in vision.node)
+    decoder = onnx.load(str(streamed_pkg.path_of("decoder")), load_external_data=False).graph
+    assert "past_key_values.4.value" in [v.name for v in decoder.input]
+    marker = whole_pkg.manifest["text"]["image_marker"].replace("{n}", "1")
+    prompts, images = [f"{marker}What is this?", "Say something."], [[_real_tokenizers.image(64, 96, 3)], []]
+    tokens = []
+    for pkg in (streamed_pkg, whole_pkg):
+        pipeline = Pipeline(pkg)
+        tokens.append(pipeline.generate(prompts, images, max_new_tokens=6).tokens)
+        pipeline.close()
+    assert tokens[0] == tokens[1]
+
+
 # ---- stitch() on hand-built graphs -----------------------------------------------------------
 
 H = 4

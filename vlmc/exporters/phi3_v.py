@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 
 from vlmc import paths, samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, processor, zoo
+from vlmc.exporters import base, checkpoint, processor, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 from vlmc.runtime import hd_crops, markers
@@ -414,37 +414,50 @@ class Phi3VForConditionalGeneration(nn.Module):
         return out
 
 
-def convert_state_dict(state: dict, config) -> dict:
-    """The hub checkpoint's names -> this module's: ``model.vision_embed_tokens.*`` -> ``vision_embed_tokens.*`` (the
-    tower's layers past ``layer_idx`` dropped: nothing reads them), ``model.*`` / ``lm_head`` -> the Llama form's
-    (``qkv_proj`` split in rows q | k | v, ``gate_up_proj`` in gate | up)."""
-    used = clip_config(config).num_hidden_layers
+_VISION, _LM, _LAYERS = "vision_embed_tokens.", "language_model.", "language_model.model.layers."
+_TOWER = _VISION + "img_processor."
+# the fused projections the Llama form splits: model key suffix -> (the hub's, which row block of it)
+_FUSED = {
+    "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0),
+    "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", 1),
+    "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", 2),
+    # Phi3MLP: gate, up = gate_up_proj(x).chunk(2); down(up * act(gate))
+    "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0),
+    "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", 1),
+}
+
+
+def _row_blocks(config) -> dict[str, list[int]]:
+    """The row counts of each fused projection's blocks: qkv_proj q | k | v, gate_up_proj gate | up."""
     head_dim = int(config.hidden_size) // int(config.num_attention_heads)
     q, kv = int(config.num_attention_heads) * head_dim, int(config.num_key_value_heads) * head_dim
-    prefix = "model.vision_embed_tokens."
-    layers = prefix + "img_processor.vision_model.encoder.layers."
-    out = {}
-    for name, t in state.items():
-        if name.startswith(layers) and int(name[len(layers) :].split(".", 1)[0]) >= used:
-            continue
-        if name.startswith(prefix + "wte."):  # the same table as model.embed_tokens (a shared module)
-            continue
-        if name.startswith(prefix):
-            # the remote code's CLIPVisionModel (transformers 4) nests the tower in vision_model; transformers 5's
-            # holds it directly
-            local = name[len(prefix) :].replace("img_processor.vision_model.", "img_processor.", 1)
-            out["vision_embed_tokens." + local] = t
-        elif name.endswith(".self_attn.qkv_proj.weight"):
-            head = "language_model." + name[: -len("qkv_proj.weight")]
-            for part, rows in zip(("q", "k", "v"), t.split([q, kv, kv])):
-                out[f"{head}{part}_proj.weight"] = rows
-        elif name.endswith(".mlp.gate_up_proj.weight"):
-            head = "language_model." + name[: -len("gate_up_proj.weight")]
-            gate, up = t.chunk(2)  # Phi3MLP: gate, up = gate_up_proj(x).chunk(2); down(up * act(gate))
-            out[head + "gate_proj.weight"], out[head + "up_proj.weight"] = gate, up
-        elif name.startswith("model.") or name.startswith("lm_head."):
-            out["language_model." + name] = t
-    return out
+    inter = int(config.intermediate_size)
+    return {"self_attn.qkv_proj.weight": [q, kv, kv], "mlp.gate_up_proj.weight": [inter, inter]}
+
+
+def hub_key(key: str, config) -> tuple[str, tuple[int, int] | None]:
+    """Where this module's weight ``key`` is in the hub checkpoint: (checkpoint key, rows or None).
+
+    ``vision_embed_tokens.*`` is ``model.vision_embed_tokens.*`` (the remote code's CLIPVisionModel, transformers 4,
+    nests the tower in ``vision_model``; transformers 5's holds it directly); ``language_model.model.*`` /
+    ``language_model.lm_head.*`` are ``model.*`` / ``lm_head.*``, with q/k/v the row blocks of ``qkv_proj`` and
+    gate/up those of ``gate_up_proj``. (``model.vision_embed_tokens.wte`` is the same table as
+    ``model.embed_tokens``, a shared module: nothing maps to it.)
+    """
+    if key.startswith(_TOWER):
+        return "model." + _TOWER + "vision_model." + key[len(_TOWER) :], None
+    if key.startswith(_VISION):
+        return "model." + key, None
+    if key.startswith(_LAYERS):
+        layer, rel = key[len(_LAYERS) :].split(".", 1)
+        if rel in _FUSED:
+            fused, block = _FUSED[rel]
+            sizes = _row_blocks(config)[fused]
+            start = sum(sizes[:block])
+            return f"model.layers.{layer}.{fused}", (start, start + sizes[block])
+    if key.startswith(_LM):
+        return key[len(_LM) :], None
+    raise KeyError(key)
 
 
 def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | None = None) -> dict:
@@ -480,30 +493,44 @@ def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | No
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def load_local(path: Path, config) -> Phi3VForConditionalGeneration:
-    """Build the native model from a hub directory's config and safetensors weights (no repo code)."""
-    from safetensors.torch import load_file
-
-    check_supported(config, str(path))
-    state = {}
-    for f in sorted(path.glob("*.safetensors")):
-        state.update(load_file(str(f)))
-    cfg = copy.deepcopy(config)
-    cfg.image_token_id = 0  # <unk>: see IMAGE_TOKEN
-    with torch.device("meta"):
-        model = Phi3VForConditionalGeneration(cfg)
-    converted = convert_state_dict(state, cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(converted))
-    if missing:
-        raise VlmcError(f"{path}: the checkpoint has no weights for {missing[0]} ({len(missing)} missing)")
-    for name, t in converted.items():
-        if name in expected and tuple(expected[name].shape) != tuple(t.shape):
+def _checkpoint(path: Path, config, held: dict, expected: dict) -> streaming.Checkpoint:
+    """The hub checkpoint's tensors for every weight of ``expected`` (a model's state dict, meta tensors): a
+    :class:`streaming.Checkpoint` by this module's names, each checked against the shape the config implies
+    (a fused projection: its rows, the whole tensor against the blocks' sum)."""
+    files, rows = {}, {}
+    for key, want in expected.items():
+        name, span = hub_key(key, config)
+        tensor = held.get(name)
+        if tensor is None:
+            missing = len({hub_key(k, config)[0] for k in expected} - set(held))  # checkpoint tensors
+            raise VlmcError(f"{path}: the checkpoint has no weights for {name} ({missing} missing)")
+        if tensor.dtype not in checkpoint.FLOAT_WEIGHTS:
             raise VlmcError(
-                f"{path}: weight {name} has shape {list(t.shape)}, the config implies {list(expected[name].shape)}"
+                f"{path}: weight {name} is {tensor.dtype}, not a float ({', '.join(checkpoint.FLOAT_WEIGHTS)})"
             )
-    converted = {k: v.float() for k, v in converted.items() if k in expected}
-    model.load_state_dict(converted, strict=True, assign=True)
+        implied = list(want.shape)
+        if span is not None:
+            rows[key] = span
+            implied[0] = sum(_row_blocks(config)[name.split(".", 3)[3]])
+        if list(tensor.shape) != implied:
+            raise VlmcError(
+                f"{path}: weight {name} has shape {list(tensor.shape)}, the config implies {implied}"
+            )
+        files[key] = (tensor.shard, name)
+    return streaming.Checkpoint(path, files, rows)
+
+
+def _load(path: Path, config, built) -> Phi3VForConditionalGeneration:
+    """Build the model of ``built`` (``config``, or a copy with its layer stacks cut) on the meta device and load
+    its weights from the checkpoint one tensor at a time in FP32, reading only the rows each weight is."""
+    check_supported(config, str(path))
+    held = checkpoint.tensors(path)
+    with torch.device("meta"):
+        full = Phi3VForConditionalGeneration(config)
+        model = full if built is config else Phi3VForConditionalGeneration(built)
+    ckpt = _checkpoint(path, config, held, full.state_dict())
+    state = {key: ckpt.tensor(key).float() for key in model.state_dict()}
+    model.load_state_dict(state, strict=True, assign=True)
     # computed buffers (in no checkpoint) made again off the meta device: the rotary tables, CLIP's position ids
     lm = model.language_model
     lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
@@ -512,8 +539,53 @@ def load_local(path: Path, config) -> Phi3VForConditionalGeneration:
     left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
     if left:
         raise VlmcError(f"{path}: {left[0]} was not loaded")
-    model.preprocess = preprocess_facts(cfg, path)
+    model.preprocess = preprocess_facts(built, path)
+    model._vlmc_checkpoint = ckpt
     return model.eval()
+
+
+def _native_config(config):
+    cfg = copy.deepcopy(config)
+    cfg.image_token_id = 0  # <unk>: see IMAGE_TOKEN
+    return cfg
+
+
+def load_local(path: Path, config) -> Phi3VForConditionalGeneration:
+    """Build the native model from a hub directory's config and safetensors weights (no repo code)."""
+    cfg = _native_config(config)
+    return _load(path, cfg, cfg)
+
+
+def load_reduced(path: Path, config):
+    """The model with its two layer stacks (the CLIP tower's layers up to ``layer_idx`` and the decoder's) cut to
+    the streaming export's traced depth, for ``vlmc export`` / ``vlmc build`` (vlmc/exporters/streaming.py): the
+    other layers' weights are streamed from the checkpoint into the stitched graphs, q/k/v and gate/up as their
+    rows of qkv_proj / gate_up_proj. Returns ``(model, full config)``, or None when neither stack is deeper than
+    the trace."""
+    cfg = _native_config(config)
+    traced = streaming.TRACED_LAYERS
+    tower = int(clip_config(cfg).num_hidden_layers)  # the layers up to layer_idx: the ones the graph uses
+    depths = {"lm": int(cfg.num_hidden_layers), "vision": tower}
+    if max(depths.values()) <= traced:
+        return None
+    reduced = copy.deepcopy(cfg)
+    reduced.num_hidden_layers = min(depths["lm"], traced)
+    vc = dict(reduced.img_processor.get("vision_config") or {})
+    # the tower is built cut at layer_idx: the reduced one is `traced` layers up to its (negative) feature layer
+    layer = int(reduced.img_processor.get("layer_idx", -2))
+    vc["num_hidden_layers"] = min(tower, traced) + (-layer - 1 if layer < 0 else 0)
+    reduced.img_processor = {**reduced.img_processor, "vision_config": vc}
+    if layer >= 0:
+        reduced.img_processor["layer_idx"] = min(tower, traced)
+    model = _load(path, cfg, reduced)
+    ckpt = model._vlmc_checkpoint
+    for prefix, module, depth in (
+        (_TOWER + "encoder.layers", model.vision_embed_tokens.img_processor.encoder.layers, depths["vision"]),
+        (_LAYERS[:-1], model.language_model.model.layers, depths["lm"]),
+    ):
+        if depth > len(module):
+            module._vlmc_stack = streaming.Stack(prefix=prefix, depth=depth, checkpoint=ckpt)
+    return model, cfg
 
 
 # ---------------------------------------------------------------- long rope in the graph
@@ -619,7 +691,8 @@ def export(source, pkg: Package) -> None:
     model, cfg = source.model, source.config
     check_supported(cfg, source.name)
     lm = model.language_model
-    tcfg = lm.config
+    # the text config at full depth (a streamed source's model is cut to the traced layers; its config is whole)
+    tcfg = llama_config(cfg)
     facts = model.preprocess
     m = pkg.manifest
     grid = model.vision_embed_tokens.grid
@@ -700,7 +773,7 @@ def export(source, pkg: Package) -> None:
     base.export_embed(pkg, lm.get_input_embeddings(), tcfg.vocab_size)
     rotary = lm.model.rotary_emb
     if getattr(rotary, "rope_type", "default") == "longrope":
-        lm.model.rotary_emb = LongRopeSwitch(rotary, tcfg)
+        lm.model.rotary_emb = LongRopeSwitch(rotary, lm.config)
     try:
         base.export_decoder(
             pkg, lm.model, lm.lm_head, kv["layers"], kv["kv_heads"], kv["head_dim"], tcfg.hidden_size
