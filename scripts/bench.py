@@ -851,6 +851,8 @@ def _reproduce_section() -> list[str]:
         "python scripts/bench.py --only-7b --7b-dir /big/llava7b   # just the 7B row, into the scale section",
         "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
         "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)",
+        "python scripts/bench.py --only-scale              # the 512 M row alone (prints, does not rewrite this file)",
+        "python scripts/ab_build.py --before REV --runs 3  # that row's build, REV and this tree alternating: medians, ratio",
         "make bench BENCH_PEERS=1        # also vlmc against OpenVINO GenAI and onnxruntime-genai (their venvs under out/peers)",
         "python scripts/bench.py --only-peers   # just that section (scripts/bench_peers.py --help for its own options)",
         "```",

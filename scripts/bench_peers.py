@@ -355,32 +355,58 @@ def measure_all(
     threads: int,
     rss_limit: int,
     ov_f32: bool,
+    res: dict | None = None,
+    build_rounds: int | None = None,
 ) -> dict:
+    """``rounds`` alternating rounds: each builds everything (the first ``build_rounds`` only; all by
+    default), then runs every build. ``res``: an earlier run's figures to add rounds to (its builds
+    are reused)."""
     built = builds(root, facts, tools)
     run_cmds = runs(root, facts, built, tokens, threads, ov_f32)
     (root / "logits").mkdir(exist_ok=True)
-    env_threads = {"OMP_NUM_THREADS": str(threads)}
-    os.environ.update(env_threads)
-    res: dict = {"builds": {k: [] for k in built}, "runs": {k: [] for k in run_cmds}, "load": []}
-    for r in range(rounds):
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if res is None:
+        res = {"builds": {k: [] for k in built}, "runs": {k: [] for k in run_cmds}, "load": []}
+    build_rounds = rounds if build_rounds is None else build_rounds
+    first = len(res["load"])  # rounds already measured
+    for r in range(first, first + rounds):
         res["load"].append(bench._load_average())
-        order = list(built) if r % 2 == 0 else list(reversed(built))
-        for name in order:
-            cmd, out, counted = built[name]
-            shutil.rmtree(out if out.name != "build" else out.parent, ignore_errors=True)
-            m = bench.measure(cmd, rss_limit, check=False, log=root / f"{name.replace(' ', '-')}.log")
-            row = {"seconds": m["seconds"], "peak_rss_bytes": m["peak_rss_bytes"], "ok": m["returncode"] == 0}
-            row["bytes"] = _du(counted) if row["ok"] and counted.exists() else None
-            if not row["ok"]:
-                row["error"] = m["last_line"]
-            res["builds"][name].append(row)
-            print(f"round {r} build {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
-        order = list(run_cmds) if r % 2 == 0 else list(reversed(run_cmds))
-        for name in order:
-            base = name.split(" (")[0]
-            if not res["builds"][base][-1]["ok"]:
-                continue
-            cmd, logits = run_cmds[name]
+        if r - first < build_rounds:
+            _build_round(root, r, built, res, rss_limit)
+        _run_round(root, r, run_cmds, res)
+        # after each round, so a run cut short still leaves its finished rounds (--from-json renders them)
+        (root / "bench_peers.partial.json").write_text(
+            json.dumps({"measure": res, "rounds": r + 1, "facts": facts}, indent=1)
+        )
+    res["load_end"] = bench._load_average()
+    return res
+
+
+def _build_round(root: Path, r: int, built: dict, res: dict, rss_limit: int) -> None:
+    order = list(built) if r % 2 == 0 else list(reversed(built))
+    for name in order:
+        cmd, out, counted = built[name]
+        shutil.rmtree(out if out.name != "build" else out.parent, ignore_errors=True)
+        m = bench.measure(cmd, rss_limit, check=False, log=root / f"{name.replace(' ', '-')}.log")
+        row = {"seconds": m["seconds"], "peak_rss_bytes": m["peak_rss_bytes"], "ok": m["returncode"] == 0}
+        row["bytes"] = _du(counted) if row["ok"] and counted.exists() else None
+        if not row["ok"]:
+            row["error"] = m["last_line"]
+        res["builds"][name].append(row)
+        print(f"round {r} build {name}: {json.dumps(row)}", file=sys.stderr, flush=True)
+
+
+def _run_round(root: Path, r: int, run_cmds: dict, res: dict) -> None:
+    """Run every build once (order reversed every other round), then compare each INT4 run's first
+    token and logits with its own FP32 run of this round. A run whose build failed gets a failed row,
+    so rounds stay paired by index."""
+    order = list(run_cmds) if r % 2 == 0 else list(reversed(run_cmds))
+    for name in order:
+        base = name.split(" (")[0]
+        cmd, logits = run_cmds[name]
+        if not res["builds"][base] or not res["builds"][base][-1]["ok"]:
+            row = {"ok": False, "error": "its build failed"}
+        else:
             p = subprocess.run(cmd, capture_output=True, text=True)
             if p.returncode != 0:
                 row = {"ok": False, "error": (p.stderr.strip().splitlines() or [""])[-1][:300]}
@@ -391,28 +417,18 @@ def measure_all(
                     **json.loads(p.stdout.strip().splitlines()[-1]),
                     "logits_file": str(logits),
                 }
-            res["runs"][name].append(row)
-            print(
-                f"round {r} run {name}: {json.dumps({k: v for k, v in row.items() if k != 'tokens'})}",
-                file=sys.stderr,
-                flush=True,
-            )
-        # INT4 vs its own FP32, this round's logits (they are rewritten each round)
-        for tool in ("vlmc", "openvino", "ortgenai"):
-            for suffix in ("",):
-                a, b = res["runs"].get(f"{tool} int4{suffix}"), res["runs"].get(f"{tool} fp32{suffix}")
-                if not a or not b or not a[-1]["ok"] or not b[-1]["ok"]:
-                    continue
-                la, lb = np.load(a[-1]["logits_file"]), np.load(b[-1]["logits_file"])
-                a[-1]["cosine_vs_fp32"] = _cosine(la, lb)
-                a[-1]["first_token_agrees"] = bool(la.argmax() == lb.argmax())
-                a[-1]["tokens_agree"] = sum(x == y for x, y in zip(a[-1]["tokens"], b[-1]["tokens"]))
-        # after each round, so a run cut short still leaves its finished rounds (--from-json renders them)
-        (root / "bench_peers.partial.json").write_text(
-            json.dumps({"measure": res, "rounds": r + 1}, indent=1)
-        )
-    res["load"].append(bench._load_average())
-    return res
+        row["round"] = r
+        res["runs"][name].append(row)
+        shown = {k: v for k, v in row.items() if k != "tokens"}
+        print(f"round {r} run {name}: {json.dumps(shown)}", file=sys.stderr, flush=True)
+    for tool in TOOLS:  # INT4 vs its own FP32, this round's logits (the files are rewritten each round)
+        a, b = res["runs"].get(f"{tool} int4"), res["runs"].get(f"{tool} fp32")
+        if not a or not b or not a[-1]["ok"] or not b[-1]["ok"]:
+            continue
+        la, lb = np.load(a[-1]["logits_file"]), np.load(b[-1]["logits_file"])
+        a[-1]["cosine_vs_fp32"] = _cosine(la, lb)
+        a[-1]["first_token_agrees"] = bool(la.argmax() == lb.argmax())
+        a[-1]["tokens_agree"] = sum(x == y for x, y in zip(a[-1]["tokens"], b[-1]["tokens"]))
 
 
 def _med(rows: list[dict], key: str):
@@ -442,6 +458,13 @@ def _cell(res, rows, name, tool, prec, kind, key, spec, scale=1.0, unit="") -> s
     return text
 
 
+def _rounds_text(result: dict) -> str:
+    runs, built = result["rounds"], result.get("build_rounds", result["rounds"])
+    if built == runs:
+        return f"{runs} alternating rounds"
+    return f"{runs} alternating rounds of runs, the first {built} also building"
+
+
 def section(result: dict, command: str) -> list[str]:
     res, ver = result["measure"], result["versions"]
     names = [n for n in ("vlmc", "openvino", "ortgenai") if any(k.startswith(n) for k in res["builds"])]
@@ -454,7 +477,7 @@ def section(result: dict, command: str) -> list[str]:
         "",
         f"`{command}` (scripts/bench_peers.py): the 512 M real-width LLaVA-1.5 (llava-1.5-7b-hf's widths, "
         "1 decoder and 2 vision layers, random weights) built FP32 and INT4 by each tool and run at "
-        f"{result['threads']} threads, {result['rounds']} alternating rounds, {result['tokens']} greedy tokens "
+        f"{result['threads']} threads, {_rounds_text(result)}, {result['tokens']} greedy tokens "
         "(eos ignored). vlmc: `vlmc export` and `vlmc build` of the quantized recipe (INT8-static vision, "
         "INT4 g128 decoder) with `target: {backend: ort}`. OpenVINO: "
         f"optimum-intel {v.get('optimum-intel', '?')} / openvino-genai {v.get('openvino-genai', '?')} / "
@@ -465,7 +488,11 @@ def section(result: dict, command: str) -> list[str]:
         "int4` with `block_size=128 accuracy_level=4`), prompt ids of vlmc's prompt length, so its time "
         "to first token is a text prefill without the vision tower. Ratios are peer / vlmc, paired within "
         "a round, medians over rounds. Load average (1, 5, 15 min) at the start of each round and at the "
-        "end: " + "; ".join(", ".join(f"{x:.1f}" for x in la) for la in res["load"]) + ".",
+        "end: "
+        + "; ".join(
+            ", ".join(f"{x:.1f}" for x in la) for la in [*res["load"], res.get("load_end") or []] if la
+        )
+        + ".",
         "",
         "| tool | precision | build s (× vlmc) | build peak RSS (× vlmc) | bytes on disk | time to first token s (× vlmc) | decode tok/s (× vlmc) | INT4 first token = FP32's | INT4 logit cosine vs FP32 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -573,6 +600,13 @@ def main() -> None:
     ap.add_argument("--setup-only", action="store_true", help="install the venvs and make the models")
     ap.add_argument("--out", type=Path, help="write the peer section of this benchmarks file")
     ap.add_argument("--from-json", type=Path, help="render an earlier run's bench_peers.json (no measuring)")
+    ap.add_argument(
+        "--more-runs",
+        type=Path,
+        metavar="JSON",
+        help="add --rounds rounds of runs only (no builds) to an earlier run's bench_peers(.partial).json, "
+        "on the builds it left under --root",
+    )
     args = ap.parse_args()
     command = " ".join(["python", "scripts/bench_peers.py", *sys.argv[1:]])
     if args.setup_only:
@@ -580,7 +614,36 @@ def main() -> None:
         versions = setup_venvs(args.root, [t for t in args.tools if t != "vlmc"])
         print(json.dumps({"versions": versions, "facts": make_models(args.root)}, indent=1))
         return
-    if args.from_json:
+    if args.more_runs:
+        prev = json.loads(args.more_runs.read_text())
+        facts = prev.get("facts") or json.loads((args.root / "model" / ".made").read_text())
+        tools = [t for t in TOOLS if any(k.startswith(t + " ") for k in prev["measure"]["builds"])]
+        t0 = time.perf_counter()
+        measured = measure_all(
+            args.root,
+            facts,
+            tools,
+            args.rounds,
+            args.tokens,
+            args.threads,
+            0,
+            args.ov_f32,
+            res=prev["measure"],
+            build_rounds=0,
+        )
+        result = {
+            "versions": setup_venvs(args.root, [t for t in tools if t != "vlmc"]),
+            "facts": facts,
+            "measure": measured,
+            "rounds": len(measured["load"]),
+            "build_rounds": len(next(iter(measured["builds"].values()))),
+            "tokens": args.tokens,
+            "threads": args.threads,
+            "seconds": prev.get("seconds", 0) + time.perf_counter() - t0,
+            "command": (prev.get("command") or "") + f"; then {command}",
+        }
+        (args.root / "bench_peers.json").write_text(json.dumps(result, indent=1) + "\n")
+    elif args.from_json:
         result = json.loads(args.from_json.read_text())
         if "versions" not in result:  # a partial file (written after each round of a run cut short)
             names = [t for t in args.tools if t != "vlmc"]
