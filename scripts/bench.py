@@ -745,7 +745,7 @@ def _peer_lines(args) -> list[str]:
 
     command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
     return bench_peers.section(
-        bench_peers.run(args.peers_root, rounds=args.peer_rounds, command=command), command
+        bench_peers.measure_peers(args.peers_root, rounds=args.peer_rounds, command=command), command
     )
 
 

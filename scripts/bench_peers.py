@@ -554,7 +554,8 @@ def section(result: dict, command: str) -> list[str]:
 TOOLS = ("vlmc", "openvino", "ortgenai")
 
 
-def run(
+# Not named run(): bench.py runs every scripts/bench_*.py's run(rows, quick) as a pass benchmark.
+def measure_peers(
     root: Path,
     rounds: int = 2,
     tokens: int = 32,
@@ -649,7 +650,7 @@ def main() -> None:
             names = [t for t in args.tools if t != "vlmc"]
             result.update(versions=setup_venvs(args.root, names), tokens=args.tokens, threads=args.threads)
     else:
-        result = run(
+        result = measure_peers(
             args.root,
             args.rounds,
             args.tokens,
