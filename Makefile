@@ -34,7 +34,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check vlmc passes tests scripts
 
 bench: $(STAMP)
-	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3 $(if $(BENCH_7B),--7b) $(if $(BENCH_7B_DIR),--7b-dir $(BENCH_7B_DIR)) $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --out docs/benchmarks.md --large-runs 3 $(if $(BENCH_7B),--7b) $(if $(BENCH_7B_DIR),--7b-dir $(BENCH_7B_DIR)) $(if $(BENCH_PEERS),--peers) $(BENCH_ARGS)
 
 # Every built-in family x recipe x executor (scripts/matrix.py): writes docs/compatibility.md and .json.
 matrix: $(STAMP)

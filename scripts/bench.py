@@ -459,12 +459,15 @@ def scale_rows(
 SCALE_HEADING = "## Scale: the quantized Ascend recipe at 512 M and a full 7B"
 # The sections bench.py writes; docs/benchmarks.md's other sections are hand-written and kept.
 HOST_LOOP_HEADING = "## Host loop of `vlmc run BUILD --executor acl` (pyACL stand-in)"
+# scripts/bench_peers.py's section (written with --peers or --only-peers; kept as it was otherwise)
+PEERS_HEADING = "## Peers: vlmc against OpenVINO GenAI and onnxruntime-genai"
 GENERATED_HEADINGS = (
     "## Machine",
     "## Pipeline cost: `vlmc build` vs bare `torch.onnx.export`",
     SCALE_HEADING,
     "## What the passes buy",
     HOST_LOOP_HEADING,
+    PEERS_HEADING,
     "## Reproduce",
 )
 
@@ -738,6 +741,18 @@ def _host_loop_rows(keep: Path | None = None) -> list[dict]:
         return bench_host_loop.rows(tokens=HOST_LOOP_TOKENS, out=Path(tmp), repeats=HOST_LOOP_REPEATS)
 
 
+def _peer_lines(args) -> list[str]:
+    """Measure the peers (scripts/bench_peers.py: its venvs, model and builds under --peers-root) and
+    return its section."""
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_peers
+
+    command = " ".join(["python", "scripts/bench.py", *sys.argv[1:]])
+    return bench_peers.section(
+        bench_peers.measure_peers(args.peers_root, rounds=args.peer_rounds, command=command), command
+    )
+
+
 def render(
     m: dict,
     cost: list[dict],
@@ -747,6 +762,7 @@ def render(
     args,
     scale=(),
     host_loop=(),
+    peers=(),
 ) -> str:
     lines = [
         "# Benchmarks",
@@ -772,6 +788,7 @@ def render(
         lines += _passes_section(pass_rows, ran)
     if host_loop:
         lines += host_loop_section(list(host_loop), " ".join(["python", "scripts/bench.py", *sys.argv[1:]]))
+    lines += list(peers)
     lines += _reproduce_section()
     with open(args.out.parent / "bench" / "results.json", "w") as f:
         json.dump(
@@ -838,6 +855,11 @@ def _reproduce_section() -> list[str]:
         "python scripts/bench.py --only-7b --7b-dir /big/llava7b   # just the 7B row, into the scale section",
         "python scripts/bench.py --sizes tiny small --runs 5 --out docs/benchmarks.md",
         "python scripts/bench.py --quick --out /tmp/bench.md   # smoke run (make test does this)",
+        "python scripts/bench.py --only-scale              # the 512 M row alone (prints, does not rewrite this file)",
+        "python scripts/ab_build.py --before REV --runs 3  # that row's build, REV and this tree alternating: medians, ratio"
+        " (--plain: fold_constants, simplify)",
+        "make bench BENCH_PEERS=1        # also vlmc against OpenVINO GenAI and onnxruntime-genai (their venvs under out/peers)",
+        "python scripts/bench.py --only-peers   # just that section (scripts/bench_peers.py --help for its own options)",
         "```",
         "",
     ]
@@ -879,6 +901,17 @@ def main() -> None:
     ap.add_argument(
         "--host-loop-dir", type=Path, help="keep (and reuse) the host-loop builds in this directory"
     )
+    ap.add_argument(
+        "--peers",
+        action="store_true",
+        help="also measure vlmc against OpenVINO GenAI and onnxruntime-genai (scripts/bench_peers.py; "
+        "installs their venvs under --peers-root)",
+    )
+    ap.add_argument("--only-peers", action="store_true", help="measure and rewrite only the peer section")
+    ap.add_argument(
+        "--peers-root", type=Path, default=REPO / "out" / "peers", help="the peers' venvs and builds"
+    )
+    ap.add_argument("--peer-rounds", type=int, default=2, help="alternating rounds of the peer benchmark")
     ap.add_argument(
         "--7b", dest="seven_b", action="store_true", help="add the full LLaVA-1.5-7B row (~45 GB disk)"
     )
@@ -937,6 +970,11 @@ def main() -> None:
         args.out.write_text(splice_section(previous, HOST_LOOP_HEADING, lines))
         print(f"wrote the host-loop section of {args.out}")
         return
+    if args.only_peers:
+        previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
+        args.out.write_text(splice_section(previous, PEERS_HEADING, _peer_lines(args)))
+        print(f"wrote the peer section of {args.out}")
+        return
     if args.quick:
         args.sizes, args.runs, args.skip_scale = ["tiny"], 2, True
     if args.only_7b:
@@ -974,12 +1012,15 @@ def main() -> None:
         return
     pass_rows, ran = ([], []) if args.skip_passes else pass_benchmarks(args.quick)
     host_loop = [] if args.skip_host_loop else _host_loop_rows(args.host_loop_dir)
+    peers = _peer_lines(args) if args.peers else []
     plot_dir = args.out.parent / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)
     plots = plot(cost, plot_dir) if cost else []
     previous = args.out.read_text() if args.out.is_file() else "# Benchmarks\n"
     args.out.write_text(
-        splice_generated(previous, render(machine(), cost, pass_rows, ran, plots, args, scale, host_loop))
+        splice_generated(
+            previous, render(machine(), cost, pass_rows, ran, plots, args, scale, host_loop, peers)
+        )
     )
     print(f"wrote {args.out}")
 
