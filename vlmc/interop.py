@@ -634,6 +634,22 @@ def outputs_suffix(extra_outputs) -> bytes:
     return extra.SerializeToString()
 
 
+def session_input(
+    model: ir.Model | onnx.ModelProto, extra_outputs=(), in_memory_below: int = 0
+) -> tuple[bytes | None, bytes]:
+    """What an onnxruntime session on ``model`` is made from, asked in one call.
+
+    Returns ``(graph, suffix)``: ``graph`` is the serialized graph with its weights when it is a
+    ModelProto (bounded by protobuf itself) or an IR graph whose weights are under
+    ``in_memory_below`` bytes, else None (the caller links the weight files instead); ``suffix`` is
+    :func:`outputs_suffix` of ``extra_outputs``.
+    """
+    suffix = outputs_suffix(extra_outputs)
+    if isinstance(model, onnx.ModelProto) or graphs.initializer_bytes(model) < in_memory_below:
+        return session_bytes(model), suffix
+    return None, suffix
+
+
 def session_bytes(model: ir.Model | onnx.ModelProto) -> bytes:
     """The serialized graph with its weights, for an in-memory onnxruntime session (< 2 GiB graphs)."""
     proto = model if isinstance(model, onnx.ModelProto) else _full_proto(model)

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from vlmc import graphs, interop, memory
+from vlmc import interop, memory
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _disabled(precision: str | None, model=None) -> list[str]:
 
 def _float16_conv(model) -> bool:
     """True when a Conv of an onnx-ir model takes a float16 weight."""
-    if interop.is_proto(model):
+    if not isinstance(model, ir.Model):  # a tool's ModelProto: its Convs are not looked at
         return False
     return any(
         node.op_type == "Conv"
@@ -94,11 +94,11 @@ def from_model(
         precision: the graph's manifest precision; weight-only graphs keep their dequantization
             unfolded (see ``_KEEP_DEQUANT``).
     """
-    suffix = interop.outputs_suffix(extra_outputs)
     # A tool's or a test's ModelProto is bounded by protobuf itself (under 2 GiB): always in memory.
-    if interop.is_proto(model) or graphs.initializer_bytes(model) < STREAM_FROM_FILE_BYTES:
+    data, suffix = interop.session_input(model, extra_outputs, in_memory_below=STREAM_FROM_FILE_BYTES)
+    if data is not None:
         return ort.InferenceSession(
-            interop.session_bytes(model) + suffix,
+            data + suffix,
             options(threads, precision),
             providers=["CPUExecutionProvider"],
             disabled_optimizers=_disabled(precision, model),
