@@ -111,16 +111,26 @@ def test_a_chunk_never_cuts_an_image_whose_tokens_attend_both_ways(exported, tmp
     sched = Scheduler(Pipeline(pkg), max_batch=2, num_blocks=64, prefill_chunk=BLOCK)
     assert sched.whole_images
     image = sched.image_id
-    seq = sched.submit(Request("Describe the image in detail.", ["demo:1"], 4)) and sched.waiting[0]
-    ids = seq.prompt = seq.inputs.input_ids[0].tolist()
-    seq.start = (None, "embeds", None, {})
-    cuts = []
-    while seq.done < len(ids):
-        seq.done = sched._chunk_end(seq, BLOCK)
-        cuts.append(seq.done)
-    assert cuts[-1] == len(ids) and len(cuts) > 1
-    assert all(c % BLOCK == 0 or c == len(ids) for c in cuts)
-    assert not any(ids[c - 1] == image == ids[c] for c in cuts[:-1])
+    sched.submit(Request("Describe the image in detail.", ["demo:1"], 4))
+    seq = sched.waiting[0]
+    seq.start = (None, "embeds", None, {})  # as _begin leaves it for a decoder (not merged) prefill
+
+    def cuts(ids):
+        seq.prompt, seq.done, out = ids, 0, []
+        while seq.done < len(ids):
+            seq.done = sched._chunk_end(seq, BLOCK)
+            out.append(seq.done)
+        return out
+
+    # Block boundaries 16, 32 and 48 fall inside the image run [10, 50): the chunk goes past it;
+    # [20, 60) starts after the boundary at 16, which stays.
+    assert cuts([1] * 10 + [image] * 40 + [2] * 20) == [64, 70]
+    assert cuts([1] * 20 + [image] * 40 + [2] * 20) == [16, 64, 80]
+    assert cuts([1] * 40 + [image] * 8 + [2] * 20) == [16, 32, 48, 64, 68]  # a run between boundaries
+    ids = seq.inputs.input_ids[0].tolist()
+    real = cuts(ids)
+    assert real[-1] == len(ids) and all(c % BLOCK == 0 for c in real[:-1])
+    assert not any(ids[c - 1] == image == ids[c] for c in real[:-1])
     # a causal decoder (no image_tokens input) may cut anywhere on a block boundary
     assert not Scheduler(Pipeline(_paged(exported("tiny-llava"), tmp_path / "l")), num_blocks=8).whole_images
 
