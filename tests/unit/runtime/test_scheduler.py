@@ -224,6 +224,17 @@ def test_a_reference_build_serves_batches_on_its_gears(exported, tmp_path):
     assert sched.allocator.num_blocks == run_pkg.manifest["kv"]["num_blocks"]
     assert [r.tokens for r in sched.run([Request(p, im, n) for p, im, n in REQUESTS])] == expected
     assert sched.steps < sum(len(t) - 1 for t in expected)
+    # Prompts that arrive while one decodes are prefilled a block per step on the build too.
+    sched = Scheduler(pipe, max_batch=4, prefix_cache=False, prefill_chunk=BLOCK)
+    reqs = [Request(p, im, n) for p, im, n in REQUESTS]
+    sched.submit(reqs[1])
+    sched.step()
+    for r in [reqs[0], *reqs[2:]]:
+        sched.submit(r)
+    while sched.busy:
+        sched.step()
+    assert [r.tokens for r in reqs] == expected
+    assert sched.stats["prefill_runs"] > sched.stats["prefills"]
 
 
 def test_vlmc_run_chat_reuses_the_history_and_answers_as_without_reuse(exported, tmp_path):
