@@ -1,5 +1,6 @@
 """Serving many requests on one package: aggregate decode throughput and time to first token at 1, 4
-and 8 concurrent requests against one at a time, and a chat's second turn with and without reuse.
+and 8 concurrent requests against one at a time, a chat's second turn with and without reuse, and
+requests that arrive while others decode, prefilled whole or in chunks (the running sequences' stall).
 
     python scripts/bench_serve.py                      # the 512 M real-width LLaVA-1.5, paged, onnxruntime CPU
     python scripts/bench_serve.py --package PKG_DIR    # any paged package
@@ -9,6 +10,10 @@ and 8 concurrent requests against one at a time, and a chat's second turn with a
 The reference build (`--build`) is the package compiled for Ascend910B4 with batch gears 1, 4 and 8,
 run by the reference executor (the build's graphs on onnxruntime CPU, float16 pools as on the card):
 it measures the scheduler over a build's fixed pool and gears, not NPU speed.
+
+Arrivals: the same requests, the next one submitted every 2 scheduler steps, so each prompt is prefilled
+while earlier ones decode; the gap between two tokens of a running request shows how long a prefill stalls
+it: whole prompts in one step (``prefill_chunk`` None, the scheduler before chunking) against chunks of 256.
 
 Every request's tokens are checked against the same request run alone; a mismatch fails the run.
 Rounds alternate between the concurrency levels so a noisy machine moves them alike; medians are reported.
@@ -108,6 +113,71 @@ def _second_turn(pipe, reuse: bool, new_tokens: int) -> tuple[float, float]:
     return first, second
 
 
+CHUNKS = {"whole prompts": None, "chunks of 256": 256}
+
+
+def _arrivals(pipe, chunk: int | None, n: int, new_tokens: int, every: int = 2) -> dict:
+    """Request k is submitted after 2k scheduler steps: each prompt is prefilled while others decode."""
+    from vlmc.runtime.scheduler import Scheduler
+
+    sched = Scheduler(
+        pipe, max_batch=8, num_blocks=4096, prefix_cache=False, image_cache=0, prefill_chunk=chunk
+    )
+    reqs = _requests(n, new_tokens)
+    stamps: dict[int, list[float]] = {r.id: [] for r in reqs}
+    for k, r in enumerate(reqs):
+        r.id = k + 1
+        r.on_token = lambda r, _t: stamps.setdefault(r.id, []).append(time.perf_counter())
+    t0, submitted, steps = time.perf_counter(), 0, 0
+    while submitted < n or sched.busy:
+        if submitted < n and steps >= every * submitted:
+            sched.submit(reqs[submitted])
+            submitted += 1
+        sched.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    sched.close()
+    gaps = sorted(b - a for r in reqs for a, b in zip(stamps[r.id], stamps[r.id][1:]))
+    return {
+        "tokens": [r.tokens for r in reqs],
+        "wall_seconds": wall,
+        "max_gap": gaps[-1],
+        "p90_gap": gaps[int(0.9 * (len(gaps) - 1))],
+        "median_gap": statistics.median(gaps),
+        "ttft_median": statistics.median(r.time_to_first_token for r in reqs),
+    }
+
+
+def measure_arrivals(pipe, rounds: int, requests: int, new_tokens: int, alone: list) -> dict:
+    """Medians per prefill mode, alternating; every request's tokens must equal it alone."""
+    runs: dict[str, list[dict]] = {name: [] for name in CHUNKS}
+    for _ in range(rounds):
+        for name, chunk in CHUNKS.items():
+            runs[name].append(_arrivals(pipe, chunk, requests, new_tokens))
+    for name in CHUNKS:
+        if any(r["tokens"] != alone for r in runs[name]):
+            raise SystemExit(
+                f"bench_serve: arrivals with {name}: a request's tokens differ from it run alone"
+            )
+    keys = ("max_gap", "p90_gap", "median_gap", "ttft_median", "wall_seconds")
+    return {name: {k: statistics.median(r[k] for r in runs[name]) for k in keys} for name in CHUNKS}
+
+
+def arrivals_table(arr: dict) -> list[str]:
+    base = arr["whole prompts"]
+    rows = [
+        "| prefill of arriving requests | longest gap between two tokens | vs whole prompts | 90th percentile gap "
+        "| median gap | median time to first token | workload s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, m in arr.items():
+        rows.append(
+            f"| {name} | {m['max_gap']:.3f} s | **{m['max_gap'] / base['max_gap']:.2f}×** | "
+            f"{m['p90_gap']:.3f} s | {m['median_gap']:.3f} s | {m['ttft_median']:.3f} s | {m['wall_seconds']:.1f} |"
+        )
+    return rows
+
+
 def measure(pipe, rounds: int, requests: int, new_tokens: int, turns: bool = True) -> tuple[dict, dict]:
     """Medians per concurrency level, and (``turns``) the chat turns' times to first token (reuse, no
     reuse)."""
@@ -126,6 +196,7 @@ def measure(pipe, rounds: int, requests: int, new_tokens: int, turns: bool = Tru
             chat[name].append(_second_turn(pipe, name == "reuse", new_tokens))
     keys = ("decode_tok_s", "total_tok_s", "ttft_median", "wall_seconds")
     med = {c: {k: statistics.median(r[k] for r in runs[c]) for k in keys} for c in levels}
+    med[1]["tokens"] = alone
     return med, chat
 
 
@@ -170,12 +241,27 @@ def run(rows: list[dict], quick: bool) -> None:
         package = _package(args, Path(tmp))
         pipe = _open(package, None, 2)
         med, turns = measure(pipe, 1 if quick else 3, 8, 16)
+        arrivals = measure_arrivals(pipe, 1 if quick else 3, 8, 16, med[1].pop("tokens"))
         pipe.close()
         pipe = _open(_build(package, Path(tmp)), "reference", 2)
         built, _ = measure(pipe, 1, 8, 16, turns=False)
+        built[1].pop("tokens")
         pipe.close()
     _level_rows(rows, f"{model}, paged", med)
     _level_rows(rows, f"{model}, its Ascend build on the reference executor", built)
+    base = arrivals["whole prompts"]
+    for name, m in arrivals.items():
+        rows.append(
+            {
+                "benchmark": "serve",
+                "setting": f"{model}, paged, a request arriving every 2 steps, {name}",
+                "metric": "longest gap between two tokens",
+                "value": f"{m['max_gap']:.3f} s",
+                "ratio": f"{m['max_gap'] / base['max_gap']:.2f}× whole prompts",
+                "notes": f"90th percentile gap {m['p90_gap']:.3f} s; median TTFT {m['ttft_median']:.3f} s; "
+                f"workload {m['wall_seconds']:.1f} s; every request's tokens = it alone",
+            }
+        )
     first, second, plain = _turn_medians(turns)
     rows.append(
         {
@@ -223,12 +309,26 @@ def main() -> None:
         package = _package(args, Path(tmp))
         pipe = _open(package, None, args.threads)
         med, turns = measure(pipe, args.rounds, args.requests, args.new_tokens)
+        arrivals = measure_arrivals(pipe, args.rounds, args.requests, args.new_tokens, med[1].pop("tokens"))
         pipe.close()
-        print("\n".join(["package (onnxruntime CPU):", *level_table(med), "", *turn_table(turns)]))
-        results = {"levels": {str(c): m for c, m in med.items()}, "turns": turns}
+        print(
+            "\n".join(
+                [
+                    "package (onnxruntime CPU):",
+                    *level_table(med),
+                    "",
+                    *turn_table(turns),
+                    "",
+                    "requests arriving every 2 steps:",
+                    *arrivals_table(arrivals),
+                ]
+            )
+        )
+        results = {"levels": {str(c): m for c, m in med.items()}, "turns": turns, "arrivals": arrivals}
         if args.build:
             pipe = _open(_build(package, Path(tmp)), "reference", args.threads)
             built, _ = measure(pipe, args.build_rounds, args.requests, args.new_tokens, turns=False)
+            built[1].pop("tokens")
             pipe.close()
             print("\n".join(["", "Ascend build on the reference executor:", *level_table(built)]))
             results["build_levels"] = {str(c): m for c, m in built.items()}

@@ -458,6 +458,13 @@ def _fitted_images(manifest: dict, per_prompt: list[list]) -> tuple[list[list], 
     "--no-prefix-cache", is_flag=True, help="Do not share prompt-prefix KV blocks between requests."
 )
 @click.option(
+    "--prefill-chunk",
+    default=None,
+    type=click.IntRange(0, 1 << 20),
+    help="Prompt tokens a step prefills at most while other requests decode, in whole KV blocks "
+    "(default 256; 0: each prompt whole in one step).",
+)
+@click.option(
     "--executor",
     type=click.Choice(["acl", "reference"]),
     default=None,
@@ -476,6 +483,7 @@ def serve(
     max_tokens,
     image_root,
     no_prefix_cache,
+    prefill_chunk,
     executor,
     device_id,
 ):
@@ -507,6 +515,7 @@ def serve(
             max_batch=max_batch,
             num_blocks=num_blocks,
             prefix_cache=not no_prefix_cache,
+            **({} if prefill_chunk is None else {"prefill_chunk": prefill_chunk or None}),
         )
     finally:
         pipe.close()

@@ -125,7 +125,8 @@ class Engine:
                     pending.pop(id(r))("done", r.finish_reason)
 
     def _running(self) -> list[Request]:
-        return [s.request for s in [*self.scheduler.running, *self.scheduler.waiting]]
+        sched = self.scheduler
+        return [s.request for s in [*sched.running, *sched.prefilling, *sched.waiting]]
 
     def close(self) -> None:
         with self._cv:

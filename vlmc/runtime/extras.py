@@ -39,6 +39,12 @@ def _feeds(manifest: dict, input_ids: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def images_attend_both_ways(manifest: dict) -> bool:
+    """Whether the decoder lets an image's placeholders attend to each other in both directions (an
+    ``image_tokens`` input): then a prefill cut inside an image's run would change its rows."""
+    return "image_tokens" in (manifest["text"].get("decoder_inputs") or {}).values()
+
+
 def prefill(manifest: dict, input_ids: np.ndarray) -> dict[str, np.ndarray]:
     """The extra decoder inputs for a prefill of these (padded) prompt ids."""
     return _feeds(manifest, input_ids)

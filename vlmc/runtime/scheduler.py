@@ -1,10 +1,16 @@
 """Many requests on one paged package or build: continuous batching over one KV pool, prefix and image reuse.
 
-Requests arrive and finish at different times. Each is prefilled alone (so its KV and first token are
-exactly what it would get run by itself), then joins the running batch: a step batches the running
+Requests arrive and finish at different times. Each is prefilled on its own (batch 1, so its KV and first
+token are what it would get run by itself), then joins the running batch: a step batches the running
 sequences' decode tokens, up to ``max_batch``, into one decoder run. Every sequence has its own block
 table in one :class:`~vlmc.runtime.paged.BlockAllocator` (block 0 stays the null block); a finished
 sequence's blocks go back at once.
+
+**Chunked prefill.** While sequences are decoding, a step prefills at most ``prefill_chunk`` prompt
+tokens (whole blocks) of the requests it admitted, before its decode run, so a running sequence's next
+token waits for one chunk, not for whole prompts; a long prompt takes several steps. A chunk is a
+prefill over the KV its earlier chunks stored, as a cached prefix is, and ends on a block boundary.
+A step that starts with no sequence decoding prefills what it admits whole (no one waits for a token).
 
 Admission reserves, for each request, the blocks its prompt and ``max_new_tokens`` can take, so a
 running sequence never waits for a block: while the pool cannot hold a request, it waits; a request
@@ -44,6 +50,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_POOL_BLOCKS = 1024
 # Image-feature entries kept (each holds one request's image-chain outputs).
 DEFAULT_IMAGE_CACHE = 16
+# Prompt tokens a step prefills at most while other sequences decode (chunked prefill).
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -84,7 +92,7 @@ class Request:
         return None if self.first_token_at is None else self.first_token_at - self.submitted
 
 
-@dataclass
+@dataclass(eq=False)  # a sequence is itself: list/deque membership and removal go by identity
 class _Sequence:
     request: Request
     inputs: object  # the pipeline's Inputs for the prompt alone
@@ -94,6 +102,11 @@ class _Sequence:
     rng: np.random.Generator | None = None
     prompt: list[int] = field(default_factory=list)  # prompt token ids
     image_keys: list[str] = field(default_factory=list)
+    # Prefill in chunks: what Pipeline.start gave for the whole prompt, and the prompt tokens whose KV
+    # is stored so far (a cached prefix included).
+    start: tuple | None = None
+    done: int = 0
+    last_logits: np.ndarray | None = None  # the prompt's last position, until its first token is drawn
 
 
 class _LRU:
@@ -195,6 +208,8 @@ class Scheduler:
             used as it is).
         prefix_cache: share whole prefix blocks between requests.
         image_cache: image-feature entries kept (0: none).
+        prefill_chunk: prompt tokens a step prefills at most while sequences decode (rounded down to
+            whole blocks, at least one); None prefills each admitted prompt whole in its step.
     """
 
     def __init__(
@@ -204,6 +219,7 @@ class Scheduler:
         num_blocks: int | None = None,
         prefix_cache: bool = True,
         image_cache: int = DEFAULT_IMAGE_CACHE,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     ) -> None:
         m = pipeline.m
         if m["kv"].get("layout") != "paged":
@@ -213,6 +229,8 @@ class Scheduler:
             )
         if max_batch < 1:
             raise VlmcError(f"max_batch must be at least 1, got {max_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise VlmcError(f"prefill_chunk must be at least 1 token, got {prefill_chunk}")
         self.pipe = pipeline
         self.m = m
         self.kv = pipeline.kv_facts()
@@ -226,13 +244,25 @@ class Scheduler:
         self.prefix = PrefixCache(self.allocator) if prefix_cache else None
         self.images = _LRU(image_cache) if image_cache else None
         pipeline.image_cache = self.images
+        self.prefill_chunk = prefill_chunk
+        # A chunk never ends inside an image's placeholders when they attend to each other both ways
+        # (text.decoder_inputs' image_tokens rule): an earlier chunk's image rows would miss the later ones.
+        self.whole_images = extras.images_attend_both_ways(m)
         self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.prefilling: collections.deque[_Sequence] = collections.deque()  # admitted, prompt not all in
         self.running: list[_Sequence] = []
         self._ids = itertools.count(1)
         self.eos = pipeline.eos_ids()
         self.steps = 0  # decoder runs of batched decode steps
         # Where the time goes (benchmarks and the server's stats): seconds and tokens of each phase.
-        self.stats = {"prefill_seconds": 0.0, "prefills": 0, "decode_seconds": 0.0, "decode_tokens": 0}
+        self.stats = {
+            "prefill_seconds": 0.0,
+            "prefills": 0,  # prompts completed
+            "prefill_runs": 0,  # decoder runs of prefill (a chunked prompt takes several)
+            "prefill_tokens": 0,  # prompt tokens computed (cached prefixes not counted)
+            "decode_seconds": 0.0,
+            "decode_tokens": 0,
+        }
         self.image_id = int(m["vision"]["image_token_id"])
         self.limit = int(m["text"].get("max_positions", 1 << 30))
 
@@ -271,29 +301,47 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def cancel(self, request: Request) -> None:
         """Stop a request wherever it is (its blocks go back at once)."""
         for seq in list(self.waiting):
             if seq.request is request:
                 self.waiting.remove(seq)
-        for seq in list(self.running):
+        for seq in [*self.prefilling, *self.running]:
             if seq.request is request:
                 self._finish(seq, "cancelled")
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Admit what fits (each prefilled alone), then one batched decode step of every running
-        sequence. Returns the requests that finished in this step."""
+        """Admit what fits, prefill (whole prompts, or one chunk's worth while sequences decode), then
+        one batched decode step of every running sequence. Returns the requests that finished in this step."""
         finished: list[Request] = []
-        while self.waiting and len(self.running) < self.max_batch and self._fits(self.waiting[0]):
-            seq = self.waiting.popleft()
-            self.running.append(seq)
+        decoding = bool(self.running)
+        while (
+            self.waiting
+            and len(self.running) + len(self.prefilling) < self.max_batch
+            and self._fits(self.waiting[0])
+        ):
+            self.prefilling.append(self.waiting.popleft())
+        budget = None
+        if decoding and self.prefill_chunk is not None:
+            budget = max(self.prefill_chunk // self.block_size, 1) * self.block_size
+        while self.prefilling and (budget is None or budget >= self.block_size):
+            seq = self.prefilling[0]
             t0 = time.perf_counter()
-            self._prefill(seq)
+            n = self._prefill(seq, budget)
             self.stats["prefill_seconds"] += time.perf_counter() - t0
+            self.stats["prefill_runs"] += 1
+            self.stats["prefill_tokens"] += n
+            if budget is not None:
+                budget -= n
+            if seq.done < len(seq.prompt):
+                continue  # the rest in later steps
+            self.prefilling.popleft()
+            self.running.append(seq)
             self.stats["prefills"] += 1
+            self._first_token(seq)
             if seq.request.done:
                 finished.append(seq.request)
         if self.running:
@@ -312,14 +360,17 @@ class Scheduler:
         return requests
 
     def _free_blocks(self) -> int:
-        held = sum(seq.reserved - len(self.allocator.table(seq.key)) for seq in self.running)
+        held = sum(
+            seq.reserved - len(self.allocator.table(seq.key)) for seq in [*self.prefilling, *self.running]
+        )
         spare = self.prefix.evictable() if self.prefix is not None else 0
         return self.allocator.num_free + spare - held
 
     def _fits(self, seq: _Sequence) -> bool:
         return seq.reserved <= self._free_blocks()
 
-    def _prefill(self, seq: _Sequence) -> None:
+    def _begin(self, seq: _Sequence) -> None:
+        """A sequence's first prefill: the whole prompt's embeds and positions, and any cached prefix."""
         pipe, inp = self.pipe, seq.inputs
         ids = seq.prompt = inp.input_ids[0].tolist()
         seq.image_keys = self._image_keys(inp)
@@ -330,29 +381,65 @@ class Scheduler:
         cached = len(shared) * self.block_size
         if shared and embeds is None and (np.asarray(ids[cached:]) == self.image_id).any():
             shared, cached = [], 0  # a merged graph takes an image's tokens only with the whole prompt
-        mask = np.ones((1, len(ids)), np.int64)
-        state = PagedKV(self.kv, 1, pool=self.pool, seqs=[seq.key])
         if shared:
             self.allocator.share(seq.key, shared, cached)
             if embeds is None:
-                merged, embeds = None, pipe.embed(inp.input_ids[:, cached:])
+                merged, embeds = None, pipe.embed(inp.input_ids)
+        seq.request.cached_tokens = seq.done = cached
+        seq.start = (merged, embeds, pos, extra)
+
+    def _chunk_end(self, seq: _Sequence, budget: int | None) -> int:
+        """Where this step's prefill of the sequence stops: the prompt's end, or a block boundary."""
+        n, lo = len(seq.prompt), seq.done
+        if budget is None or seq.start[1] is None:  # a merged graph takes a prompt with images whole
+            return n
+        hi = lo + budget // self.block_size * self.block_size  # the step leaves at least one block
+        ids = seq.prompt
+        while self.whole_images and lo < hi < n and ids[hi - 1] == self.image_id == ids[hi]:
+            run = hi
+            while run > lo and ids[run - 1] == self.image_id:
+                run -= 1
+            down = run // self.block_size * self.block_size
+            if down > lo:
+                hi = down  # before the image
             else:
-                embeds = embeds[:, cached:]
-            pos = pos[..., cached:]
-            extra = {k: v[:, cached:] for k, v in extra.items()}
+                while run < n and ids[run] == self.image_id:
+                    run += 1
+                hi = -(-run // self.block_size) * self.block_size  # past it
+        return min(hi, n)
+
+    def _prefill(self, seq: _Sequence, budget: int | None) -> int:
+        """Prefill the sequence's prompt up to this step's chunk end; returns the tokens computed.
+
+        A chunk after the first is the same decoder run a cached prefix gets: its tokens, their
+        positions of the whole prompt, over the KV the earlier chunks stored."""
+        if seq.start is None:
+            self._begin(seq)
+        pipe, inp = self.pipe, seq.inputs
+        merged, embeds, pos, extra = seq.start
+        lo, hi = seq.done, self._chunk_end(seq, budget)
+        mask = np.ones((1, hi), np.int64)
+        state = PagedKV(self.kv, 1, pool=self.pool, seqs=[seq.key])
         if embeds is None:
             available, chain = pipe.merged_inputs(inp, merged, mask, pos, extra)
         else:
-            outputs = _skip_rows(self.m, inp, cached)
-            ds = deepstack.feeds(self.m, inp.input_ids[:, cached:], outputs, embeds.shape[-1], True)
-            available, chain = pipe.decoder_inputs(embeds, mask, pos, {**extra, **ds})
+            part = {k: v[:, lo:hi] for k, v in extra.items()}
+            outputs = _image_rows(self.m, inp, lo, hi)
+            ds = deepstack.feeds(self.m, inp.input_ids[:, lo:hi], outputs, embeds.shape[-1], True)
+            available, chain = pipe.decoder_inputs(embeds[:, lo:hi], mask, pos[..., lo:hi], {**part, **ds})
         logits = pipe.step(available, chain, state)
-        seq.request.cached_tokens = cached
-        self._remember(seq, ids)
-        seq.next_pos = positions.next_positions(
-            available["position_ids"]
-        )  # a merged graph's own, if it returns them
-        self._emit(seq, logits[0])
+        seq.done = hi
+        if hi == len(seq.prompt):
+            seq.start = None
+            self._remember(seq, seq.prompt)
+            # from the whole prompt's positions (a merged graph's own, if it returns them)
+            seq.next_pos = positions.next_positions(pos if embeds is not None else available["position_ids"])
+            seq.last_logits = logits[0]
+        return hi - lo
+
+    def _first_token(self, seq: _Sequence) -> None:
+        logits, seq.last_logits = seq.last_logits, None
+        self._emit(seq, logits)
 
     def _image_keys(self, inp) -> list[str]:
         """One key per image of the request (placeholder-run order), for the prefix keys."""
@@ -415,26 +502,35 @@ class Scheduler:
         seq.request.finished_at = time.perf_counter()
         # The answer's blocks too: a next turn's prompt starts with this prompt and this answer. Every
         # generated token but the last was fed back, so that is what the pool holds.
-        stored = self.allocator.length(seq.key)
-        self._remember(seq, seq.prompt + seq.request.tokens[: stored - len(seq.prompt)])
+        if seq in self.prefilling:  # cancelled mid-prompt: nothing of it is kept
+            self.prefilling.remove(seq)
+        else:
+            stored = self.allocator.length(seq.key)
+            self._remember(seq, seq.prompt + seq.request.tokens[: stored - len(seq.prompt)])
+            self.running.remove(seq)
         self.allocator.release(seq.key)
-        self.running.remove(seq)
 
     def close(self) -> None:
-        for seq in list(self.running):
+        for seq in [*self.prefilling, *self.running]:
             self._finish(seq, "cancelled")
         self.waiting.clear()
         self.pipe.image_cache = None
         self.pool.clear()
 
 
-def _skip_rows(manifest: dict, inp, cached: int) -> dict:
-    """The image chain's outputs with the deepstack rows of image tokens inside the cached prefix cut."""
+def _image_rows(manifest: dict, inp, lo: int, hi: int) -> dict:
+    """The image chain's outputs with only the deepstack rows of the image tokens in prompt positions
+    [lo, hi) (a chunk, or what follows a cached prefix)."""
     ds = manifest["text"].get("deepstack")
     outputs = inp.image_outputs
-    if not ds or not cached or not outputs or ds["vision_output"] not in outputs:
+    if not ds or not outputs or ds["vision_output"] not in outputs:
         return outputs
-    skip = int((inp.input_ids[0, :cached] == int(manifest["vision"]["image_token_id"])).sum())
+    image = inp.input_ids[0] == int(manifest["vision"]["image_token_id"])
+    skip, take = int(image[:lo].sum()), int(image[lo:hi].sum())
+    if (skip, take) == (0, int(image.sum())):
+        return outputs
+    if not take:  # no image token here: deepstack.feeds gives the text-only zero row
+        return {k: v for k, v in outputs.items() if k != ds["vision_output"]}
     stack = np.asarray(outputs[ds["vision_output"]])
-    stack = stack.reshape(int(ds["layers"]), -1, stack.shape[-1])[:, skip:]
+    stack = stack.reshape(int(ds["layers"]), -1, stack.shape[-1])[:, skip : skip + take]
     return {**outputs, ds["vision_output"]: stack}

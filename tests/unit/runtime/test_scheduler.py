@@ -68,6 +68,73 @@ def test_batched_requests_equal_each_request_alone(builtin, exported, tmp_path):
     pipe.close()
 
 
+@pytest.mark.parametrize(
+    "builtin", ["tiny-llava", "tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-gemma3", "tiny-llava+merge"]
+)
+def test_prompts_admitted_while_others_decode_are_prefilled_in_chunks(builtin, exported, tmp_path):
+    """Requests that arrive while a sequence decodes are prefilled one block per step: the running
+    sequence gets a token every step meanwhile, and every request's tokens equal it run alone (a merged
+    package's prompts with images go whole, its text-only ones in chunks)."""
+    name, _, merge = builtin.partition("+")
+    pkg = _paged(exported(name), tmp_path, *([Step("merge", {}, 1)] if merge else []))
+    expected = [_alone(pkg, p, im, n) for p, im, n in REQUESTS]
+    pipe = Pipeline(pkg)
+    sched = Scheduler(pipe, max_batch=4, num_blocks=64, prefill_chunk=BLOCK)
+    reqs = [Request(p, im, n) for p, im, n in REQUESTS]
+    # The one that decodes throughout: the longest answer, submitted first and alone.
+    first = max(range(len(reqs)), key=lambda i: reqs[i].max_new_tokens)
+    sched.submit(reqs[first])
+    sched.step()
+    for r in reqs[:first] + reqs[first + 1 :]:
+        sched.submit(r)
+    chunked_steps = 0
+    while sched.busy:
+        before, computed = len(reqs[first].tokens), sched.stats["prefill_tokens"]
+        decoding = bool(sched.running)
+        sched.step()
+        if before and not reqs[first].done:
+            assert len(reqs[first].tokens) == before + 1  # never stalled by the prompts being prefilled
+        if decoding and sched.stats["prefill_tokens"] > computed:
+            chunked_steps += 1
+            # while a sequence decodes, a step prefills one chunk: a block (an image's whole run where
+            # its tokens attend both ways; a merged graph's prompt with images whole)
+            assert sched.stats["prefill_tokens"] - computed <= BLOCK or sched.whole_images or merge
+    assert not sched.prefilling and not sched.running
+    assert [r.tokens for r in reqs] == expected
+    assert chunked_steps > len(reqs) - 1  # the later prompts took several steps each
+    assert sched.stats["prefills"] == len(reqs) < sched.stats["prefill_runs"]
+    pipe.close()
+
+
+def test_a_chunk_never_cuts_an_image_whose_tokens_attend_both_ways(exported, tmp_path):
+    pkg = _paged(exported("tiny-gemma3"), tmp_path)
+    sched = Scheduler(Pipeline(pkg), max_batch=2, num_blocks=64, prefill_chunk=BLOCK)
+    assert sched.whole_images
+    image = sched.image_id
+    sched.submit(Request("Describe the image in detail.", ["demo:1"], 4))
+    seq = sched.waiting[0]
+    seq.start = (None, "embeds", None, {})  # as _begin leaves it for a decoder (not merged) prefill
+
+    def cuts(ids):
+        seq.prompt, seq.done, out = ids, 0, []
+        while seq.done < len(ids):
+            seq.done = sched._chunk_end(seq, BLOCK)
+            out.append(seq.done)
+        return out
+
+    # Block boundaries 16, 32 and 48 fall inside the image run [10, 50): the chunk goes past it;
+    # [20, 60) starts after the boundary at 16, which stays.
+    assert cuts([1] * 10 + [image] * 40 + [2] * 20) == [64, 70]
+    assert cuts([1] * 20 + [image] * 40 + [2] * 20) == [16, 64, 80]
+    assert cuts([1] * 40 + [image] * 8 + [2] * 20) == [16, 32, 48, 64, 68]  # a run between boundaries
+    ids = seq.inputs.input_ids[0].tolist()
+    real = cuts(ids)
+    assert real[-1] == len(ids) and all(c % BLOCK == 0 for c in real[:-1])
+    assert not any(ids[c - 1] == image == ids[c] for c in real[:-1])
+    # a causal decoder (no image_tokens input) may cut anywhere on a block boundary
+    assert not Scheduler(Pipeline(_paged(exported("tiny-llava"), tmp_path / "l")), num_blocks=8).whole_images
+
+
 def test_merged_package_batches_too(exported, tmp_path):
     pkg = _paged(exported("tiny-llava"), tmp_path, Step("merge", {}, 1))
     assert pkg.manifest["pipeline"].get("vlm")
@@ -157,6 +224,17 @@ def test_a_reference_build_serves_batches_on_its_gears(exported, tmp_path):
     assert sched.allocator.num_blocks == run_pkg.manifest["kv"]["num_blocks"]
     assert [r.tokens for r in sched.run([Request(p, im, n) for p, im, n in REQUESTS])] == expected
     assert sched.steps < sum(len(t) - 1 for t in expected)
+    # Prompts that arrive while one decodes are prefilled a block per step on the build too.
+    sched = Scheduler(pipe, max_batch=4, prefix_cache=False, prefill_chunk=BLOCK)
+    reqs = [Request(p, im, n) for p, im, n in REQUESTS]
+    sched.submit(reqs[1])
+    sched.step()
+    for r in [reqs[0], *reqs[2:]]:
+        sched.submit(r)
+    while sched.busy:
+        sched.step()
+    assert [r.tokens for r in reqs] == expected
+    assert sched.stats["prefill_runs"] > sched.stats["prefills"]
 
 
 def test_vlmc_run_chat_reuses_the_history_and_answers_as_without_reuse(exported, tmp_path):
