@@ -230,6 +230,7 @@ def graph_feeds(vision: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndar
         raise VlmcError(
             f"an image has {most - 1} crops, more than pixel_values holds ({pixels.shape[1] - 1})"
         )
+    most = _crop_gear(most, facts)
     n = pixels.shape[0]
     sub = n * most * per  # the table's last two rows: sub_GN, glb_GN
     index = [image_layout(r, c, i * most * per, facts, sub, sub + 1) for i, (r, c) in enumerate(grids)]
@@ -263,3 +264,49 @@ def size_count(vision: dict, height: int | None, width: int | None) -> tuple[int
         1 + rows * cols,
         f"{height}x{width}: {rows}x{cols} crops + the global image, {tokens} tokens",
     )
+
+
+# ---- resolution gears (a compile output's fixed crop and image-token counts) ----------------------
+def _grids(facts: dict) -> list[tuple[int, int]]:
+    """Every crop grid (rows, cols) an image can get: at most ``num_crops`` crops."""
+    n = int(facts["num_crops"])
+    return [(r, c) for r in range(1, n + 1) for c in range(1, n // r + 1)]
+
+
+def _crop_gear(most: int, facts: dict) -> int:
+    """The crops the vision graph runs for a batch whose largest image uses ``most`` (the global one included):
+    that count in a package, the smallest compiled gear holding it in a build (``vision.preprocess.gears``).
+    The crops past an image's grid are the processor's zero crops, whose features are never indexed."""
+    gears = (facts.get("gears") or {}).get("crops")
+    if not gears:
+        return most
+    fits = [v for v in sorted(gears) if v >= most]
+    if not fits:
+        raise VlmcError(f"an image uses {most} crops, more than every crop gear {sorted(gears)}")
+    return fits[0]
+
+
+def default_crop_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    """Crops per image (the global image included): powers of two from the fewest to ``num_crops`` + 1."""
+    counts = sorted({1 + r * c for r, c in _grids(facts)})
+    return imaging.power_buckets(counts[0], int(facts["num_crops"]) + 1)
+
+
+def check_crop_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    most = int(facts["num_crops"]) + 1
+    if max(values) != most:
+        return f"the largest crop gear must be {most} (num_crops + 1, what the processor pads every image to)"
+    return None
+
+
+def default_token_gears(facts: dict, vision: dict | None = None) -> list[int]:
+    """Image tokens per image: powers of two from the fewest an image gives to the most, and the most."""
+    counts = sorted(tokens_for_grid(r, c, facts) for r, c in _grids(facts))
+    return imaging.power_buckets(counts[0], counts[-1])
+
+
+def check_token_gears(facts: dict, values: list[int], vision: dict | None = None) -> str | None:
+    most = most_tokens(facts)
+    if max(values) < most:
+        return f"the largest image-token gear {max(values)} is below the {most} tokens an image can give"
+    return None

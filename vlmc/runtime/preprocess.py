@@ -237,6 +237,30 @@ GEARS: dict[str, tuple[GearRule, ...]] = {
             "row, and the extra output tokens are dropped (each token is its own gather)",
         ),
     ),
+    "hd_crops": (
+        GearRule(
+            "crops",
+            "crop_gears",
+            "crops per image, the global image included",
+            "max",
+            "pad",
+            hd_crops.default_crop_gears,
+            hd_crops.check_crop_gears,
+            "none: the vision graph runs the smallest crop gear holding the batch's largest grid; the crops "
+            "past an image's grid are the processor's own zero crops, never indexed",
+        ),
+        GearRule(
+            "image_tokens",
+            "image_token_gears",
+            "image tokens per image",
+            "sum",
+            "rows",
+            hd_crops.default_token_gears,
+            hd_crops.check_token_gears,
+            "none: the feature index is padded up to the next gear with copies of its first row, and the "
+            "extra output tokens are dropped (each token is its own gather)",
+        ),
+    ),
 }
 # kind -> dims a build runner must never pad by rows, though it pads them for other kinds: anyres' feature
 # index names image_newline as the table's last row, after every image's tiles, so a padded image would

@@ -155,3 +155,35 @@ def test_numbered_markers():
     with pytest.raises(VlmcError, match="in order"):
         markers.split("<|image_2|>", m)
     assert markers.split("a<image>b", "<image>") == ["a", "b"] and markers.nth(m, 3) == "<|image_3|>"
+
+
+def test_a_builds_crop_gear_runs_the_same_features_on_more_crops():
+    """A compile output's crop gears: the vision graph runs the smallest gear holding the batch's largest grid
+    (the processor's zero crops up to it), and the index gathers the same table rows at the gear's stride."""
+    rng = np.random.default_rng(2)
+    imgs = [rng.integers(0, 256, s + (3,), dtype=np.uint8) for s in [(300, 900), (336, 336)]]
+    facts = dict(FACTS, num_crops=6)
+    gears = hd_crops.default_crop_gears(facts)
+    assert gears[-1] == 7 and hd_crops.check_crop_gears(facts, gears) is None
+    assert "num_crops + 1" in hd_crops.check_crop_gears(facts, [4])
+    vision = hd_crops.preprocess(imgs, facts)
+    plain = hd_crops.graph_feeds(vision, facts)
+    used = plain["pixel_values"].shape[1]  # the largest grid's crops and the global one
+    assert used < 7
+    geared = hd_crops.graph_feeds(vision, dict(facts, gears={"crops": [used - 1, used + 1, 7]}))
+    assert geared["pixel_values"].shape[1] == used + 1  # the smallest gear that holds them
+    assert not geared["pixel_values"][:, used:].any()
+    c = 3
+    feats = rng.standard_normal((2, used + 1, 144, c)).astype(np.float32)  # a table row per crop token
+    table = np.concatenate([feats.reshape(-1, c), np.ones((2, c), np.float32)])
+    plain_table = np.concatenate([feats[:, :used].reshape(-1, c), np.ones((2, c), np.float32)])
+    assert np.array_equal(table[geared["image_feature_index"]], plain_table[plain["image_feature_index"]])
+    with pytest.raises(VlmcError, match="more than every crop gear"):
+        hd_crops.graph_feeds(vision, dict(facts, gears={"crops": [used - 1]}))
+
+
+def test_image_token_gears_cover_every_grid():
+    facts = dict(FACTS, num_crops=6)
+    gears = hd_crops.default_token_gears(facts)
+    assert gears[-1] == hd_crops.most_tokens(facts) and hd_crops.check_token_gears(facts, gears) is None
+    assert "below" in hd_crops.check_token_gears(facts, [gears[-1] - 1])

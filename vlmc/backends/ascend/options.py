@@ -15,7 +15,7 @@ DEFAULT_SEQUENCE_BUCKETS = [128, 256, 512, 1024, 2048]
 PRECISIONS = ("auto", "fp16", "mixed_float16", "mixed_bfloat16", "origin")
 QUANTIZED_PRECISIONS = ("int8", "int8_weight_only", "int4_weight_only")
 # per-image resolution gears (vlmc.runtime.preprocess.GEARS names which apply to which preprocessing kind)
-RESOLUTION_OPTIONS = ("patch_gears", "tile_gears", "image_token_gears")
+RESOLUTION_OPTIONS = ("patch_gears", "tile_gears", "crop_gears", "image_token_gears")
 
 TARGET_OPTIONS = (
     pass_api.Option(
@@ -90,10 +90,21 @@ TARGET_OPTIONS = (
         max_items=limits.MAX_GEARS,
     ),
     pass_api.Option(
+        "crop_gears",
+        list,
+        None,
+        "resolution gears of HD-crop vision graphs (preprocess kind hd_crops): crops per image, the global "
+        "image included; the largest is num_crops + 1 (default: powers of two up to it)",
+        items=int,
+        min=1,
+        max=limits.MAX_TOKENS_PER_IMAGE,
+        max_items=limits.MAX_GEARS,
+    ),
+    pass_api.Option(
         "image_token_gears",
         list,
         None,
-        "resolution gears of anyres vision graphs (preprocess kind anyres): image tokens per image "
+        "resolution gears of anyres and HD-crop vision graphs (preprocess kinds anyres, hd_crops): image tokens per image "
         "(default: powers of two up to the most an image gives)",
         items=int,
         min=1,
