@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from vlmc.exporters import phi3_v
+
 PUBLISHED_CONFIG = {
     "_name_or_path": "Phi-3-vision-128k-instruct",
     "architectures": ["Phi3VForCausalLM"],
@@ -53,17 +55,8 @@ PUBLISHED_CONFIG = {
     "rms_norm_eps": 1e-05,
     # the published 48 factors each; the first 8 (narrow head_dim 16 / 2) are kept below
     "rope_scaling": {
-        "long_factor": [
-            1.0299999713897705,
-            1.0499999523162842,
-            1.0499999523162842,
-            1.0799999237060547,
-            1.2299998998641968,
-            1.2299998998641968,
-            1.2999999523162842,
-            1.4499999284744263,
-        ],
-        "short_factor": [1.05, 1.05, 1.05, 1.1, 1.1, 1.1, 1.2500000000000002, 1.2500000000000002],
+        "long_factor": list(phi3_v.PUBLISHED_LONG),
+        "short_factor": list(phi3_v.PUBLISHED_SHORT),
         "type": "su",
     },
     "rope_theta": 10000.0,
@@ -135,8 +128,6 @@ def write_hub_copy(
     weights' (the published checkpoint is bf16); ``shards`` > 1 splits the weights over that many files with a
     ``model.safetensors.index.json``, as the hub's are; ``config_over``: config.json keys."""
     from safetensors.torch import save_file
-
-    from vlmc.exporters import phi3_v
 
     path.mkdir(parents=True, exist_ok=True)
     tok = tokenizer()

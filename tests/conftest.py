@@ -33,3 +33,24 @@ def exported(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_llava(exported) -> Path:
     return exported("tiny-llava")
+
+
+@pytest.fixture(scope="session")
+def mha(tmp_path_factory) -> Path:
+    """tiny-llava with as many KV heads as query heads (LLaVA-1.5's shape, no repeat_kv in the graph; the
+    built-in has 4 over 2), exported once per session."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    from vlmc import exporters
+    from vlmc.exporters import zoo
+
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(zoo.tiny_llava_config(num_key_value_heads=4)).eval()
+    exporters._eager(model)
+    source = exporters.Source(
+        name="tiny-llava-mha", model=model, config=model.config, family="llava", builtin=True
+    )
+    out = tmp_path_factory.mktemp("mha") / "pkg"
+    exporters.export(source).save(out)
+    return out

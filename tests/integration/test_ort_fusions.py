@@ -7,13 +7,11 @@ order); a paged package keeps its pools and block tables (attention stays unfuse
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
-from vlmc import backends, exporters, manager, pass_api, recipe
+from vlmc import backends, manager, pass_api, recipe
 from vlmc.backends import ort as ort_backend
-from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
@@ -24,23 +22,6 @@ OPS = {
     "rotary": ("RotaryEmbedding",),
     "attention": ("MultiHeadAttention",),
 }
-
-
-@pytest.fixture(scope="module")
-def mha(tmp_path_factory) -> Path:
-    """tiny-llava with as many KV heads as query heads (LLaVA-1.5's shape; the built-in has 4 over 2)."""
-    import torch
-    from transformers import LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(zoo.tiny_llava_config(num_key_value_heads=4)).eval()
-    exporters._eager(model)
-    source = exporters.Source(
-        name="tiny-llava-mha", model=model, config=model.config, family="llava", builtin=True
-    )
-    out = tmp_path_factory.mktemp("mha") / "pkg"
-    exporters.export(source).save(out)
-    return out
 
 
 def _ops(model) -> dict[str, int]:

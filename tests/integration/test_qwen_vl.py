@@ -359,7 +359,7 @@ def test_hub_download_fetches_every_file_the_family_reads(hub_copy, tmp_path, mo
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        ("drop", "the checkpoint has no transformer.h.1.attn.c_attn.weight"),
+        ("drop", "the checkpoint has no weights for transformer.h.1.attn.c_attn.weight (1 missing)"),
         ("int16", "weight transformer.ln_f.weight is I16, not a float"),
         ("narrow", "weight transformer.h.0.attn.c_attn.bias has shape [96], the config implies [768]"),
     ],

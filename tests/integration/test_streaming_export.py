@@ -300,8 +300,6 @@ def _compare_graphs(streamed: Package, whole: Package) -> None:
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_every_family_streams_the_graphs_of_its_whole_export(family, tmp_path, capsys):
-    from vlmc.runtime.pipeline import Pipeline
-
     build, cut = FAMILIES[family]
     torch.manual_seed(0)
     src = tmp_path / "src"
@@ -314,37 +312,51 @@ def test_every_family_streams_the_graphs_of_its_whole_export(family, tmp_path, c
     assert lazy.streamed
     stacks = {name: len(m) for name, m in lazy.model.named_modules() if streaming.stack_of(m) is not None}
     assert stacks == cut
-    capsys.readouterr()
-    exporters.export(lazy).save(tmp_path / "streamed")
-    captured = capsys.readouterr()
-    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
-    whole = exporters.load_source(str(src))
-    assert not whole.streamed
-    exporters.export(whole).save(tmp_path / "whole")
-    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
-    _compare_graphs(streamed_pkg, whole_pkg)
+    streamed_pkg, whole_pkg = _export_streamed_and_whole(lazy, src, tmp_path, capsys)
     # the stitched decoder has every layer's KV interface
     layers = whole_pkg.manifest["kv"]["layers"]
     decoder = onnx.load(str(streamed_pkg.path_of("decoder")), load_external_data=False).graph
     assert f"past_key_values.{layers - 1}.value" in [v.name for v in decoder.input]
     # token-exact greedy generation through the runtime, an image and a text-only prompt
     marker = whole_pkg.manifest["text"]["image_marker"]
-    picture = _real_tokenizers.image(64, 96, 3)
-    prompts, images = [f"{marker}What is this?", "Say something."], [[picture], []]
-    tokens = []
-    for pkg in (streamed_pkg, whole_pkg):
-        pipeline = Pipeline(pkg)
-        tokens.append(pipeline.generate(prompts, images, max_new_tokens=6).tokens)
+    assert _generate(streamed_pkg, marker) == _generate(whole_pkg, marker)
+
+
+def _export_streamed_and_whole(
+    lazy, src, tmp_path, capsys, lm_layers: int | None = None
+) -> tuple[Package, Package]:
+    """``lazy`` (a streamed source of ``src``) exported stitched, never loading the whole model, and ``src``
+    loaded whole (with ``lm_layers`` decoder layers, where given) and exported; both packages, their graphs
+    compared."""
+    capsys.readouterr()
+    exporters.export(lazy).save(tmp_path / "streamed")
+    captured = capsys.readouterr()
+    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
+    whole = exporters.load_source(str(src))
+    assert not whole.streamed
+    assert lm_layers is None or len(whole.model.language_model.model.layers) == lm_layers
+    exporters.export(whole).save(tmp_path / "whole")
+    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
+    _compare_graphs(streamed_pkg, whole_pkg)
+    return streamed_pkg, whole_pkg
+
+
+def _generate(pkg: Package, marker: str) -> list:
+    """Greedy tokens of a two-prompt batch, one with an image behind ``marker``, one text only."""
+    from vlmc.runtime.pipeline import Pipeline
+
+    prompts, images = [f"{marker}What is this?", "Say something."], [[_real_tokenizers.image(64, 96, 3)], []]
+    pipeline = Pipeline(pkg)
+    try:
+        return pipeline.generate(prompts, images, max_new_tokens=6).tokens
+    finally:
         pipeline.close()
-    assert tokens[0] == tokens[1]
 
 
 def test_qwen_vl_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     """The native Qwen-VL rebuild (its own loader, the hub's names: q/k/v are row blocks of c_attn) streams like
     the transformers families: both stacks cut to two layers, the others read from the bf16 shards."""
     from _qwen_vl_hub import write_hub_copy
-
-    from vlmc.runtime.pipeline import Pipeline
 
     src = write_hub_copy(tmp_path / "src", layers=5, vision_layers=4, dtype=torch.bfloat16, shards=3)
     lazy = exporters.load_source(str(src), lazy=True)
@@ -355,25 +367,11 @@ def test_qwen_vl_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     # only the traced layers' weights were read: q/k/v of a stitched layer are rows of its c_attn
     ckpt = streaming.stack_of(lazy.model.language_model.model.layers).checkpoint
     assert ckpt.rows["language_model.model.layers.4.self_attn.v_proj.weight"] == (512, 768)
-    capsys.readouterr()
-    exporters.export(lazy).save(tmp_path / "streamed")
-    captured = capsys.readouterr()
-    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
-    whole = exporters.load_source(str(src))
-    assert not whole.streamed and len(whole.model.language_model.model.layers) == 5
-    exporters.export(whole).save(tmp_path / "whole")
-    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
-    _compare_graphs(streamed_pkg, whole_pkg)
+    streamed_pkg, whole_pkg = _export_streamed_and_whole(lazy, src, tmp_path, capsys, lm_layers=5)
     vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
     assert any(n.name.startswith("/visual/transformer/resblocks.3/") for n in vision.node)
     marker = whole_pkg.manifest["text"]["image_marker"]
-    prompts, images = [f"{marker}What is this?", "Say something."], [[_real_tokenizers.image(64, 96, 3)], []]
-    tokens = []
-    for pkg in (streamed_pkg, whole_pkg):
-        pipeline = Pipeline(pkg)
-        tokens.append(pipeline.generate(prompts, images, max_new_tokens=6).tokens)
-        pipeline.close()
-    assert tokens[0] == tokens[1]
+    assert _generate(streamed_pkg, marker) == _generate(whole_pkg, marker)
 
 
 def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
@@ -381,8 +379,6 @@ def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     qkv_proj / gate_up_proj) streams like the transformers families: the decoder and the CLIP tower (the layers up
     to layer_idx -2) cut to two layers, the others read from the bf16 shards."""
     from _phi3_v_hub import write_hub_copy
-
-    from vlmc.runtime.pipeline import Pipeline
 
     src = write_hub_copy(
         tmp_path / "src", num_hidden_layers=5, vision_layers=6, dtype=torch.bfloat16, shards=3
@@ -396,29 +392,15 @@ def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     ckpt = streaming.stack_of(lazy.model.language_model.model.layers).checkpoint
     assert ckpt.rows["language_model.model.layers.4.self_attn.v_proj.weight"] == (128, 192)
     assert ckpt.rows["language_model.model.layers.4.mlp.up_proj.weight"] == (128, 256)
-    capsys.readouterr()
-    exporters.export(lazy).save(tmp_path / "streamed")
-    captured = capsys.readouterr()
-    assert "loading the whole model" not in " ".join((captured.out + captured.err).split())  # stitched
-    whole = exporters.load_source(str(src))
-    assert not whole.streamed and len(whole.model.language_model.model.layers) == 5
-    exporters.export(whole).save(tmp_path / "whole")
-    streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
+    streamed_pkg, whole_pkg = _export_streamed_and_whole(lazy, src, tmp_path, capsys, lm_layers=5)
     assert streamed_pkg.manifest["kv"] == whole_pkg.manifest["kv"]
-    _compare_graphs(streamed_pkg, whole_pkg)
     vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
     assert any("/layers.4/" in n.name for n in vision.node)  # the 5 layers up to layer_idx -2
     assert not any("/layers.5/" in n.name for n in vision.node)
     decoder = onnx.load(str(streamed_pkg.path_of("decoder")), load_external_data=False).graph
     assert "past_key_values.4.value" in [v.name for v in decoder.input]
     marker = whole_pkg.manifest["text"]["image_marker"].replace("{n}", "1")
-    prompts, images = [f"{marker}What is this?", "Say something."], [[_real_tokenizers.image(64, 96, 3)], []]
-    tokens = []
-    for pkg in (streamed_pkg, whole_pkg):
-        pipeline = Pipeline(pkg)
-        tokens.append(pipeline.generate(prompts, images, max_new_tokens=6).tokens)
-        pipeline.close()
-    assert tokens[0] == tokens[1]
+    assert _generate(streamed_pkg, marker) == _generate(whole_pkg, marker)
 
 
 # ---- stitch() on hand-built graphs -----------------------------------------------------------

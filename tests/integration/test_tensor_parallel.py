@@ -20,7 +20,6 @@ from click.testing import CliRunner
 from vlmc import exporters, manager, recipe
 from vlmc.cli import main
 from vlmc.errors import PassFailed, VlmcError
-from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 from vlmc.runtime.ranks import RankDecoder, RankGroup
@@ -33,23 +32,6 @@ TOKENS = 8
 def _build(src: Path, out: Path, passes: list[dict]) -> Path:
     pkg = manager.run(Package.load(src), recipe.from_dict({"passes": passes}).steps)
     pkg.save(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def mha(tmp_path_factory) -> Path:
-    """tiny-llava with as many KV heads as query heads (MHA): no repeat_kv in the graph."""
-    import torch
-    from transformers import LlavaForConditionalGeneration
-
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(zoo.tiny_llava_config(num_key_value_heads=4)).eval()
-    exporters._eager(model)
-    source = exporters.Source(
-        name="tiny-llava-mha", model=model, config=model.config, family="llava", builtin=True
-    )
-    out = tmp_path_factory.mktemp("mha") / "pkg"
-    exporters.export(source).save(out)
     return out
 
 

@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 
 from vlmc import paths, samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, checkpoint, processor, streaming, zoo
+from vlmc.exporters import base, checkpoint, native, processor, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 from vlmc.runtime import hd_crops, markers
@@ -221,11 +221,10 @@ def _rope(cfg) -> dict:
     return rope
 
 
-def llama_config(cfg):
-    """The decoder as transformers' LlamaConfig: Phi-3-mini with separate q/k/v and gate/up projections (no biases)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+def _decoder_fields(cfg) -> dict:
+    """The decoder's config fields both forms share: widths, depth, rope (long rope as rope_parameters), eager
+    attention, and no special token ids (the runtime takes them from the tokenizer files)."""
+    return dict(
         vocab_size=int(cfg.vocab_size),
         hidden_size=int(cfg.hidden_size),
         intermediate_size=int(cfg.intermediate_size),
@@ -236,8 +235,6 @@ def llama_config(cfg):
         max_position_embeddings=int(cfg.max_position_embeddings),
         rms_norm_eps=float(cfg.rms_norm_eps),
         rope_parameters=_rope(cfg),
-        attention_bias=False,
-        mlp_bias=False,
         tie_word_embeddings=bool(cfg.tie_word_embeddings),
         attn_implementation="eager",
         bos_token_id=None,
@@ -246,32 +243,25 @@ def llama_config(cfg):
     )
 
 
+def llama_config(cfg):
+    """The decoder as transformers' LlamaConfig: Phi-3-mini with separate q/k/v and gate/up projections (no biases)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**_decoder_fields(cfg), attention_bias=False, mlp_bias=False)
+
+
 def phi3_config(cfg):
     """transformers' Phi3Config of the same decoder (the reference the Llama form is tested against)."""
     from transformers import Phi3Config
 
     return Phi3Config(
-        vocab_size=int(cfg.vocab_size),
-        hidden_size=int(cfg.hidden_size),
-        intermediate_size=int(cfg.intermediate_size),
-        num_hidden_layers=int(cfg.num_hidden_layers),
-        num_attention_heads=int(cfg.num_attention_heads),
-        num_key_value_heads=int(cfg.num_key_value_heads),
-        hidden_act=str(cfg.hidden_act),
-        max_position_embeddings=int(cfg.max_position_embeddings),
+        **_decoder_fields(cfg),
         original_max_position_embeddings=int(cfg.original_max_position_embeddings),
-        rms_norm_eps=float(cfg.rms_norm_eps),
-        rope_parameters=_rope(cfg),
         # the remote's eager mask applies sliding_window (131072 in the hub config, the whole context): no effect
         sliding_window=None,
-        tie_word_embeddings=bool(cfg.tie_word_embeddings),
-        attn_implementation="eager",
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attention_dropout=0.0,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
     )
 
 
@@ -382,36 +372,9 @@ class Phi3VForConditionalGeneration(nn.Module):
         **_,
     ):
         """Greedy decoding with the KV cache (left-padded batches); returns prompt + new ids, as transformers'."""
-        from transformers import DynamicCache
-
-        eos = set(
-            eos_token_id
-            if isinstance(eos_token_id, list)
-            else [eos_token_id]
-            if eos_token_id is not None
-            else []
-        )
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         embeds = self._embeds(input_ids, pixel_values, image_sizes)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache, out, done = DynamicCache(), input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
-        for _step in range(max_new_tokens):
-            logits = self.language_model(
-                inputs_embeds=embeds,
-                attention_mask=mask,
-                position_ids=positions,
-                cache=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            nxt = logits.argmax(-1)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            done |= torch.tensor([int(t) in eos for t in nxt])
-            if bool(done.all()):
-                break
-            embeds = self.get_input_embeddings()(nxt[:, None])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-        return out
+        return native.greedy(self.language_model, embeds, mask, input_ids, max_new_tokens, eos_token_id)
 
 
 _VISION, _LM, _LAYERS = "vision_embed_tokens.", "language_model.", "language_model.model.layers."
@@ -493,55 +456,32 @@ def to_hub_state_dict(model: Phi3VForConditionalGeneration, full_depth: int | No
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
-def _checkpoint(path: Path, config, held: dict, expected: dict) -> streaming.Checkpoint:
-    """The hub checkpoint's tensors for every weight of ``expected`` (a model's state dict, meta tensors): a
-    :class:`streaming.Checkpoint` by this module's names, each checked against the shape the config implies
-    (a fused projection: its rows, the whole tensor against the blocks' sum)."""
-    files, rows = {}, {}
-    for key, want in expected.items():
-        name, span = hub_key(key, config)
-        tensor = held.get(name)
-        if tensor is None:
-            missing = len({hub_key(k, config)[0] for k in expected} - set(held))  # checkpoint tensors
-            raise VlmcError(f"{path}: the checkpoint has no weights for {name} ({missing} missing)")
-        if tensor.dtype not in checkpoint.FLOAT_WEIGHTS:
-            raise VlmcError(
-                f"{path}: weight {name} is {tensor.dtype}, not a float ({', '.join(checkpoint.FLOAT_WEIGHTS)})"
-            )
-        implied = list(want.shape)
-        if span is not None:
-            rows[key] = span
-            implied[0] = sum(_row_blocks(config)[name.split(".", 3)[3]])
-        if list(tensor.shape) != implied:
-            raise VlmcError(
-                f"{path}: weight {name} has shape {list(tensor.shape)}, the config implies {implied}"
-            )
-        files[key] = (tensor.shard, name)
-    return streaming.Checkpoint(path, files, rows)
-
-
 def _load(path: Path, config, built) -> Phi3VForConditionalGeneration:
     """Build the model of ``built`` (``config``, or a copy with its layer stacks cut) on the meta device and load
-    its weights from the checkpoint one tensor at a time in FP32, reading only the rows each weight is."""
+    its weights from the checkpoint one tensor at a time in FP32, reading only the rows each weight is (a fused
+    projection's blocks of qkv_proj / gate_up_proj, each checked against the blocks' sum)."""
     check_supported(config, str(path))
     held = checkpoint.tensors(path)
-    with torch.device("meta"):
-        full = Phi3VForConditionalGeneration(config)
-        model = full if built is config else Phi3VForConditionalGeneration(built)
-    ckpt = _checkpoint(path, config, held, full.state_dict())
-    state = {key: ckpt.tensor(key).float() for key in model.state_dict()}
-    model.load_state_dict(state, strict=True, assign=True)
-    # computed buffers (in no checkpoint) made again off the meta device: the rotary tables, CLIP's position ids
-    lm = model.language_model
-    lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
-    emb = model.vision_embed_tokens.img_processor.embeddings
-    emb.register_buffer("position_ids", torch.arange(emb.num_positions).expand((1, -1)), persistent=False)
-    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
-    if left:
-        raise VlmcError(f"{path}: {left[0]} was not loaded")
+    blocks = _row_blocks(config)
+
+    def checkpoint_for(expected: dict) -> streaming.Checkpoint:
+        return native.mapped_checkpoint(
+            path,
+            held,
+            expected,
+            lambda key: hub_key(key, config),
+            lambda name: sum(blocks[name.split(".", 3)[3]]),
+        )
+
+    def clip_positions(model) -> None:  # CLIP's position ids: a computed buffer, in no checkpoint
+        emb = model.vision_embed_tokens.img_processor.embeddings
+        emb.register_buffer("position_ids", torch.arange(emb.num_positions).expand((1, -1)), persistent=False)
+
+    model = native.load(
+        path, Phi3VForConditionalGeneration, config, built, checkpoint_for, rebuild=clip_positions
+    )
     model.preprocess = preprocess_facts(built, path)
-    model._vlmc_checkpoint = ckpt
-    return model.eval()
+    return model
 
 
 def _native_config(config):
@@ -578,13 +518,17 @@ def load_reduced(path: Path, config):
     if layer >= 0:
         reduced.img_processor["layer_idx"] = min(tower, traced)
     model = _load(path, cfg, reduced)
-    ckpt = model._vlmc_checkpoint
-    for prefix, module, depth in (
-        (_TOWER + "encoder.layers", model.vision_embed_tokens.img_processor.encoder.layers, depths["vision"]),
-        (_LAYERS[:-1], model.language_model.model.layers, depths["lm"]),
-    ):
-        if depth > len(module):
-            module._vlmc_stack = streaming.Stack(prefix=prefix, depth=depth, checkpoint=ckpt)
+    native.stream_stacks(
+        model,
+        [
+            (
+                _TOWER + "encoder.layers",
+                model.vision_embed_tokens.img_processor.encoder.layers,
+                depths["vision"],
+            ),
+            (_LAYERS[:-1], model.language_model.model.layers, depths["lm"]),
+        ],
+    )
     return model, cfg
 
 

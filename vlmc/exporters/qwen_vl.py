@@ -33,7 +33,7 @@ from transformers import PretrainedConfig
 
 from vlmc import paths
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, checkpoint, processor, qwen_vl_tokenizer, streaming, zoo
+from vlmc.exporters import base, checkpoint, native, processor, qwen_vl_tokenizer, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 
@@ -384,36 +384,9 @@ class QwenVLForConditionalGeneration(nn.Module):
         self, input_ids, attention_mask=None, pixel_values=None, max_new_tokens=20, eos_token_id=None, **_
     ):
         """Greedy decoding with the KV cache (left-padded batches); returns prompt + new ids, as transformers'."""
-        from transformers import DynamicCache
-
-        eos = set(
-            eos_token_id
-            if isinstance(eos_token_id, list)
-            else [eos_token_id]
-            if eos_token_id is not None
-            else []
-        )
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         embeds = self._embeds(input_ids, pixel_values)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache, out, done = DynamicCache(), input_ids, torch.zeros(input_ids.shape[0], dtype=torch.bool)
-        for _step in range(max_new_tokens):
-            logits = self.language_model(
-                inputs_embeds=embeds,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            nxt = logits.argmax(-1)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            done |= torch.tensor([int(t) in eos for t in nxt])
-            if bool(done.all()):
-                break
-            embeds = self.get_input_embeddings()(nxt[:, None])
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            positions = positions[:, -1:] + 1
-        return out
+        return native.greedy(self.language_model, embeds, mask, input_ids, max_new_tokens, eos_token_id)
 
 
 # one Qwen block's tensors under Qwen2's names (model key inside ``model.layers.{i}.``) -> the hub's (inside
@@ -477,38 +450,6 @@ def to_hub_state_dict(model: QwenVLForConditionalGeneration) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _checkpoint(path: Path, config, held: dict, expected: dict):
-    """The hub checkpoint's tensors for every weight of ``expected`` (a model's state dict, meta tensors): a
-    :class:`streaming.Checkpoint` by this module's names, each checked against the shape the config implies."""
-    hidden = int(config.hidden_size)
-    files, rows = {}, {}
-    for key, want in expected.items():
-        name, span = hub_key(key, hidden)
-        tensor = held.get(name)
-        if tensor is None:
-            if key == _COMPUTED:
-                continue
-            missing = sum(1 for k in expected if hub_key(k, hidden)[0] not in held and k != _COMPUTED)
-            raise VlmcError(
-                f"{path}: the checkpoint has no {name} (not a Qwen-VL checkpoint?); {missing} missing"
-            )
-        if tensor.dtype not in checkpoint.FLOAT_WEIGHTS:
-            raise VlmcError(
-                f"{path}: weight {name} is {tensor.dtype}, not a float ({', '.join(checkpoint.FLOAT_WEIGHTS)})"
-            )
-        shape = tuple(tensor.shape)
-        if span is not None:
-            shape = (span[1] - span[0], *shape[1:]) if shape and shape[0] == 3 * hidden else shape
-            rows[key] = span
-        if shape != tuple(want.shape):
-            raise VlmcError(
-                f"{path}: weight {name} has shape {list(tensor.shape)}, the config implies "
-                f"{list(want.shape) if span is None else [3 * want.shape[0], *want.shape[1:]]}"
-            )
-        files[key] = (tensor.shard, name)
-    return streaming.Checkpoint(path, files, rows)
-
-
 def _full_config(config, held: dict):
     """The config with the checkpoint's position-table row count (visual.py's table may differ from the grid)."""
     cfg = copy.deepcopy(config)
@@ -520,26 +461,30 @@ def _full_config(config, held: dict):
 
 def _load(path: Path, cfg, held: dict, built) -> QwenVLForConditionalGeneration:
     """Build ``built`` (a config, possibly cut in depth) on the meta device and load its weights from the checkpoint
-    one tensor at a time (FP32), reading only the rows each weight is."""
-    with torch.device("meta"):
-        full = QwenVLForConditionalGeneration(cfg)
-        model = full if built is cfg else QwenVLForConditionalGeneration(built)
-    ckpt = _checkpoint(path, cfg, held, full.state_dict())
-    state = {}
-    for key in model.state_dict():
-        if key in ckpt:
-            state[key] = ckpt.tensor(key).float()
-    state.setdefault(_COMPUTED, _sincos_pos(cfg))
-    model.load_state_dict(state, strict=True, assign=True)
-    # the rotary table is a non-persistent buffer (in no checkpoint): made again off the meta device
-    lm = model.language_model
-    lm.model.rotary_emb = type(lm.model.rotary_emb)(config=lm.config)
-    left = [n for n, b in model.named_buffers() if b.device.type == "meta"]
-    if left:
-        raise VlmcError(f"{path}: {left[0]} was not loaded")
+    one tensor at a time (FP32), reading only the rows each weight is (q/k/v: their blocks of c_attn, checked
+    against its 3 × hidden rows)."""
+    hidden = int(cfg.hidden_size)
+
+    def checkpoint_for(expected: dict):
+        return native.mapped_checkpoint(
+            path,
+            held,
+            expected,
+            lambda key: hub_key(key, hidden),
+            lambda _name: 3 * hidden,
+            frozenset({_COMPUTED}),
+        )
+
+    model = native.load(
+        path,
+        QwenVLForConditionalGeneration,
+        cfg,
+        built,
+        checkpoint_for,
+        computed={_COMPUTED: lambda: _sincos_pos(cfg)},
+    )
     model.language_model.config._attn_implementation = "eager"
-    model._vlmc_checkpoint = ckpt
-    return model.eval()
+    return model
 
 
 def load_local(path: Path, config) -> QwenVLForConditionalGeneration:
@@ -566,13 +511,13 @@ def load_reduced(path: Path, config):
     reduced.num_hidden_layers = min(depths["lm"], traced)
     reduced.visual["layers"] = min(depths["visual"], traced)
     model = _load(path, cfg, held, reduced)
-    ckpt = model._vlmc_checkpoint
-    for prefix, module, depth in (
-        ("visual.transformer.resblocks", model.visual.transformer.resblocks, depths["visual"]),
-        ("language_model.model.layers", model.language_model.model.layers, depths["lm"]),
-    ):
-        if depth > len(module):
-            module._vlmc_stack = streaming.Stack(prefix=prefix, depth=depth, checkpoint=ckpt)
+    native.stream_stacks(
+        model,
+        [
+            ("visual.transformer.resblocks", model.visual.transformer.resblocks, depths["visual"]),
+            ("language_model.model.layers", model.language_model.model.layers, depths["lm"]),
+        ],
+    )
     return model, cfg
 
 
