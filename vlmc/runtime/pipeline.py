@@ -125,11 +125,12 @@ class Pipeline:
             raise VlmcError(
                 f"graph {name} needs input {exc.args[0]!r}, which the pipeline does not provide"
             ) from None
-        # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs.
+        # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs. Only
+        # arrays are cast: an executor's own objects (its pools, the KV it kept) carry its dtype already.
         for iname, want in floats:
-            dtype = feeds[iname].dtype
-            if dtype != want and dtype.kind == "f":
-                feeds[iname] = feeds[iname].astype(want)
+            value = feeds[iname]
+            if isinstance(value, np.ndarray) and value.dtype != want and value.dtype.kind == "f":
+                feeds[iname] = value.astype(want)
         return feeds
 
     def run_chain(self, names: list[str], available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -375,7 +375,8 @@ class BuildExecutor:
                 f"graph {graph}: no build takes these inputs ({'; '.join(reasons)}); compile again with gears "
                 "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
             )
-        _, gear, values, actual, build = best
+        cost, gear, values, actual, build = best
+        exact = cost == 0  # the real shapes are the gear's: nothing to pad, nothing to strip
         padded = {}
         for name, dims, _, symbolic in build.in_facts:
             value = feeds[name]
@@ -384,7 +385,9 @@ class BuildExecutor:
                 # layout (a decode step after a decode step), else brought to the host and padded once.
                 target = tuple(d if isinstance(d, int) else values[d] for d in dims)
                 value = value.handle if self._binds(value.handle, target) else value.to_host()
-            padded[name] = self._pad(name, symbolic, value, values, actual) if symbolic else value
+            padded[name] = (
+                value if exact or not symbolic else self._pad(name, symbolic, value, values, actual)
+            )
         if build.name not in self._loaded:
             self.device.load(build, self.root)
             self._loaded.add(build.name)
@@ -395,7 +398,7 @@ class BuildExecutor:
         for name, dims, axis, rolled, members in build.out_facts:
             value = outs[name]
             if axis is None:
-                result[name] = _strip(value, dims, values, actual)
+                result[name] = value if exact else _strip(value, dims, values, actual)
                 continue
             # A stacked KV output (stack_kv.py): handed to the loop as its per-layer outputs.
             real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in dims]
