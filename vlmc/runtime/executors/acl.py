@@ -207,7 +207,8 @@ class DevicePool:
                 src = handle.ptr + rows[first] * self.slot_bytes + shift
                 ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src, (n - 1) * self.slot_bytes + width,
                                     _MEMCPY_DEVICE_TO_DEVICE)  # fmt: skip
-                _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
+                if ret:  # the message is spelled only on failure: this runs every step
+                    _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
 
 
 def _runs(live, slots, merge: bool, order=None):
@@ -404,7 +405,8 @@ class _BuildSession:
             self.sent.pop(i, None)  # a failed copy leaves the buffer's bytes unknown
             ret = acl.rt.memcpy(self.in_bufs[i].ptr, self.in_sizes[i], acl.util.numpy_to_ptr(host), host.nbytes,
                                 _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
-            _check(ret, f"acl.rt.memcpy({spec['name']})")
+            if ret:  # messages are spelled only on failure: this runs every step
+                _check(ret, f"acl.rt.memcpy({spec['name']})")
             if blob is not None:
                 self.sent[i] = blob
         if dims is not None and dims != self.dims_set:
@@ -422,7 +424,9 @@ class _BuildSession:
             _check(acl.mdl.set_input_dynamic_dims(self.model_id, self.inputs, self.dims_index, spec),
                    "acl.mdl.set_input_dynamic_dims")  # fmt: skip
             self.dims_set = list(dims)
-        _check(acl.mdl.execute(self.model_id, self.inputs, self.outputs), f"acl.mdl.execute({build.name})")
+        ret = acl.mdl.execute(self.model_id, self.inputs, self.outputs)
+        if ret:
+            _check(ret, f"acl.mdl.execute({build.name})")
         # Each gear is a static model of its own (ATC compiles one per --dynamic_dims profile), so its
         # output dims are asked once per gear and kept.
         key = None if dims is None else tuple(dims)
@@ -451,7 +455,8 @@ class _BuildSession:
             if out.nbytes:
                 ret = acl.rt.memcpy(acl.util.numpy_to_ptr(out), out.nbytes, buf.ptr, out.nbytes,
                                     _MEMCPY_DEVICE_TO_HOST)  # fmt: skip
-                _check(ret, f"acl.rt.memcpy({spec['name']})")
+                if ret:
+                    _check(ret, f"acl.rt.memcpy({spec['name']})")
             result[spec["name"]] = out
         return result
 
