@@ -375,8 +375,7 @@ class BuildExecutor:
                 f"graph {graph}: no build takes these inputs ({'; '.join(reasons)}); compile again with gears "
                 "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
             )
-        cost, gear, values, actual, build = best
-        exact = cost == 0  # the real shapes are the gear's: nothing to pad, nothing to strip
+        _, gear, values, actual, moved, build = best
         padded = {}
         for name, dims, _, symbolic in build.in_facts:
             value = feeds[name]
@@ -385,9 +384,10 @@ class BuildExecutor:
                 # layout (a decode step after a decode step), else brought to the host and padded once.
                 target = tuple(d if isinstance(d, int) else values[d] for d in dims)
                 value = value.handle if self._binds(value.handle, target) else value.to_host()
-            padded[name] = (
-                value if exact or not symbolic else self._pad(name, symbolic, value, values, actual)
-            )
+            # Only an input with a padded symbol (at batch 1, a paged step's block tables) is looked at.
+            if moved and any(d in moved for _, d in symbolic):
+                value = self._pad(name, symbolic, value, values, actual)
+            padded[name] = value
         if build.name not in self._loaded:
             self.device.load(build, self.root)
             self._loaded.add(build.name)
@@ -398,7 +398,7 @@ class BuildExecutor:
         for name, dims, axis, rolled, members in build.out_facts:
             value = outs[name]
             if axis is None:
-                result[name] = value if exact else _strip(value, dims, values, actual)
+                result[name] = _strip(value, dims, values, actual) if moved else value
                 continue
             # A stacked KV output (stack_kv.py): handed to the loop as its per-layer outputs.
             real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in dims]
@@ -438,7 +438,8 @@ class BuildExecutor:
         return self.builds[graph]
 
     def _fit(self, build: BuildSpec, feeds: dict[str, np.ndarray]):
-        """(padding cost, gear, symbol values, real symbol values) for the cheapest gear; else why not.
+        """(padding cost, gear, symbol values, real symbol values, padded symbols) for the cheapest gear;
+        else why not.
 
         Decided by the feeds' shapes alone, so a result is kept per build and shapes (the dicts in it are
         shared: callers read them and do not change them)."""
@@ -499,7 +500,9 @@ class BuildExecutor:
                 if len(build.bindings.get(s, [])) != 1 or build.bindings[s][0] != n
             )
             return f"no gear holds {have or 'these shapes'} (gears: {build.bindings})"
-        return best
+        _, gear, values, actual = best
+        moved = frozenset(s for s, n in actual.items() if values.get(s, n) != n)  # the symbols padded
+        return (*best, moved)
 
     def _pad(self, name: str, symbolic: list, arr, values: dict[str, int], actual: dict[str, int]):
         """``arr`` (input ``name``) padded up to the gear along its ``symbolic`` axes [(axis, symbol)]."""
