@@ -715,7 +715,8 @@ def host_loop_section(results: list[dict], command: str) -> list[str]:
         "",
         *bench_host_loop.table(results),
         "",
-        "Device calls per decode step (the same in every step):",
+        f"Device calls per step of the last {r['steps'] + 1}-token run (means; a call made less than once a step, "
+        "such as a gear set or an unchanged input copied only when it changes, is left out):",
         "",
         "| layout | calls per step |",
         "|---|---|",

@@ -187,6 +187,47 @@ def test_the_standin_runs_the_build_graph_over_device_memory(acl, llava_build):
     assert not any(state.live().values())
 
 
+def test_unchanged_inputs_are_not_copied_again_and_changed_ones_are(acl, llava_build):
+    # AclDevice skips the host-to-device copy of an input whose bytes its buffer already holds, and the
+    # gear of a dataset that already holds it; every change must still reach the device.
+    module, state = acl
+    entry = next(
+        b
+        for b in json.loads((llava_build / "compile.json").read_text())["builds"]
+        if b["name"] == "embed_tokens"
+    )
+    spec = runner.BuildSpec(entry)
+    ref = runner.ReferenceDevice()
+    ref.load(spec, llava_build)
+
+    def run(device, ids):
+        dims = spec.dims([ids.shape[1]])
+        copies, gears = (
+            state.copies.get("host->device", 0),
+            state.calls.get("acl.mdl.set_input_dynamic_dims", 0),
+        )
+        got = device.execute(spec, {"input_ids": ids}, dims)["inputs_embeds"]
+        np.testing.assert_array_equal(got, ref.execute(spec, {"input_ids": ids}, dims)["inputs_embeds"])
+        return (
+            state.copies.get("host->device", 0) - copies,
+            state.calls.get("acl.mdl.set_input_dynamic_dims", 0) - gears,
+            got,
+        )
+
+    with acl_device.AclDevice(0) as device:
+        device.load(spec, llava_build)
+        a, b = np.array([[3]], np.int64), np.array([[7]], np.int64)
+        assert run(device, a)[:2] == (1, 1)  # the first execution copies and sets the gear
+        assert run(device, a)[:2] == (0, 0)  # the same bytes and gear: nothing to copy
+        copied, gears, got_b = run(device, b)
+        assert (copied, gears) == (1, 0)  # a changed token is copied (and the embedding follows it)
+        assert not np.array_equal(got_b, run(device, a)[2])  # back to a: copied again, a's embedding
+        long = np.arange(64, dtype=np.int64).reshape(1, 64) % 50
+        assert run(device, long)[:2] == (1, 1)  # another gear is set, its input copied
+        assert run(device, a)[:2] == (1, 1)  # and back: gear [1] set again over the 64 one
+    assert state.violations == [] and not any(state.live().values())
+
+
 # ---- AclDevice: owned resources, released on every path ---------------------------------------------
 def _generate(root, prompts=PROMPTS, images=IMAGES, tokens=5):
     pkg, executor = runner.open_build(root, "acl")

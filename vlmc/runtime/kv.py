@@ -23,16 +23,26 @@ class ContiguousKV:
             for i in range(self.layers)
             for k in ("key", "value")
         }
+        # (present, past) name pairs, spelled once: update() runs every step
+        self._names = [
+            (f"present.{i}.{k}", f"past_key_values.{i}.{k}")
+            for i in range(self.layers)
+            for k in ("key", "value")
+        ]
+        self._present_order = [n for n, _ in self._names]
+        self._pasts = [p for _, p in self._names]
+        self._presents = frozenset(self._present_order)
 
     def feeds(self, step: dict) -> dict[str, np.ndarray]:
         return dict(self.past)
 
     def update(self, outputs: dict[str, np.ndarray]) -> None:
-        for i in range(self.layers):
-            for k in ("key", "value"):
-                name = f"present.{i}.{k}"
-                if name in outputs:
-                    self.past[f"past_key_values.{i}.{k}"] = outputs[name]
+        if outputs.keys() >= self._presents:  # every layer's present (a whole decoder): in one update
+            self.past.update(zip(self._pasts, map(outputs.__getitem__, self._present_order)))
+            return
+        for name, past in self._names:
+            if name in outputs:
+                self.past[past] = outputs[name]
 
     def release(self) -> None:
         self.past.clear()

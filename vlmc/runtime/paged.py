@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 import re
 
 import numpy as np
@@ -242,6 +243,7 @@ class PagedPool:
             for k in tensor_names.KV_KINDS
         }
         self._row_names = frozenset(r for pairs in self._pairs.values() for _, r in pairs)
+        self._pools: list | None = None  # write(): per K and V (its pools, rows names, their stacked pool)
 
     def _zeros(self, n: int) -> np.ndarray:
         return np.zeros((n, self.block_size, self.kv_heads, self.head_dim), self.dtype)
@@ -253,10 +255,13 @@ class PagedPool:
 
     def resize(self) -> None:
         """Grow the numpy pools to the allocator's size (a growable allocator added blocks)."""
+        if not self.allocator.growable:
+            return  # a fixed pool (every executor-held one) never grows
         grow = self.allocator.num_blocks - next(iter(self.arrays.values())).shape[0]
         if grow > 0:
             for name, pool in self.arrays.items():
                 self.arrays[name] = np.concatenate([pool, self._zeros(grow)])
+            self._pools = None
 
     def write(self, outputs: dict[str, np.ndarray], slots: np.ndarray) -> None:
         """Write a step's ``new_key.{i}``/``new_value.{i}`` rows into the pools at ``slots``.
@@ -277,20 +282,25 @@ class PagedPool:
                     else ""
                 )
             )
-        for pairs in self._pairs.values():
-            pools = [self.arrays[p] for p, _ in pairs]
-            rows = [outputs[r] for _, r in pairs]
-            stack = _one_stack(pools, rows)
-            if stack is not None and stack[0].write_stack(stack[1], slots):
+        if self._pools is None:  # per K and V: its pools, its rows' names, the stacked pool of its pools
+            self._pools = []
+            for pairs in self._pairs.values():
+                pools = [self.arrays[p] for p, _ in pairs]
+                self._pools.append((pools, [r for _, r in pairs], _one_stack(pools)))
+        for pools, names, pool in self._pools:
+            rows = [outputs[r] for r in names]
+            src = None if pool is None else layers_of(rows)
+            if src is not None and pool.write_stack(src, slots):
                 continue  # every layer's rows in one call
-            for pool, layer_rows in zip(pools, rows):
-                if isinstance(pool, np.ndarray):
-                    write_rows(pool, layer_rows, slots)
+            for layer_pool, layer_rows in zip(pools, rows):
+                if isinstance(layer_pool, np.ndarray):
+                    write_rows(layer_pool, layer_rows, slots)
                 else:
-                    pool.write(layer_rows, slots)
+                    layer_pool.write(layer_rows, slots)
 
     def clear(self) -> None:
         self.arrays.clear()
+        self._pools = None
 
 
 class PagedKV:
@@ -360,12 +370,11 @@ class PagedKV:
                 slots[b] = got  # every position real (a decode step): no mask to index by
             else:
                 slots[b, new[b]] = got
-        ctx = np.array([self.allocator.length(s) for s in self.seqs], np.int32)
-        real = mask.sum(axis=1)
-        if ctx.shape != real.shape or (ctx != real).any():
-            raise VlmcError(
-                f"paged KV: cached lengths {ctx.tolist()} disagree with the attention mask {real.tolist()}"
-            )
+        lengths = [self.allocator.length(s) for s in self.seqs]
+        real = mask.sum(axis=1).tolist()  # compared as lists: a few rows, fewer numpy calls per step
+        if lengths != real:
+            raise VlmcError(f"paged KV: cached lengths {lengths} disagree with the attention mask {real}")
+        ctx = np.array(lengths, np.int32)
         self.pool.resize()
         self._slots = slots
         out = dict(self.pools)
@@ -390,21 +399,39 @@ class PagedKV:
         self.pool.clear()
 
 
-def _one_stack(pools: list, rows: list) -> tuple[object, object] | None:
-    """(stacked pool, stacked rows) when ``pools`` are layers 0..L-1 of one stacked pool that has
-    ``write_stack`` and covers exactly them, and ``rows`` are the same layers of one stacked output."""
-    pool, src = getattr(pools[0], "parent", None), getattr(rows[0], "parent", None)
-    if pool is None or src is None or not hasattr(pool, "write_stack"):
+def _one_stack(pools: list):
+    """The stacked pool when ``pools`` are layers 0..L-1 of one that has ``write_stack`` and covers
+    exactly them (a step's rows, the same layers of one stacked output, are then stored in one call);
+    else None."""
+    pool = layers_of(pools)
+    if pool is None or not hasattr(pool, "write_stack"):
         return None
     axis = getattr(pools[0], "axis", None)
     if axis is None or len(pools) != pool.shape[axis]:
         return None  # the stack holds other layers too (or fewer): layer by layer
-    for i, (p, r) in enumerate(zip(pools, rows)):
-        if getattr(p, "parent", None) is not pool or getattr(r, "parent", None) is not src:
-            return None
-        if p.layer != i or r.layer != i:
-            return None
-    return pool, src
+    return pool
+
+
+def layers_of(values: list):
+    """The one ``parent`` that ``values`` are layers 0, 1, ... of, in order (an executor's per-layer
+    views of one stacked pool or output: ``parent`` / ``layer``); None for anything else. In C-level
+    loops (map, set): a 32-layer decoder checks 64 of them every step. A parent that lists the views it
+    made (``views``, in layer order) is checked by identity against that list."""
+    parent = getattr(values[0], "parent", None) if values else None
+    views = getattr(parent, "views", None)
+    if views is not None and len(views) == len(values) and all(map(operator.is_, values, views)):
+        return parent
+    try:
+        parents = list(map(_PARENT, values))
+        layers = list(map(_LAYER, values))
+    except AttributeError:  # a numpy array among them
+        return None
+    if not parents or len(set(map(id, parents))) != 1 or layers != list(range(len(layers))):
+        return None
+    return parents[0]
+
+
+_PARENT, _LAYER = operator.attrgetter("parent"), operator.attrgetter("layer")
 
 
 def pool_factory(pipeline: object | None):

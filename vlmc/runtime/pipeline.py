@@ -86,6 +86,7 @@ class Pipeline:
         self.executor = executor if executor is not None else OrtExecutor(pkg, threads)
         self._sessions: dict[str, object] = getattr(self.executor, "sessions", {})
         self._tokenizer = None
+        self._feed_plans: dict[str, tuple] = {}  # graph -> (its input list, names, float inputs): graph_feeds
         # An image-feature cache (the request scheduler's: get(key) / put(key, outputs)), keyed by the
         # preprocessed pixels and the preprocessing facts; None runs the image chain every time.
         self.image_cache = None
@@ -109,16 +110,27 @@ class Pipeline:
 
     def graph_feeds(self, name: str, available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The feeds :meth:`run_graph` gives graph ``name`` from ``available`` (calibration records them)."""
-        feeds = {}
-        for spec in self.executor.inputs(name):
-            iname = spec["name"]
-            if iname not in available:
-                raise VlmcError(f"graph {name} needs input {iname!r}, which the pipeline does not provide")
-            feeds[iname] = available[iname]
-            # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs.
-            want = _FLOAT_TYPES.get(spec["dtype"])
-            if want is not None and feeds[iname].dtype != want and feeds[iname].dtype.kind == "f":
-                feeds[iname] = feeds[iname].astype(want)
+        specs = self.executor.inputs(name)
+        plan = self._feed_plans.get(name)
+        if plan is None or plan[0] is not specs:  # worked out once per input list (the loop asks every step)
+            names = [spec["name"] for spec in specs]
+            floats = [
+                (spec["name"], _FLOAT_TYPES[spec["dtype"]]) for spec in specs if spec["dtype"] in _FLOAT_TYPES
+            ]
+            plan = self._feed_plans[name] = (specs, names, floats)
+        _, names, floats = plan
+        try:
+            feeds = {iname: available[iname] for iname in names}
+        except KeyError as exc:
+            raise VlmcError(
+                f"graph {name} needs input {exc.args[0]!r}, which the pipeline does not provide"
+            ) from None
+        # A graph converted to fp16 with its IO (quantize keep_io_fp32: false) takes float16 inputs. Only
+        # arrays are cast: an executor's own objects (its pools, the KV it kept) carry its dtype already.
+        for iname, want in floats:
+            value = feeds[iname]
+            if isinstance(value, np.ndarray) and value.dtype != want and value.dtype.kind == "f":
+                feeds[iname] = value.astype(want)
         return feeds
 
     def run_chain(self, names: list[str], available: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from vlmc.errors import VlmcError
+from vlmc.runtime import paged
 from vlmc.runtime.paged import NULL_BLOCK, BlockAllocator, OutOfBlocks, PagedKV, write_rows
 
 
@@ -78,3 +79,25 @@ def test_allocator_shuffles_with_a_seed_and_grows_when_allowed():
     g = BlockAllocator(2, 16, growable=True)
     g.allocate("x", 16 * 5)
     assert g.num_blocks >= 6 and len(g.table("x")) == 5 and len(set(g.table("x"))) == 5
+
+
+def test_layers_of_finds_one_stack_in_layer_order_only():
+    # PagedPool.write and BuildExecutor._stack pass a step's 2 x layers views through this check.
+    class Stack:
+        pass
+
+    class View:
+        def __init__(self, parent, layer):
+            self.parent, self.layer = parent, layer
+
+    stack, other = Stack(), Stack()
+    views = [View(stack, i) for i in range(4)]
+    assert paged.layers_of(views) is stack
+    assert paged.layers_of(views[::-1]) is None  # out of order
+    assert paged.layers_of(views[:2] + [View(other, 2), views[3]]) is None  # two stacks
+    assert paged.layers_of(views[:3] + [np.zeros(2)]) is None  # an array among them
+    assert paged.layers_of([]) is None
+    stack.views = views  # a stack that lists its views: checked by identity, else as above
+    assert paged.layers_of(list(views)) is stack
+    assert paged.layers_of([View(stack, i) for i in range(4)]) is stack  # not its own, still in order
+    assert paged.layers_of([views[0], views[2], views[1], views[3]]) is None

@@ -16,9 +16,10 @@ succeeded): data buffers, datasets and memory of each build, then ``acl.mdl.unlo
 ``acl.mdl.destroy_desc``, the pools, ``destroy_context``, ``reset_device``.
 
 Per step (docs/ascend.md): only the small inputs (embeddings, mask, positions, block tables, slots) are
-copied in, at the executed gear's bytes; the gear is set with ``acl.mdl.set_input_dynamic_dims`` into the
-``ascend_mbatch_shape_data`` buffer; after ``acl.mdl.execute`` only the outputs the loop reads (logits)
-are copied back, at ``acl.mdl.get_cur_output_dims``. The KV stays on the device (stack_kv.py):
+copied in, at the executed gear's bytes, and of those only the ones whose bytes differ from what their
+buffer already holds; the gear is set with ``acl.mdl.set_input_dynamic_dims`` into the
+``ascend_mbatch_shape_data`` buffer when it differs from the last one set there; after ``acl.mdl.execute`` only the outputs the loop reads (logits)
+are copied back, at ``acl.mdl.get_cur_output_dims`` (asked once per gear: a gear is a static model). The KV stays on the device (stack_kv.py):
 
 - contiguous: a decode build's stacked, rolled ``present.*`` output has the shape of its stacked past at
   the same gear, so the next step binds the output buffer as its input and hands the old input buffer to
@@ -63,6 +64,10 @@ ACL_MAX_DIM_CNT = 128  # acl_mdl.h: aclmdlIODims.dims holds at most this many va
 _MEMCPY_HOST_TO_DEVICE, _MEMCPY_DEVICE_TO_HOST, _MEMCPY_DEVICE_TO_DEVICE = 1, 2, 3  # aclrtMemcpyKind
 _MALLOC_HUGE_FIRST = 0  # aclrtMemMallocPolicy ACL_MEM_MALLOC_HUGE_FIRST
 ACL_ERROR_REPEAT_INITIALIZE = 100002  # acl_base.h: aclInit was already called in this process
+# Host inputs up to this size are compared with what their device buffer holds before they are copied
+# (a decode step's block tables, slots, positions); larger ones (a prefill's embeddings) are copied as
+# they are, comparing would cost about what the copy does.
+_SAME_BYTES_LIMIT = 4096
 
 
 def available() -> bool:
@@ -185,7 +190,7 @@ class DevicePool:
             handle = stack.handle
             handle.check_fresh()
             # Python lists: a step has a few slots, and per-element numpy indexing costs more than it saves.
-            rows = stack.row_index().reshape(-1).tolist()
+            rows = stack.row_index()
             slots = np.asarray(slot_mapping).reshape(-1).tolist()
             if len(rows) != len(slots):
                 raise VlmcError(f"{self.name}: {len(rows)} rows for {len(slots)} slots")
@@ -202,7 +207,8 @@ class DevicePool:
                 src = handle.ptr + rows[first] * self.slot_bytes + shift
                 ret = acl.rt.memcpy(self.ptr + offset, self.nbytes - offset, src, (n - 1) * self.slot_bytes + width,
                                     _MEMCPY_DEVICE_TO_DEVICE)  # fmt: skip
-                _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
+                if ret:  # the message is spelled only on failure: this runs every step
+                    _check(ret, f"acl.rt.memcpy({self.name}, device to device)")
 
 
 def _runs(live, slots, merge: bool, order=None):
@@ -237,7 +243,9 @@ class DeviceOutput:
     def __init__(self, session: _BuildSession, index: int, buffer: DeviceBuffer, shape, dtype) -> None:
         self.session, self.index, self.buffer = session, index, buffer
         self.version = buffer.version
-        self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
+        # A step makes one per stack: a tuple of ints and a dtype (what execute passes) are taken as they are.
+        self.shape = shape if type(shape) is tuple else tuple(int(d) for d in shape)
+        self.dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize  # Python ints: no overflow, no numpy call
 
     @property
@@ -305,6 +313,12 @@ class _BuildSession:
         self.in_data: list[int] = []
         self.bound: dict[int, int] = {}  # input index -> the pool address its data buffer holds
         self._dims_spec = {"dimCount": 0, "name": "", "dims": []}
+        # What the device buffers already hold, so that a step copies only what changed: input index ->
+        # the bytes last copied into its buffer (small host inputs only, see _SAME_BYTES_LIMIT), and the
+        # dims vector last written into the ascend_mbatch_shape_data buffer.
+        self.sent: dict[int, bytes] = {}
+        self.dims_set: list[int] | None = None
+        self.out_shapes: dict[tuple[int, ...] | None, list[list[int]]] = {}  # gear dims -> output dims
 
     def _buffer(self, size: int, what: str, zero: bool = False) -> DeviceBuffer:
         buf = DeviceBuffer(self.device._malloc(size, what), max(int(size), 1))
@@ -340,6 +354,7 @@ class _BuildSession:
         value.check_fresh()
         if value.buffer is mine:
             return  # already this input's (the same output fed twice)
+        self.sent.pop(i, None)  # the input's buffer changes (or is written) here: its bytes are unknown
         producer, j = value.session, value.index
         if value.buffer.size >= self.in_sizes[i] and mine.size >= producer.out_sizes[j]:
             _check(acl.update_data_buffer(self.in_data[i], value.buffer.ptr, value.buffer.size),
@@ -378,25 +393,54 @@ class _BuildSession:
                 raise VlmcError(
                     f"{build.name}: input {spec['name']} needs {host.nbytes} bytes, the .om holds {self.in_sizes[i]}"
                 )
-            if host.nbytes:
-                ret = acl.rt.memcpy(self.in_bufs[i].ptr, self.in_sizes[i], acl.util.numpy_to_ptr(host), host.nbytes,
-                                    _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
+            if not host.nbytes:
+                continue
+            # The buffer keeps what the last copy put there (nothing else writes a host input's buffer:
+            # _bind forgets an input it rebinds), so bytes equal to those are not copied again: at batch 1
+            # the block tables, say, change only when a block is added. Compared as bytes, which for a
+            # small input costs less than the copy; a larger one is copied without looking.
+            blob = host.tobytes() if host.nbytes <= _SAME_BYTES_LIMIT else None
+            if blob is not None and self.sent.get(i) == blob:
+                continue
+            self.sent.pop(i, None)  # a failed copy leaves the buffer's bytes unknown
+            ret = acl.rt.memcpy(self.in_bufs[i].ptr, self.in_sizes[i], acl.util.numpy_to_ptr(host), host.nbytes,
+                                _MEMCPY_HOST_TO_DEVICE)  # fmt: skip
+            if ret:  # messages are spelled only on failure: this runs every step
                 _check(ret, f"acl.rt.memcpy({spec['name']})")
-        if dims is not None:
+            if blob is not None:
+                self.sent[i] = blob
+        if dims is not None and dims != self.dims_set:
+            # set_input_dynamic_dims copies the gear into the ascend_mbatch_shape_data buffer, which keeps
+            # it (GeExecutor::SetDynamicDims, https://github.com/mindspore-ai/graphengine
+            # ge/executor/ge_executor.cc: one host-to-device rtMemcpy per value): the same gear as this
+            # dataset's last execution is not set again.
             if len(dims) > ACL_MAX_DIM_CNT:
                 raise VlmcError(
                     f"{build.name}: the dims vector has {len(dims)} values, ACL_MAX_DIM_CNT is {ACL_MAX_DIM_CNT}"
                 )
+            self.dims_set = None
             spec = self._dims_spec  # one dict reused: pyACL reads it during the call
             spec["dimCount"], spec["dims"] = len(dims), dims
             _check(acl.mdl.set_input_dynamic_dims(self.model_id, self.inputs, self.dims_index, spec),
                    "acl.mdl.set_input_dynamic_dims")  # fmt: skip
-        _check(acl.mdl.execute(self.model_id, self.inputs, self.outputs), f"acl.mdl.execute({build.name})")
+            self.dims_set = list(dims)
+        ret = acl.mdl.execute(self.model_id, self.inputs, self.outputs)
+        if ret:
+            _check(ret, f"acl.mdl.execute({build.name})")
+        # Each gear is a static model of its own (ATC compiles one per --dynamic_dims profile), so its
+        # output dims are asked once per gear and kept.
+        key = None if dims is None else tuple(dims)
+        shapes = self.out_shapes.get(key)
+        if shapes is None:
+            shapes = []
+            for i in range(len(build.outputs)):
+                cur, ret = acl.mdl.get_cur_output_dims(self.desc, i)
+                _check(ret, "acl.mdl.get_cur_output_dims")
+                shapes.append(tuple(int(d) for d in cur["dims"][: cur["dimCount"]]))
+            self.out_shapes[key] = shapes
         result = {}
         for i, spec in enumerate(build.outputs):
-            cur, ret = acl.mdl.get_cur_output_dims(self.desc, i)
-            _check(ret, "acl.mdl.get_cur_output_dims")
-            shape = cur["dims"][: cur["dimCount"]]
+            shape = shapes[i]
             buf = self.out_bufs[i]
             if self.kept[i]:  # the KV: left where it is, for the next step to bind
                 buf.version += 1
@@ -411,7 +455,8 @@ class _BuildSession:
             if out.nbytes:
                 ret = acl.rt.memcpy(acl.util.numpy_to_ptr(out), out.nbytes, buf.ptr, out.nbytes,
                                     _MEMCPY_DEVICE_TO_HOST)  # fmt: skip
-                _check(ret, f"acl.rt.memcpy({spec['name']})")
+                if ret:
+                    _check(ret, f"acl.rt.memcpy({spec['name']})")
             result[spec["name"]] = out
         return result
 

@@ -25,8 +25,10 @@ fits images to the resolution gears first (vlmc.runtime.preprocess.fit_to_gears)
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import stat
+from itertools import repeat
 from pathlib import Path
 from typing import Protocol
 
@@ -37,6 +39,7 @@ from vlmc import manifest as manifest_io
 from vlmc.errors import VlmcError
 from vlmc.outdir import BUILD_MARKER
 from vlmc.package import Package
+from vlmc.runtime import paged
 from vlmc.runtime.executors import acl
 from vlmc.runtime.executors.reference import ReferenceDevice
 
@@ -97,6 +100,31 @@ class BuildSpec:
             if tensor_names.is_stacked_output(o["name"])
             and tensor_names.rolled_input(o["name"]) in self.input_names
         ]
+        # Per input: (name, declared dims, rank, its symbolic axes [(axis, symbol)]) for _fit and _pad.
+        self.in_facts = [
+            (
+                i["name"],
+                i["dims"],
+                len(i["dims"]),
+                [(a, d) for a, d in enumerate(i["dims"]) if not isinstance(d, int)],
+            )
+            for i in self.inputs
+        ]
+        # Per output: (name, dims, stacked layer axis or None, rolled, per-layer member names) for run().
+        self.out_facts = []
+        for o in self.outputs:
+            name, dims = o["name"], o["dims"]
+            if not tensor_names.is_stacked_output(name):
+                self.out_facts.append((name, dims, None, False, None))
+                continue
+            axis = tensor_names.layer_axis(name)
+            rolled = tensor_names.rolled_input(name) in self.input_names
+            self.out_facts.append(
+                (name, dims, axis, rolled, tensor_names.output_members(name, int(dims[axis])))
+            )
+        # BuildExecutor._fit's results by the feeds' shapes: a paged decode step at batch 1 mostly repeats
+        # the last one's.
+        self.fits: dict[tuple, object] = {}
 
     def dims(self, gear: list[int]) -> list[int]:
         """:func:`dims_vector` of this build at ``gear``, computed once per gear (the caller must not change it)."""
@@ -169,23 +197,27 @@ class DeviceStack:
         self.dtype = handle.dtype
         self.layer_shape = self.shape[:axis] + self.shape[axis + 1 :]  # each OutputLayer's
         self._rows = None
+        self.views: list[OutputLayer] = []  # its OutputLayers in layer order (paged.layers_of reads them)
 
     def to_host(self) -> np.ndarray:
         """The real part, on the host (one device-to-host copy of the buffer)."""
         return _take_real(self.handle.to_host(), self.dims, self.shape)
 
-    def row_index(self) -> np.ndarray:
+    def row_index(self) -> list[int]:
         """For stacked rows [batch, sequence, layers, ...]: the buffer row (of its first two axes
-        flattened) of each real (batch, sequence) position, [batch, sequence] int64."""
+        flattened) of each real (batch, sequence) position, in row-major order. A Python list: a decode
+        step has a few positions, for which numpy's per-call cost is most of the work."""
         if self._rows is None:
             gs, (b, n) = self.handle.shape[1], self.shape[:2]
             start = gs - n if self.dims[1] in LEFT_PADDED else 0
-            self._rows = np.arange(b, dtype=np.int64)[:, None] * gs + start + np.arange(n, dtype=np.int64)
+            self._rows = [r * gs + start + k for r in range(b) for k in range(n)]
         return self._rows
 
 
 class OutputLayer:
     """Layer ``layer`` of a :class:`DeviceStack`: what the loop holds as ``present.{i}.*`` / ``new_*.{i}``."""
+
+    __slots__ = ("parent", "layer")  # 2 x layers of them per step: made and read as cheaply as can be
 
     def __init__(self, parent: DeviceStack, layer: int) -> None:
         self.parent, self.layer = parent, layer  # one per layer and step: nothing else worked out here
@@ -248,6 +280,10 @@ class BuildExecutor:
         }
         # stacked input -> its per-layer member names, stacked output -> its members (_stack, run)
         self._members: dict[tuple[str, int], list[str]] = {}
+        self._member_sets: dict[tuple[str, int], frozenset[str]] = {}
+        self._fit_names: dict[str, list[str]] = {}  # build -> the feeds whose shapes _fit reads
+        # stacked input -> (its device pool, the PoolLayers _new_pool made of it, by layer), for _stack
+        self._pool_views: dict[str, tuple[object, list]] = {}
         self._binds = getattr(device, "binds", None)  # the device keeps stacked outputs (acl.AclDevice)
         # Paged pools kept by the device (device memory on an NPU); absent for the reference device.
         self._device_pool = getattr(device, "new_pool", None)
@@ -280,7 +316,10 @@ class BuildExecutor:
             axis = tensor_names.layer_axis(stacked)
             full = (*shape[:axis], layers, *shape[axis:])
             self._stack_pools[stacked] = self._device_pool(stacked, full, dtype)
-        return PoolLayer(self._stack_pools[stacked], layer)
+            self._pool_views[stacked] = (self._stack_pools[stacked], [None] * layers)
+        view = PoolLayer(self._stack_pools[stacked], layer)
+        self._pool_views[stacked][1][layer] = view
+        return view
 
     def _stack(self, graph: str, feeds: dict[str, object]) -> dict[str, object]:
         """The feeds with each group of per-layer KV inputs as the stacked input the builds take."""
@@ -290,13 +329,15 @@ class BuildExecutor:
         out = dict(feeds)
         for name, layers in stacked.items():
             members = self._member_names(name, layers)
-            if not all(m in feeds for m in members):
+            if not feeds.keys() >= self._member_sets[(name, layers)]:
                 continue
-            values = [out.pop(m) for m in members]
-            parent = getattr(values[0], "parent", None)
-            if parent is not None and all(
-                getattr(v, "parent", None) is parent and v.layer == i for i, v in enumerate(values)
-            ):
+            values = list(map(out.pop, members))
+            pool, views = self._pool_views.get(name, (None, ()))
+            if len(values) == len(views) and all(map(operator.is_, values, views)):
+                parent = pool  # the PoolLayers _new_pool handed out, as they were: no need to look closer
+            else:
+                parent = paged.layers_of(values)
+            if parent is not None:
                 out[name] = parent  # the device's own stack (a pool, or the last step's output), as it is
             elif all(isinstance(v, np.ndarray | OutputLayer) for v in values):
                 out[name] = np.stack([np.asarray(v) for v in values], axis=tensor_names.layer_axis(name))
@@ -317,6 +358,7 @@ class BuildExecutor:
                 else tensor_names.stack_members
             )
             self._members[key] = members(stacked, layers)
+            self._member_sets[key] = frozenset(self._members[key])
         return self._members[key]
 
     def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -333,16 +375,19 @@ class BuildExecutor:
                 f"graph {graph}: no build takes these inputs ({'; '.join(reasons)}); compile again with gears "
                 "that cover them (sequence_buckets, past_buckets, batch_sizes, images or dims), or shorten the input"
             )
-        _, gear, values, actual, build = best
+        _, gear, values, actual, moved, build = best
         padded = {}
-        for spec in build.inputs:
-            value = feeds[spec["name"]]
+        for name, dims, _, symbolic in build.in_facts:
+            value = feeds[name]
             if isinstance(value, DeviceStack):
                 # The last step's KV, still on the device: bound as it is where its buffer has this gear's
                 # layout (a decode step after a decode step), else brought to the host and padded once.
-                target = tuple(d if isinstance(d, int) else values[d] for d in spec["dims"])
+                target = tuple(d if isinstance(d, int) else values[d] for d in dims)
                 value = value.handle if self._binds(value.handle, target) else value.to_host()
-            padded[spec["name"]] = self._pad(spec, value, values, actual)
+            # Only an input with a padded symbol (at batch 1, a paged step's block tables) is looked at.
+            if moved and any(d in moved for _, d in symbolic):
+                value = self._pad(name, symbolic, value, values, actual)
+            padded[name] = value
         if build.name not in self._loaded:
             self.device.load(build, self.root)
             self._loaded.add(build.name)
@@ -350,25 +395,23 @@ class BuildExecutor:
         outs = self.device.execute(build, padded, dims)
         self.runs[build.name] = self.runs.get(build.name, 0) + 1
         result = {}
-        for o in build.outputs:
-            value = outs[o["name"]]
-            if not tensor_names.is_stacked_output(o["name"]):
-                result[o["name"]] = _strip(value, o["dims"], values, actual)
+        for name, dims, axis, rolled, members in build.out_facts:
+            value = outs[name]
+            if axis is None:
+                result[name] = _strip(value, dims, values, actual) if moved else value
                 continue
             # A stacked KV output (stack_kv.py): handed to the loop as its per-layer outputs.
-            axis = tensor_names.layer_axis(o["name"])
-            real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in o["dims"]]
-            if tensor_names.rolled_input(o["name"]) in padded:
+            real = [d if isinstance(d, int) else actual.get(d, values.get(d)) for d in dims]
+            if rolled:
                 real[tensor_names.ROLLED_AXIS + 1] = actual[tensor_names.ROLLED_REAL]
-            members = self._member_names(o["name"], int(o["dims"][axis]))
             if isinstance(value, np.ndarray):
-                real_part = _take_real(value, o["dims"], real)
+                real_part = _take_real(value, dims, real)
                 for i, m in enumerate(members):
                     result[m] = np.ascontiguousarray(np.take(real_part, i, axis=axis))
             else:
-                stack = DeviceStack(value, real, o["dims"], axis)
-                for i, m in enumerate(members):
-                    result[m] = OutputLayer(stack, i)
+                stack = DeviceStack(value, real, dims, axis)
+                stack.views = list(map(OutputLayer, repeat(stack), range(len(members))))
+                result.update(zip(members, stack.views))
         return result
 
     def close(self) -> None:
@@ -395,26 +438,43 @@ class BuildExecutor:
         return self.builds[graph]
 
     def _fit(self, build: BuildSpec, feeds: dict[str, np.ndarray]):
-        """(padding cost, gear, symbol values, real symbol values) for the cheapest gear; else why not."""
-        declared = build.input_names
-        for name in self._graph_inputs[build.graph] - declared:
+        """(padding cost, gear, symbol values, real symbol values, padded symbols) for the cheapest gear;
+        else why not.
+
+        Decided by the feeds' shapes alone, so a result is kept per build and shapes (the dicts in it are
+        shared: callers read them and do not change them)."""
+        names = self._fit_names.get(build.name)
+        if names is None:
+            others = sorted(self._graph_inputs[build.graph] - build.input_names)
+            names = self._fit_names[build.name] = [i["name"] for i in build.inputs] + others
+        key = tuple(_shape(feeds[n]) if n in feeds else None for n in names)
+        fit = build.fits.get(key)
+        if fit is None:
+            if len(build.fits) >= _FITS_KEPT:  # a contiguous decode's past grows every step: bounded
+                build.fits.clear()
+            fit = build.fits[key] = self._fit_shapes(build, dict(zip(names, key)))
+        return fit
+
+    def _fit_shapes(self, build: BuildSpec, shapes: dict[str, tuple[int, ...] | None]):
+        """:meth:`_fit` from the feeds' shapes (None for a feed that is absent)."""
+        for name in self._graph_inputs[build.graph] - build.input_names:
             # A build without an input the graph has (a contiguous prefill build has no past) fits only
             # while that feed is empty.
-            if name in feeds and 0 not in _shape(feeds[name]):
+            if shapes.get(name) is not None and 0 not in shapes[name]:
                 return f"takes no {name}"
         actual: dict[str, int] = {}
-        for spec in build.inputs:
-            if spec["name"] not in feeds:
-                return f"needs {spec['name']}"
-            shape = _shape(feeds[spec["name"]])
-            if len(shape) != len(spec["dims"]):
-                return f"{spec['name']} has rank {len(shape)}, the build {len(spec['dims'])}"
-            for axis, (d, n) in enumerate(zip(spec["dims"], shape)):
+        for name, dims, rank, _ in build.in_facts:
+            shape = shapes[name]
+            if shape is None:
+                return f"needs {name}"
+            if len(shape) != rank:
+                return f"{name} has rank {len(shape)}, the build {rank}"
+            for axis, (d, n) in enumerate(zip(dims, shape)):
                 if isinstance(d, int):
                     if d != n:
-                        return f"{spec['name']}[{axis}] is {n}, the build's is {d}"
+                        return f"{name}[{axis}] is {n}, the build's is {d}"
                 elif actual.setdefault(d, int(n)) != n:
-                    return f"{d} is {actual[d]} in one input and {n} in {spec['name']}"
+                    return f"{d} is {actual[d]} in one input and {n} in {name}"
         # A rolled present (stack_kv.py) drops its first position, which must be padding: its past gear
         # has to exceed the real past, i.e. hold the present's real length.
         rolled = [(sym, actual.get(tensor_names.ROLLED_REAL)) for sym in build.rolled]
@@ -440,13 +500,16 @@ class BuildExecutor:
                 if len(build.bindings.get(s, [])) != 1 or build.bindings[s][0] != n
             )
             return f"no gear holds {have or 'these shapes'} (gears: {build.bindings})"
-        return best
+        _, gear, values, actual = best
+        moved = frozenset(s for s, n in actual.items() if values.get(s, n) != n)  # the symbols padded
+        return (*best, moved)
 
-    def _pad(self, spec: dict, arr, values: dict[str, int], actual: dict[str, int]):
+    def _pad(self, name: str, symbolic: list, arr, values: dict[str, int], actual: dict[str, int]):
+        """``arr`` (input ``name``) padded up to the gear along its ``symbolic`` axes [(axis, symbol)]."""
         if not isinstance(arr, np.ndarray):
             return arr  # a device pool: static, never padded
-        for axis, d in enumerate(spec["dims"]):
-            if isinstance(d, int) or values.get(d, actual[d]) == actual[d]:
+        for axis, d in symbolic:
+            if values.get(d, actual[d]) == actual[d]:
                 continue
             extra = values[d] - actual[d]
             if d in self.row_padded:
@@ -454,7 +517,7 @@ class BuildExecutor:
                     [arr, np.repeat(np.take(arr, [0], axis=axis), extra, axis=axis)], axis=axis
                 )
                 continue
-            fill = self.pad_token_id if spec["name"] == "input_ids" else _FILL.get(spec["name"], 0)
+            fill = self.pad_token_id if name == "input_ids" else _FILL.get(name, 0)
             # np.full and one slice assignment: what np.pad with a constant does, at a fraction of its
             # per-call cost (several inputs are padded every decode step).
             shape = list(arr.shape)
@@ -490,7 +553,15 @@ def _take_real(arr: np.ndarray, dims: list, real) -> np.ndarray:
 
 def _shape(value) -> tuple[int, ...]:
     """The shape of a feed: a numpy array, or a device pool (which has ``shape`` but is no array)."""
-    return tuple(int(d) for d in value.shape) if hasattr(value, "shape") else np.shape(value)
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return np.shape(value)
+    if type(shape) is tuple:  # numpy's and the device objects' own: already Python ints
+        return shape
+    return tuple(int(d) for d in shape)
+
+
+_FITS_KEPT = 256  # _fit results kept per build
 
 
 def _shapes(feeds: dict[str, object]) -> str:
