@@ -405,6 +405,9 @@ def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     exporters.export(whole).save(tmp_path / "whole")
     streamed_pkg, whole_pkg = Package.load(tmp_path / "streamed"), Package.load(tmp_path / "whole")
     assert streamed_pkg.manifest["kv"] == whole_pkg.manifest["kv"]
+    # the pruning facts name the stitched tower's last layer, as the whole export's do
+    assert streamed_pkg.manifest["vision"]["attention"]["layer"] == 4
+    assert streamed_pkg.manifest["vision"]["attention"] == whole_pkg.manifest["vision"]["attention"]
     _compare_graphs(streamed_pkg, whole_pkg)
     vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
     assert any("/layers.4/" in n.name for n in vision.node)  # the 5 layers up to layer_idx -2
