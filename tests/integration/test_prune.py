@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import vlmc
-from vlmc import interop, manager, ortsession
+from vlmc import budget, interop, manager, ortsession
 from vlmc.cli import main
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import load_source
@@ -366,6 +366,8 @@ def test_pruned_phi3_v_runs_k_tokens_per_image_and_its_reference_build_agrees(ex
     r = runner.invoke(main, ["optimize", str(src), "-r", str(recipe), "-o", str(out)])
     assert r.exit_code == 0, r.output
     pruned = Package.load(out)
+    spec = budget.spec_from_package(pruned, (1080, 1920))  # vlmc plan: a 2 x 2 grid, k of its 757 tokens
+    assert (spec.tokens_per_image, spec.tokens_per_image_unpruned) == (keep, 757)
     pipe = Pipeline(pruned)
     two = pipe.prepare(["<|image_1|>\nand <|image_2|>\nsay"], [["demo", "demo:1"]])
     assert int((two.input_ids == image_id).sum()) == 2 * keep
