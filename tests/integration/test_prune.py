@@ -340,6 +340,18 @@ def test_hd_crops_keep_every_separator_and_the_best_tokens_per_image(exported, m
         assert pruned.manifest["history"][-1]["report"]["score_source"] == "graph"
 
 
+def test_hd_crops_recomputed_attention_gives_the_same_indices(exported):
+    feeds = _hd_feeds(Package.load(exported("tiny-phi3-v")))
+    graph_feeds = {k: feeds[k] for k in ("pixel_values", "image_feature_index")}
+    kept = [
+        Pipeline(_prune(exported("tiny-phi3-v"), keep=327, recompute_attention=r)).run_graph(
+            "vision_encoder", graph_feeds
+        )[measure.INDICES_OUTPUT]
+        for r in (False, True)
+    ]
+    np.testing.assert_array_equal(kept[0], kept[1])
+
+
 def test_hd_crops_keep_at_or_below_the_separators_is_refused(exported):
     table = Package.load(exported("tiny-phi3-v")).manifest["vision"]["token_table"]
     assert table["most_rows"] == 5 * 12 + 1  # a 4 x 1 grid: 48 + 12 sub_GN rows, one glb_GN
