@@ -461,6 +461,9 @@ def _package_tokens(v: dict, image_size: tuple[int, int] | None) -> tuple[int, i
     if rule is not None:
         before = pruned.get("unpruned_tokens_per_image") or tpi
         tokens, rows, note = rule(v, *(image_size or (None, None)))
+        if pruned and pruned.get("unpruned_tokens_per_image") is None and isinstance(tpi, int):
+            # a count per image (hd_crops) pruned to k: the rule gives the image's own count, k of which stay
+            return tpi, rows, note, tokens
         # a count per image (hd_crops) has no fixed per-row count: unpruned, it is the count itself
         return tokens, rows, note, int(before) * rows if before is not None else tokens
     if isinstance(tpi, int):

@@ -572,7 +572,9 @@ MANIFEST = Obj(
                     "has_cls_token": Bool(),
                     "packed_features": Bool(),
                     "dynamic_resolution": Bool(),
-                    "attention": Nullable(Facts(depth=2)),
+                    # groups lists every feature token's patches: 4096 for Gemma3's 256 pooled tokens, 576 for
+                    # Phi-3-vision's 144 merged ones
+                    "attention": Nullable(Facts(depth=2, max_items=1 << 16)),
                     "pruning": Facts(depth=3),
                 },
                 SCALAR_FACTS,

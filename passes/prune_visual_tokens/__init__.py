@@ -264,28 +264,33 @@ def _packed(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
     return kept, b.one("Sub", [indices, starts]), source
 
 
-def _anyres(b: _Builder, x, method, keep, packed, attention, seed, recompute, tensors) -> tuple:
-    """Anyres tokens gathered from a tile feature table (``packed["table"]``, LLaVA-NeXT / OneVision).
+def _token_table(b: _Builder, x, method, keep, packed, attention, seed, recompute, tensors) -> tuple:
+    """Tokens gathered from a per-tile feature table (``packed["table"]``: LLaVA-NeXT / OneVision's anyres,
+    Phi-3-vision's HD crops).
 
-    x is [all image tokens, hidden]: per image, in order, the base tile's tokens, then the unpadded
-    (maybe downscaled) grid row by row, each row ending in image_newline. Output token t mixes table
-    rows ``index[t]`` with ``weight[t]``; image i's tiles start at table row i·tiles·tile_tokens (its
-    base tile's first token is the only token at such a row) and the table's last row is image_newline.
-    Per image, every newline token is kept (the rows stay rows) and the k − rows best content tokens
-    (base tile and grid), all in their original order: k tokens per image.
+    x is [all image tokens, hidden], image after image. Output token t reads table rows ``index[t]`` (mixed
+    with ``weight[t]`` when the table names a weight input, anyres' bilinear downscale); image i's tiles
+    start at table row i·tiles·tile_tokens, its first output token is the only one at row
+    i·tiles·tile_tokens + ``first_row`` (anyres: the base tile's first token; HD crops: the first crop's,
+    after the global image's tile), and the table ends in ``separator_rows`` learned rows (anyres:
+    image_newline; HD crops: sub_GN, glb_GN). Per image, every separator token is kept (the rows stay rows)
+    and the k − separators best content tokens, all in their original order: k tokens per image.
     """
     t = packed["table"]
-    index, weight, pixels = (tensors.get(t[k]) for k in ("index_input", "weight_input", "pixels_input"))
-    if index is None or weight is None or pixels is None:
+    index, pixels = tensors.get(t["index_input"]), tensors.get(t["pixels_input"])
+    weight = tensors.get(t["weight_input"]) if t.get("weight_input") else None
+    if index is None or pixels is None or (t.get("weight_input") and weight is None):
         raise VlmcError("the vision graph lacks the token-table inputs named in vision.token_table")
     per_tile = int(t["tile_tokens"])
     n_img = b.one("Shape", [pixels], {"start": 0, "end": 1})
     stride = b.one("Mul", [b.one("Shape", [pixels], {"start": 1, "end": 2}), b.const([per_tile])])
-    newline_row = b.one("Mul", [n_img, stride])
-    first = b.one("Squeeze", [b.slice(index, 0, 1, axis=1), b.const([1])])  # [tokens]: each token's first row
-    is_nl = b.one("Equal", [first, newline_row])
+    separator_row = b.one("Mul", [n_img, stride])  # the first of the table's separator rows
+    # [tokens]: each token's (first) table row
+    first = b.one("Squeeze", [b.slice(index, 0, 1, axis=1), b.const([1])]) if weight is not None else index
+    is_nl = b.one("GreaterOrEqual", [first, separator_row])
     rem = b.one("Sub", [first, b.one("Mul", [b.one("Div", [first, stride]), stride])])
-    is_start = b.one("And", [b.one("Equal", [rem, b.const(0)]), b.one("Not", [is_nl])])
+    start_row = b.const(int(t.get("first_row", 0)))
+    is_start = b.one("And", [b.one("Equal", [rem, start_row]), b.one("Not", [is_nl])])
     which = b.one(
         "Sub",
         [
@@ -344,13 +349,24 @@ def _anyres(b: _Builder, x, method, keep, packed, attention, seed, recompute, te
         a, source = _attention(b, tensors, attention, method, recompute)
         a = b.one("Reshape", [_head_mean(b, a), b.const([-1, int(attention["keys_per_image"])])])
         offset = int(attention.get("token_offset", 0))
-        a = b.one("Reshape", [b.slice(a, offset, offset + per_tile, axis=1), b.const([-1])])
-        a = b.one("Concat", [a, b.const([0.0], np.float32)], {"axis": 0})  # image_newline's row
-        # each token's score mixes its table rows' scores as the token mixes their features
-        g = b.one("Mul", [b.one("Gather", [a, index], {"axis": 0}), weight])
-        w = [b.one("Squeeze", [b.slice(g, i, i + 1, axis=1), b.const([1])]) for i in range(4)]
-        scores = b.unsqueeze(b.one("Add", [b.one("Add", [w[0], w[1]]), b.one("Add", [w[2], w[3]])]), [0])
-    # every score is in [0, 1]: newlines (2) always win, tokens of other images (-1) never do
+        if attention.get("groups"):
+            # a table row pools a group of patches (HD crops' 2 x 2 merge): the mean of their key columns
+            columns = np.asarray(attention["groups"], np.int64).reshape(-1, int(attention["group_size"]))
+            a = b.reduce_mean(b.one("Gather", [a, b.const(columns + offset)], {"axis": 1}), [2])
+        else:
+            a = b.slice(a, offset, offset + per_tile, axis=1)
+        a = b.one("Reshape", [a, b.const([-1])])
+        separators = int(t.get("separator_rows", 1))
+        a = b.one("Concat", [a, b.const([0.0] * separators, np.float32)], {"axis": 0})  # the separator rows
+        g = b.one("Gather", [a, index], {"axis": 0})
+        if weight is None:
+            scores = b.unsqueeze(g, [0])
+        else:
+            # each token's score mixes its table rows' scores as the token mixes their features
+            g = b.one("Mul", [g, weight])
+            w = [b.one("Squeeze", [b.slice(g, i, i + 1, axis=1), b.const([1])]) for i in range(4)]
+            scores = b.unsqueeze(b.one("Add", [b.one("Add", [w[0], w[1]]), b.one("Add", [w[2], w[3]])]), [0])
+    # every score is in [0, 1]: separators (2) always win, tokens of other images (-1) never do
     scores = b.one("Where", [content, scores, b.const(np.float32(-1.0), np.float32)])
     scores = b.one("Where", [line, b.const(np.float32(2.0), np.float32), scores])
     indices = _sorted_topk(b, scores, keep)  # positions on the packed axis [images, k]
@@ -414,7 +430,9 @@ def rewrite(
     feats.name = f"{FEATURES}_unpruned"
     b = _Builder(graph, PREFIX)
     if packed and packed.get("table"):
-        kept, indices, source = _anyres(b, feats, method, keep, packed, attention, seed, recompute, tensors)
+        kept, indices, source = _token_table(
+            b, feats, method, keep, packed, attention, seed, recompute, tensors
+        )
         kept_shape, idx_shape = ["image_tokens", shape[-1]], ["images", keep]
     elif packed:
         kept, indices, source = _packed(b, feats, method, keep, packed, attention, seed, recompute, tensors)
@@ -564,18 +582,23 @@ class PruneVisualTokens(Pass):
                     f"keep={k} is not below the {tokens} visual tokens per image; nothing to prune"
                 )
         elif v.get("token_table"):
-            # anyres: each image's count depends on its size; every row's image_newline is kept
+            # anyres tiles, HD crops: each image's count depends on its size; every separator is kept
             table = v["token_table"]
             if self.opts["keep"] is None:
+                what = table.get("what", "anyres tiles")
                 raise VlmcError(
-                    "the token count per image depends on the image size here (anyres tiles); "
+                    f"the token count per image depends on the image size here ({what}); "
                     "give keep (tokens per image) instead of ratio"
                 )
             k = int(self.opts["keep"])
             if k <= int(table["most_rows"]):
+                # most_rows: the most separator tokens one image has (llava-next packages predate "kept")
+                kept = table.get(
+                    "kept", "feature rows an image can have: every row's image_newline token is kept"
+                )
                 raise VlmcError(
-                    f"keep={k} must be above the {table['most_rows']} feature rows an image can have: every "
-                    "row's image_newline token is kept, and at least one image token besides them"
+                    f"keep={k} must be above the {table['most_rows']} {kept}, and at least one image token "
+                    "besides them"
                 )
             packed = {"table": table, "max_tokens": MAX_PACKED_TOKENS}
         else:
@@ -678,7 +701,7 @@ class PruneVisualTokens(Pass):
                 f"{report['savings']['visual_tokens_before']} (demo:0; depends on the image size)"
             )
         if self.opts["picture"] and package.manifest["vision"].get("token_table"):
-            report["picture"] = "not drawn: anyres tokens come from several tiles, not one patch grid"
+            report["picture"] = "not drawn: the tokens come from several tiles or crops, not one patch grid"
         elif self.opts["picture"]:
             image = "demo:0"
             package.files["pruning.png"] = measure.picture(package, image)

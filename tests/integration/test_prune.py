@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import vlmc
-from vlmc import interop, manager, ortsession
+from vlmc import budget, interop, manager, ortsession
 from vlmc.cli import main
 from vlmc.errors import PassFailed, VlmcError
 from vlmc.exporters import load_source
@@ -237,11 +237,18 @@ def _anyres_expected(pkg: Package, feeds: dict, method: str, keep: int, seed: in
         token_scores = (table[index[:, 0]] * w[:, 0] + table[index[:, 1]] * w[:, 1]) + (
             table[index[:, 2]] * w[:, 2] + table[index[:, 3]] * w[:, 3]
         )
+    else:
+        token_scores = None
+    return _table_expected(counts, index[:, 0] == newline, token_scores, method, keep, seed)
+
+
+def _table_expected(counts, separators, token_scores, method, keep, seed) -> list[np.ndarray]:
+    """Per image of a token-table layout: every separator token and the best keep - separators others."""
     out, start = [], 0
     for n in counts:
-        is_nl = index[start : start + n, 0] == newline
-        content = np.flatnonzero(~is_nl)
-        slots = keep - int(is_nl.sum())
+        is_sep = separators[start : start + n]
+        content = np.flatnonzero(~is_sep)
+        slots = keep - int(is_sep.sum())
         if method == "uniform":
             chosen = content[((2 * np.arange(slots) + 1) * len(content)) // (2 * slots)]
         elif method == "random":
@@ -249,7 +256,7 @@ def _anyres_expected(pkg: Package, feeds: dict, method: str, keep: int, seed: in
             chosen = content[np.sort(np.argsort(-table[: len(content)], kind="stable")[:slots])]
         else:
             chosen = content[_topk_sorted(token_scores[start : start + n][content], slots)]
-        out.append(np.sort(np.concatenate([np.flatnonzero(is_nl), chosen])))
+        out.append(np.sort(np.concatenate([np.flatnonzero(is_sep), chosen])))
         start += n
     return out
 
@@ -282,6 +289,117 @@ def test_anyres_keep_below_the_newline_rows_is_refused(exported):
         _prune(exported("tiny-llava-next"), ratio=0.5, method="uniform")
 
 
+def _hd_feeds(pkg: Package) -> dict:
+    """Two images of different crop grids (2 x 2 and 1 x 3: 757 and 601 tokens, 37 and 25 separators)."""
+    rng = np.random.default_rng(0)
+    images = [preprocess.demo_image(64, seed=1), rng.integers(0, 256, (40, 150, 3)).astype(np.uint8)]
+    feeds = Pipeline(pkg).vision_feeds(preprocess.preprocess(images, pkg.manifest["vision"]["preprocess"]))
+    assert preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"]) == [757, 601]
+    return feeds
+
+
+def _hd_expected(pkg: Package, feeds: dict, method: str, keep: int, seed: int = 0) -> list[np.ndarray]:
+    """Per image, in numpy: every separator (sub_GN, glb_GN) and the best keep - separators crop tokens,
+    each scored by the CLS attention of the 2 x 2 patches it merges, ascending."""
+    index = feeds["image_feature_index"]
+    images, crops = feeds["pixel_values"].shape[:2]
+    table = pkg.manifest["vision"]["token_table"]
+    separator = images * crops * table["tile_tokens"]  # the table's sub_GN row (glb_GN follows it)
+    counts = preprocess.token_counts(feeds, pkg.manifest["vision"]["preprocess"])
+    if method == "cls_attention":
+        att = pkg.manifest["vision"]["attention"]
+        sess = ortsession.from_model(pkg.model("vision_encoder"), extra_outputs=[att["probs"]])
+        graph_feeds = {k: feeds[k] for k in ("pixel_values", "image_feature_index")}
+        probs = sess.run([att["probs"]], graph_feeds)[0]  # [images * crops, heads, 577, 577]
+        cls = probs[:, :, 0].mean(1)  # [tiles, keys]
+        groups = np.asarray(att["groups"]).reshape(-1, att["group_size"])  # [144, 4] key columns
+        rows = np.concatenate([cls[:, groups].mean(2).reshape(-1), [0.0, 0.0]]).astype(np.float32)
+        token_scores = rows[index]
+    else:
+        token_scores = None
+    return _table_expected(counts, index >= separator, token_scores, method, keep, seed)
+
+
+@pytest.mark.parametrize("method", ["cls_attention", "uniform", "random"])
+def test_hd_crops_keep_every_separator_and_the_best_tokens_per_image(exported, method):
+    """Phi-3-vision: each image keeps its sub_GN / glb_GN separators and the best crop tokens, k in all."""
+    keep = 327  # the k-th and next attention scores of both images are 8.5e-6 apart here (no near-tie)
+    pkg = Package.load(exported("tiny-phi3-v"))
+    feeds = _hd_feeds(pkg)
+    pruned = _prune(exported("tiny-phi3-v"), keep=keep, method=method, seed=3)
+    assert pruned.manifest["vision"]["tokens_per_image"] == keep
+    graph_feeds = {k: feeds[k] for k in ("pixel_values", "image_feature_index")}
+    out = Pipeline(pruned).run_graph("vision_encoder", graph_feeds)
+    full = Pipeline(pkg).run_graph("vision_encoder", graph_feeds)["image_features"]
+    expected = _hd_expected(pkg, feeds, method, keep, seed=3)
+    np.testing.assert_array_equal(out[measure.INDICES_OUTPUT], np.stack(expected))
+    starts = np.cumsum([0, 757])
+    rows = np.concatenate([s + e for s, e in zip(starts, expected)])
+    np.testing.assert_array_equal(out["image_features"], full[rows])  # kept tokens, exact, in order
+    if method == "cls_attention":
+        assert pruned.manifest["history"][-1]["report"]["score_source"] == "graph"
+
+
+def test_hd_crops_recomputed_attention_gives_the_same_indices(exported):
+    feeds = _hd_feeds(Package.load(exported("tiny-phi3-v")))
+    graph_feeds = {k: feeds[k] for k in ("pixel_values", "image_feature_index")}
+    kept = [
+        Pipeline(_prune(exported("tiny-phi3-v"), keep=327, recompute_attention=r)).run_graph(
+            "vision_encoder", graph_feeds
+        )[measure.INDICES_OUTPUT]
+        for r in (False, True)
+    ]
+    np.testing.assert_array_equal(kept[0], kept[1])
+
+
+def test_hd_crops_keep_at_or_below_the_separators_is_refused(exported):
+    table = Package.load(exported("tiny-phi3-v")).manifest["vision"]["token_table"]
+    assert table["most_rows"] == 5 * 12 + 1  # a 4 x 1 grid: 48 + 12 sub_GN rows, one glb_GN
+    with pytest.raises(PassFailed, match="keep=61 must be above the 61 separator tokens"):
+        _prune(exported("tiny-phi3-v"), keep=61, method="uniform")
+    with pytest.raises(PassFailed, match=r"\(HD crops\); give keep"):
+        _prune(exported("tiny-phi3-v"), ratio=0.5, method="uniform")
+
+
+def test_pruned_phi3_v_runs_k_tokens_per_image_and_its_reference_build_agrees(exported, tmp_path):
+    """Each <|image_N|> expands to k placeholders; onnxruntime and the Ascend reference build give the same
+    tokens (the build pads the feature index by rows: the padded copies belong to no image)."""
+    src = tmp_path / "src"
+    shutil.copytree(exported("tiny-phi3-v"), src)
+    pkg = Package.load(src)
+    image_id = pkg.manifest["vision"]["image_token_id"]
+    demo = int((Pipeline(pkg).prepare(["Describe the image."], [["demo"]]).input_ids == image_id).sum())
+    assert demo == 757
+    keep = demo // 2
+    recipe = tmp_path / "r.json"
+    recipe.write_text(json.dumps({"passes": [{"prune_visual_tokens": {**NO_CAL, "keep": keep}}]}))
+    out, build = tmp_path / "pruned", tmp_path / "build"
+    runner = CliRunner()
+    r = runner.invoke(main, ["optimize", str(src), "-r", str(recipe), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    pruned = Package.load(out)
+    spec = budget.spec_from_package(pruned, (1080, 1920))  # vlmc plan: a 2 x 2 grid, k of its 757 tokens
+    assert (spec.tokens_per_image, spec.tokens_per_image_unpruned) == (keep, 757)
+    pipe = Pipeline(pruned)
+    two = pipe.prepare(["<|image_1|>\nand <|image_2|>\nsay"], [["demo", "demo:1"]])
+    assert int((two.input_ids == image_id).sum()) == 2 * keep
+    res = pipe.generate_from(two, 3)
+    assert res.image_tokens == 2 * keep
+    args = ["--image", "demo", "--prompt", "Describe the image.", "--max-new-tokens", "6", "--json"]
+    r = runner.invoke(main, ["run", str(out), *args])
+    assert r.exit_code == 0, r.output
+    ort_tokens = json.loads(r.stdout.splitlines()[-1])["tokens"][0]
+    unpruned = Pipeline(pkg).generate(["Describe the image."], [["demo"]], 6)
+    assert unpruned.image_tokens == demo and ort_tokens != unpruned.tokens[0]  # the prompt really shrank
+    r = runner.invoke(main, ["compile", str(out), "--soc", "Ascend910B4", "-o", str(build)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(main, ["run", str(build), "--executor", "reference", "--against", str(out), *args])
+    assert r.exit_code == 0, r.output
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["tokens"][0] == ort_tokens
+    assert got["agreement"]["tokens_agree"] == got["agreement"]["tokens"] == 6
+
+
 # ---- graph properties ----------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name,opts",
@@ -290,6 +408,8 @@ def test_anyres_keep_below_the_newline_rows_is_refused(exported):
         ("tiny-llava", {"ratio": 0.25, "method": "random"}),
         ("tiny-qwen2-vl", {"keep": 8, "method": "attention_received"}),
         ("tiny-qwen2-vl", {"keep": 8, "method": "random"}),
+        ("tiny-phi3-v", {"keep": 378}),
+        ("tiny-phi3-v", {"keep": 378, "method": "random"}),
     ],
 )
 def test_rewrite_uses_only_static_atc_ops_and_stays_valid(exported, name, opts):

@@ -394,6 +394,9 @@ def test_phi3_v_streams_the_graphs_of_its_whole_export(tmp_path, capsys):
     assert ckpt.rows["language_model.model.layers.4.mlp.up_proj.weight"] == (128, 256)
     streamed_pkg, whole_pkg = _export_streamed_and_whole(lazy, src, tmp_path, capsys, lm_layers=5)
     assert streamed_pkg.manifest["kv"] == whole_pkg.manifest["kv"]
+    # the pruning facts name the stitched tower's last layer, as the whole export's do
+    assert streamed_pkg.manifest["vision"]["attention"]["layer"] == 4
+    assert streamed_pkg.manifest["vision"]["attention"] == whole_pkg.manifest["vision"]["attention"]
     vision = onnx.load(str(streamed_pkg.path_of("vision_encoder")), load_external_data=False).graph
     assert any("/layers.4/" in n.name for n in vision.node)  # the 5 layers up to layer_idx -2
     assert not any("/layers.5/" in n.name for n in vision.node)

@@ -38,7 +38,7 @@ from transformers import PretrainedConfig
 
 from vlmc import paths, samples
 from vlmc.errors import VlmcError
-from vlmc.exporters import base, checkpoint, native, processor, streaming, zoo
+from vlmc.exporters import attention, base, checkpoint, native, processor, streaming, zoo
 from vlmc.exporters._facts import CLIP_MEAN, CLIP_STD, kv_facts, text_facts
 from vlmc.package import Package
 from vlmc.runtime import hd_crops, markers
@@ -612,6 +612,46 @@ def source_tokenizer(directory):
     }
 
 
+def token_table(facts: dict) -> dict:
+    """How the image tokens are gathered from the crops' feature table (read by prune_visual_tokens).
+
+    Row r of the table is crop r // 144's merged token r % 144 (crop_tokens_side² per crop), image i's crops
+    (the global image first) start at row i * crops * 144, so its first token, the first HD crop's first, is
+    at i * crops * 144 + 144; the table ends in sub_GN and glb_GN. Pruning keeps every one of those
+    separators: one sub_GN per feature row (rows * s of the crop grid, s of the global image) and one glb_GN.
+    """
+    s = int(facts["crop_tokens_side"])
+    return {
+        "index_input": "image_feature_index",
+        "pixels_input": "pixel_values",
+        "tile_tokens": s * s,
+        "first_row": s * s,
+        "separator_rows": 2,
+        # the tallest grid (num_crops x 1) has the most rows: num_crops * s + s sub_GN, one glb_GN
+        "most_rows": (int(facts["num_crops"]) + 1) * s + 1,
+        "what": "HD crops",
+        "kept": "separator tokens an image can have: every feature row's sub_GN and the glb_GN are kept",
+    }
+
+
+def attention_facts(vision_graph, clip) -> dict | None:
+    """The CLS attention of the feature layer (the cut tower's last): each merged token scores the 2 x 2
+    patches it concatenates (keys are [CLS, 24 x 24 patches] per crop)."""
+    side = int(clip.image_size) // int(clip.patch_size)
+    layer = int(clip.num_hidden_layers) - 1
+    groups = [
+        [1 + (2 * r + a) * side + 2 * c + b for a in range(2) for b in range(2)]
+        for r in range(side // 2)
+        for c in range(side // 2)
+    ]
+    facts = attention.grouped_facts(
+        vision_graph, f"/encoder/layers.{layer}/", side * side + 1, 0, groups, "phi3_v"
+    )
+    if facts:
+        facts.update({"layer": layer, "layers": layer + 1})
+    return facts
+
+
 class VisionWrapper(nn.Module):
     def __init__(self, model) -> None:
         super().__init__()
@@ -695,7 +735,7 @@ def export(source, pkg: Package) -> None:
 
     feeds = hd_crops.graph_feeds(_vision_sample(facts), facts)
     args = [torch.from_numpy(feeds["pixel_values"]), torch.from_numpy(feeds["image_feature_index"])]
-    base.export_stage(
+    vision_graph = base.export_stage(
         pkg,
         "vision_encoder",
         VisionWrapper(model),
@@ -714,6 +754,9 @@ def export(source, pkg: Package) -> None:
         "vision_encoder",
         {"pixel_values": feeds["pixel_values"], "image_feature_index": feeds["image_feature_index"]},
     )
+    m["vision"]["token_table"] = token_table(facts)
+    # the whole config: a streamed model is cut to the traced layers, its graph stitched to full depth
+    m["vision"]["attention"] = attention_facts(vision_graph, clip_config(cfg))
     base.export_embed(pkg, lm.get_input_embeddings(), tcfg.vocab_size)
     rotary = lm.model.rotary_emb
     if getattr(rotary, "rope_type", "default") == "longrope":

@@ -263,9 +263,9 @@ GEARS: dict[str, tuple[GearRule, ...]] = {
     ),
 }
 # kind -> dims a build runner must never pad by rows, though it pads them for other kinds: anyres' feature
-# index names image_newline as the table's last row, after every image's tiles, so a padded image would
-# move it (a request must then fill an images gear exactly).
-UNPADDED: dict[str, tuple[str, ...]] = {"anyres": ("images",)}
+# index names image_newline as the table's last row, after every image's tiles, and HD crops' names sub_GN
+# and glb_GN there, so a padded image would move them (a request must then fill an images gear exactly).
+UNPADDED: dict[str, tuple[str, ...]] = {"anyres": ("images",), "hd_crops": ("images",)}
 GEAR_OPTIONS = tuple(dict.fromkeys(r.option for rules in GEARS.values() for r in rules))
 # The key of a compile output's gears in its runtime manifest: vision.preprocess.gears {symbol: values}.
 GEARS_KEY = "gears"
