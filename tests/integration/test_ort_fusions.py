@@ -98,15 +98,43 @@ def test_fp32_build_fuses_norms_rotary_and_attention_with_the_packages_tokens(mh
     assert _tokens(out / "package") == _tokens(mha)
 
 
-def test_fewer_kv_heads_keep_their_attention_with_the_reason(tiny_llava, tmp_path):
+def _grouped_build(path: Path, out: Path) -> tuple[dict, dict, Package]:
+    """Compile a grouped-query package; check every fusion and the whole build, return (facts, ops, build)."""
+    pkg = Package.load(path)
+    summary = backends.get("ort").compile(pkg, out, {"backend": "ort"})
+    entry = summary["graphs"]["decoder"]
+    for check in [f["check"] for f in entry["fusions"].values() if "check" in f] + [entry["check"]]:
+        assert all(o["rms_relative"] <= ort_backend.TOLERANCE["float"] for o in check["outputs"].values())
+    build = Package.load(out / "package")
+    for name in pkg.graph_names:  # the graph interface stays
+        assert _io(build, name) == _io(pkg, name)
+    return entry["fusions"], _ops(build.model("decoder")), build
+
+
+def test_fewer_kv_heads_fuse_into_multi_head_attention_over_the_repeated_kv(tiny_llava, tmp_path):
     pkg = Package.load(tiny_llava)  # 4 query heads over 2 KV heads: repeat_kv in the graph
-    out = tmp_path / "build"
-    facts = backends.get("ort").compile(pkg, out, {"backend": "ort"})["graphs"]["decoder"]["fusions"]
     layers = pkg.manifest["kv"]["layers"]
-    assert facts["attention"]["fused"] == 0 and len(facts["attention"]["kept"]) == layers
-    assert all("fewer KV heads" in why for why in facts["attention"]["kept"].values())
+    facts, ops, _ = _grouped_build(tiny_llava, tmp_path / "build")
+    assert facts["attention"]["fused"] == layers and facts["attention"]["grouped"] == layers
+    assert facts["attention"]["kept"] == {}
     assert facts["rotary"]["fused"] == 2 * layers and facts["rms_norm"]["fused"] == 2 * layers + 1
-    assert _tokens(out / "package") == _tokens(tiny_llava)
+    assert ops["MultiHeadAttention"] == layers and ops["RotaryEmbedding"] == 2 * layers
+    assert "Softmax" not in ops and "GroupQueryAttention" not in ops
+    assert ops["Expand"] >= 2 * layers  # the repeat of each layer's key and value stays
+    assert _tokens(tmp_path / "build" / "package") == _tokens(tiny_llava)
+
+
+@pytest.mark.parametrize("builtin", ["tiny-qwen2-vl", "tiny-qwen3-vl"])  # qwen3-vl: q/k norms too
+def test_mrope_attention_fuses_with_its_rotary_left_as_it_is(exported, builtin, tmp_path):
+    """M-RoPE's cos/sin are gathered per section from [3, batch, seq] positions: RotaryEmbedding does not
+    take those, so the rotary stays (skipped, with the reason) and attention reads its output."""
+    path = exported(builtin)
+    layers = Package.load(path).manifest["kv"]["layers"]
+    facts, ops, _ = _grouped_build(path, tmp_path / "build")
+    assert facts["rotary"]["fused"] == 0 and "position_ids" in facts["rotary"]["skipped"]
+    assert facts["attention"]["fused"] == layers and facts["attention"]["grouped"] == layers
+    assert ops["MultiHeadAttention"] == layers and "Softmax" not in ops and "RotaryEmbedding" not in ops
+    assert _tokens(tmp_path / "build" / "package") == _tokens(path)
 
 
 def test_fusion_options_turn_each_off(tiny_llava, tmp_path):
