@@ -3,7 +3,7 @@
 Makes a 2-layer Qwen2-VL-style decoder at moderate width (hidden 1536, 12 query heads over 2 KV heads,
 head 128, MLP 8960, M-RoPE; random weights, the tiny vocabulary), exports it, compiles it with
 ``--target ort`` twice (all fusions; attention left unfused), and times one decode step over ``--past``
-cached positions on each decoder in alternating rounds (the order flips each round), medians and the
+cached positions (or a prefill: ``--past 0 --sequence 512``) on each decoder in alternating rounds (the order flips each round), medians and the
 per-round ratio.
 
     .venv/bin/python scripts/bench_ort_gqa.py --root /tmp/bench-gqa --rounds 8 --threads 2
@@ -52,18 +52,19 @@ def prepare(root: Path) -> dict[str, Path]:
     return builds
 
 
-def _feed(pkg, past: int) -> dict:
+def _feed(pkg, past: int, seq: int = 1) -> dict:
     rng = np.random.default_rng(0)
     info = pkg.info("decoder")
     feed = {}
     for spec in info["inputs"]:
         name = spec["name"]
         if name == "inputs_embeds":
-            feed[name] = rng.standard_normal((1, 1, spec["shape"][-1])).astype(np.float32) * 0.02
+            feed[name] = rng.standard_normal((1, seq, spec["shape"][-1])).astype(np.float32) * 0.02
         elif name == "attention_mask":
-            feed[name] = np.ones((1, past + 1), np.int64)
+            feed[name] = np.ones((1, past + seq), np.int64)
         elif name == "position_ids":
-            feed[name] = np.full([d if isinstance(d, int) else 1 for d in spec["shape"]], past, np.int64)
+            lead = [d for d in spec["shape"][:-2] if isinstance(d, int)]  # M-RoPE's 3 axes
+            feed[name] = np.broadcast_to(np.arange(past, past + seq), (*lead, 1, seq)).astype(np.int64)
         elif name.startswith("past_key_values."):
             shape = [1, spec["shape"][1], past, spec["shape"][3]]
             feed[name] = rng.standard_normal(shape).astype(np.float32)
@@ -78,6 +79,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20, help="decode steps timed per decoder per round")
     ap.add_argument("--past", type=int, default=512)
+    ap.add_argument(
+        "--sequence", type=int, default=1, help="new positions per step (1: decode; more: prefill)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -87,7 +91,7 @@ def main() -> None:
     builds = prepare(args.root)
     pkgs = {k: Package.load(v) for k, v in builds.items()}
     sessions = {k: ortsession.for_graph(p, "decoder", args.threads) for k, p in pkgs.items()}
-    feed = _feed(pkgs["package"], args.past)
+    feed = _feed(pkgs["package"], args.past, args.sequence)
     ref = sessions["package"].run(["logits"], feed)[0]
     for k, s in sessions.items():
         print(f"{k}: max |logit diff| vs package {np.abs(s.run(['logits'], feed)[0] - ref).max():.3g}")

@@ -124,7 +124,8 @@ def test_fewer_kv_heads_fuse_into_multi_head_attention_over_the_repeated_kv(tiny
     assert _tokens(tmp_path / "build" / "package") == _tokens(tiny_llava)
 
 
-@pytest.mark.parametrize("builtin", ["tiny-qwen2-vl", "tiny-qwen3-vl"])  # qwen3-vl: q/k norms too
+# qwen3-vl: q/k norms too; glm4v: a partial rotary
+@pytest.mark.parametrize("builtin", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-glm4v"])
 def test_mrope_attention_fuses_with_its_rotary_left_as_it_is(exported, builtin, tmp_path):
     """M-RoPE's cos/sin are gathered per section from [3, batch, seq] positions: RotaryEmbedding does not
     take those, so the rotary stays (skipped, with the reason) and attention reads its output."""

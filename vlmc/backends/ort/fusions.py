@@ -497,9 +497,10 @@ def _unfused_rotary_input(x4: ir.Value) -> ir.Value | None:
 
 
 def _projection(x4: ir.Value) -> ir.Value | None:
-    """The 3-D projection under the BNSH ``x4``: through a rotary (fused or not), per-head norms (Qwen3's
-    and Gemma3's q/k norms, fused or not, before or after the head Transpose), the head Transpose and
-    the head Reshape; else None."""
+    """The 3-D projection under the BNSH ``x4``: through a rotary (fused or not, partial or whole), per-head
+    norms (Qwen3's and Gemma3's q/k norms, fused or not, before or after the head Transpose), the head
+    Transpose and the head Reshape; else None. It gives the width (the head count); the fused graph
+    reads ``x4`` itself (:func:`_to_3d`), so whatever computed ``x4`` is kept as it is."""
     v, transposed = x4, False
     for _ in range(16):
         p = v.producer()
@@ -513,6 +514,14 @@ def _projection(x4: ir.Value) -> ir.Value | None:
             v = inner
         elif (norm := _rms_norm_output_of(v)) is not None:
             v = norm
+        elif (
+            p.op_type == "Concat"
+            and p.domain in ("", "ai.onnx")
+            and len(p.inputs) == 2
+            and _attr(p, "axis") in (-1, 3)
+            and _op(p.inputs[1], "Slice") is not None
+        ):  # partial rotary (GLM-4V): Concat(rotary(x[..., :r]), x[..., r:]); follow the pass-through x
+            v = p.inputs[1].producer().inputs[0]
         elif p.op_type == "Transpose" and p.domain in ("", "ai.onnx") and not transposed:
             if list(_attr(p, "perm", [])) != [0, 2, 1, 3]:
                 return None
