@@ -13,6 +13,7 @@ import pytest
 
 from vlmc import backends, exporters, manager, pass_api, recipe
 from vlmc.backends import ort as ort_backend
+from vlmc.backends.ort import fusions
 from vlmc.exporters import zoo
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
@@ -98,44 +99,56 @@ def test_fp32_build_fuses_norms_rotary_and_attention_with_the_packages_tokens(mh
     assert _tokens(out / "package") == _tokens(mha)
 
 
-def _grouped_build(path: Path, out: Path) -> tuple[dict, dict, Package]:
-    """Compile a grouped-query package; check every fusion and the whole build, return (facts, ops, build)."""
-    pkg = Package.load(path)
-    summary = backends.get("ort").compile(pkg, out, {"backend": "ort"})
-    entry = summary["graphs"]["decoder"]
-    for check in [f["check"] for f in entry["fusions"].values() if "check" in f] + [entry["check"]]:
-        assert all(o["rms_relative"] <= ort_backend.TOLERANCE["float"] for o in check["outputs"].values())
-    build = Package.load(out / "package")
-    for name in pkg.graph_names:  # the graph interface stays
-        assert _io(build, name) == _io(pkg, name)
-    return entry["fusions"], _ops(build.model("decoder")), build
+@pytest.fixture(scope="module")
+def mrope_mha(tmp_path_factory) -> Path:
+    """tiny-qwen2-vl (M-RoPE) with as many KV heads as query heads (the built-in has 4 over 2)."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlmc.exporters import qwen2_vl
+
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(qwen2_vl.tiny_qwen2_vl_config(num_key_value_heads=4)).eval()
+    exporters._eager(model)
+    source = exporters.Source(
+        name="tiny-qwen2-vl-mha", model=model, config=model.config, family="qwen2_vl", builtin=True
+    )
+    out = tmp_path_factory.mktemp("mrope") / "pkg"
+    exporters.export(source).save(out)
+    return out
 
 
-def test_fewer_kv_heads_fuse_into_multi_head_attention_over_the_repeated_kv(tiny_llava, tmp_path):
+def test_fewer_kv_heads_keep_their_attention_with_the_reason(tiny_llava, tmp_path):
     pkg = Package.load(tiny_llava)  # 4 query heads over 2 KV heads: repeat_kv in the graph
+    out = tmp_path / "build"
+    facts = backends.get("ort").compile(pkg, out, {"backend": "ort"})["graphs"]["decoder"]["fusions"]
     layers = pkg.manifest["kv"]["layers"]
-    facts, ops, _ = _grouped_build(tiny_llava, tmp_path / "build")
-    assert facts["attention"]["fused"] == layers and facts["attention"]["grouped"] == layers
-    assert facts["attention"]["kept"] == {}
+    assert facts["attention"]["fused"] == 0 and len(facts["attention"]["kept"]) == layers
+    assert all(why == fusions.GROUPED for why in facts["attention"]["kept"].values())
     assert facts["rotary"]["fused"] == 2 * layers and facts["rms_norm"]["fused"] == 2 * layers + 1
-    assert ops["MultiHeadAttention"] == layers and ops["RotaryEmbedding"] == 2 * layers
-    assert "Softmax" not in ops and "GroupQueryAttention" not in ops
-    assert ops["Expand"] >= 2 * layers  # the repeat of each layer's key and value stays
-    assert _tokens(tmp_path / "build" / "package") == _tokens(tiny_llava)
+    ops = _ops(Package.load(out / "package").model("decoder"))
+    assert ops["Softmax"] == layers and "MultiHeadAttention" not in ops
+    assert _tokens(out / "package") == _tokens(tiny_llava)
 
 
-# qwen3-vl: q/k norms too; glm4v: a partial rotary
-@pytest.mark.parametrize("builtin", ["tiny-qwen2-vl", "tiny-qwen3-vl", "tiny-glm4v"])
-def test_mrope_attention_fuses_with_its_rotary_left_as_it_is(exported, builtin, tmp_path):
+def test_mrope_attention_fuses_with_its_rotary_left_as_it_is(mrope_mha, tmp_path):
     """M-RoPE's cos/sin are gathered per section from [3, batch, seq] positions: RotaryEmbedding does not
     take those, so the rotary stays (skipped, with the reason) and attention reads its output."""
-    path = exported(builtin)
-    layers = Package.load(path).manifest["kv"]["layers"]
-    facts, ops, _ = _grouped_build(path, tmp_path / "build")
+    pkg = Package.load(mrope_mha)
+    layers = pkg.manifest["kv"]["layers"]
+    out = tmp_path / "build"
+    entry = backends.get("ort").compile(pkg, out, {"backend": "ort"})["graphs"]["decoder"]
+    facts = entry["fusions"]
     assert facts["rotary"]["fused"] == 0 and "position_ids" in facts["rotary"]["skipped"]
-    assert facts["attention"]["fused"] == layers and facts["attention"]["grouped"] == layers
+    assert facts["attention"]["fused"] == layers and facts["attention"]["kept"] == {}
+    for check in [facts["attention"]["check"], entry["check"]]:
+        assert all(o["rms_relative"] <= ort_backend.TOLERANCE["float"] for o in check["outputs"].values())
+    build = Package.load(out / "package")
+    ops = _ops(build.model("decoder"))
     assert ops["MultiHeadAttention"] == layers and "Softmax" not in ops and "RotaryEmbedding" not in ops
-    assert _tokens(tmp_path / "build" / "package") == _tokens(path)
+    for name in pkg.graph_names:  # the graph interface stays (position_ids [3, batch, seq] too)
+        assert _io(build, name) == _io(pkg, name)
+    assert _tokens(out / "package") == _tokens(mrope_mha)
 
 
 def test_fusion_options_turn_each_off(tiny_llava, tmp_path):

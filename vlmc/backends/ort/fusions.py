@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 DOMAIN = "com.microsoft"
 SOURCE = "microsoft/onnxruntime docs/ContribOperators.md"
 KINDS = ("rms_norm", "rotary", "attention")
+# Why grouped-query attention (fewer KV heads than query heads) keeps the graph's own attention.
+GROUPED = (
+    "fewer KV heads than query heads (repeat_kv): GroupQueryAttention's contract refuses a multi-token "
+    "step of batch > 1 over a past, which the decoder's interface takes; MultiHeadAttention over the "
+    "repeated KV ran slower than the graph's own attention (docs/ort.md)"
+)
 
 
 def _const(v: ir.Value | None) -> np.ndarray | None:
@@ -453,15 +459,8 @@ def _attention_at(softmax: ir.Node) -> dict | None:
     merge = _only_user(back.outputs[0], "Reshape")
     if merge is None or _rank(merge.outputs[0]) not in (None, 3):
         return None
-    # Grouped-query attention: the graph repeats each KV head over its query heads (repeat_kv) after
-    # the cache Concat; the fused kernel reads the unrepeated KV (GroupQueryAttention groups itself).
-    k_kv, v_kv = _unrepeat_kv(k_all), _unrepeat_kv(v_all)
-    grouped = k_kv is not None and v_kv is not None
-    k_rep, v_rep = k_all, v_all
-    if grouped:
-        k_all, v_all = k_kv, v_kv
-    elif (k_kv is None) != (v_kv is None):
-        return None
+    if _unrepeat_kv(k_all) is not None or _unrepeat_kv(v_all) is not None:
+        return {"kept": GROUPED}
     cats = [_op(k_all, "Concat"), _op(v_all, "Concat")]
     if None in cats or any(_attr(c, "axis") not in (2, -2) or len(c.inputs) != 2 for c in cats):
         return None
@@ -477,7 +476,6 @@ def _attention_at(softmax: ir.Node) -> dict | None:
         "q4": q4, "k_new4": k_new4, "v_new4": v_new4, "past_k": past_k, "past_v": past_v,
         "bias": bias, "scale": scale, "present_k": k_all, "present_v": v_all,
         "out": merge.outputs[0], "at": merge, "kv_heads": shape[1], "head_dim": shape[3],
-        "grouped": grouped, "k_rep": k_rep, "v_rep": v_rep,
     }  # fmt: skip
 
 
@@ -601,28 +599,23 @@ def _to_3d(
 def fuse_attention(model: ir.Model) -> dict:
     """Eager attention over the contiguous KV (Concat(past, new) on axis 2) -> com.microsoft.MultiHeadAttention.
 
-    With as many KV heads as query heads, MultiHeadAttention takes the new key/value and the past, and
-    its present_key/present_value become the graph's ``present.{i}.*``. With fewer (grouped-query: the
-    graph repeats each KV head over its query heads, HF's repeat_kv, after the cache Concat), the Concat
-    and the repeat stay and MultiHeadAttention reads the repeated KV as BNSH key/value with no past
-    (microsoft/onnxruntime docs/ContribOperators.md#com.microsoft.MultiHeadAttention: key
-    ``(batch, num_heads, kv_sequence_length, head_size)``). GroupQueryAttention
-    (#com.microsoft.GroupQueryAttention) would read the unrepeated KV, but its contract refuses inputs the
-    package accepts: "when past context is present, sequence_length > 1 requires batch_size == 1"
-    (onnxruntime 1.32 fails the package's own sample feed, batch 2 over a past, with that error), and
-    its ``seqlens_k`` assumes right padding where the runtime pads left.
+    MultiHeadAttention takes the new key/value and the past, and its present_key/present_value become
+    the graph's ``present.{i}.*``. Grouped-query attention (fewer KV heads, HF's repeat_kv after the
+    cache Concat) is kept, for the reasons in :data:`GROUPED`.
     """
     graph = model.graph
     out: dict = {
         "op": f"{DOMAIN}.MultiHeadAttention",
         "source": SOURCE,
         "fused": 0,
-        "grouped": 0,
         "kept": {},
     }
     for softmax in [n for n in graph if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
         m = _attention_at(softmax)
         if m is None:
+            continue
+        if "kept" in m:
+            out["kept"][softmax.name] = m["kept"]
             continue
         q, k, v = (_projection(m[key]) for key in ("q4", "k_new4", "v_new4"))
         if q is None or k is None or v is None:
@@ -630,16 +623,11 @@ def fuse_attention(model: ir.Model) -> dict:
             continue
         head_dim, kv_heads = m["head_dim"], m["kv_heads"]
         widths = [_width(t) for t in (q, k, v)]
-        heads = widths[0] // head_dim if isinstance(widths[0], int) and widths[0] % head_dim == 0 else None
-        ok = heads is not None and widths[1:] == [kv_heads * head_dim] * 2
-        if ok and m["grouped"]:
-            ok = heads % kv_heads == 0 and heads > kv_heads
-        elif ok:
-            ok = heads == kv_heads
-        if not ok:
+        heads = kv_heads
+        if widths != [kv_heads * head_dim] * 3:
             out["kept"][softmax.name] = (
-                f"projection widths {widths} are not query heads x {head_dim} and {kv_heads} KV heads x "
-                f"{head_dim} (equal heads, or a whole group of query heads per KV head through repeat_kv)"
+                f"projection widths {widths} are not {kv_heads} heads x {head_dim} each (MultiHeadAttention "
+                "needs as many query heads as KV heads)"
             )
             continue
         at = m["at"]
@@ -653,41 +641,24 @@ def fuse_attention(model: ir.Model) -> dict:
             continue
         # no scale in the graph: scores are used as they are
         scale = float(m["scale"]) if m["scale"] is not None else 1.0
-        attrs = {"num_heads": heads, "scale": scale}
-        if m["grouped"]:  # the repeated KV, BNSH; the graph's Concat keeps writing present.{i}.*
-            inputs = [q3, m["k_rep"], m["v_rep"], None, None, m["bias"]]
-            outs = 1
-        else:
-            inputs = [q3, k3, v3, None, None, m["bias"], m["past_k"], m["past_v"]]
-            outs = 3
+        inputs = [q3, k3, v3, None, None, m["bias"], m["past_k"], m["past_v"]]
         node = ir.node(
             "MultiHeadAttention",
             inputs,
-            attrs,
+            {"num_heads": heads, "scale": scale},
             domain=DOMAIN,
             name=f"{softmax.name}_MultiHeadAttention",
-            num_outputs=outs,
+            num_outputs=3,
         )
-        o = node.outputs[0]
+        o, pk, pv = node.outputs
         o.name, o.shape, o.type = f"{m['out'].name}_fused", m["out"].shape, m["out"].type
+        pk.name, pk.shape, pk.type = f"{m['present_k'].name}_fused", m["present_k"].shape, m["present_k"].type
+        pv.name, pv.shape, pv.type = f"{m['present_v'].name}_fused", m["present_v"].shape, m["present_v"].type
         graph.insert_before(at, node)
         _replace(m["out"], o)
-        if not m["grouped"]:
-            _, pk, pv = node.outputs
-            pk.name, pk.shape, pk.type = (
-                f"{m['present_k'].name}_fused",
-                m["present_k"].shape,
-                m["present_k"].type,
-            )
-            pv.name, pv.shape, pv.type = (
-                f"{m['present_v'].name}_fused",
-                m["present_v"].shape,
-                m["present_v"].type,
-            )
-            _replace(m["present_k"], pk)
-            _replace(m["present_v"], pv)
+        _replace(m["present_k"], pk)
+        _replace(m["present_v"], pv)
         out["fused"] += 1
-        out["grouped"] += int(m["grouped"])
     _cleanup(model)
     if out["fused"]:
         model.opset_imports.setdefault(DOMAIN, 1)
