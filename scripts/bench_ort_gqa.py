@@ -1,12 +1,14 @@
-"""The ort target's attention fusion on a grouped-query decoder: one decode step, fused vs unfused, paired.
+"""The ort target on a grouped-query decoder: one decode step (or prefill) per decoder variant, paired.
 
 Makes a 2-layer Qwen2-VL-style decoder at moderate width (hidden 1536, 12 query heads over 2 KV heads,
 head 128, MLP 8960, M-RoPE; random weights, the tiny vocabulary), exports it, compiles it with
-``--target ort`` twice (all fusions; attention left unfused), and times one decode step over ``--past``
-cached positions (or a prefill: ``--past 0 --sequence 512``) on each decoder in alternating rounds (the order flips each round), medians and the
-per-round ratio.
+``--target ort`` twice (all fusions; ``fuse_attention: false``), and times one decode step over
+``--past`` cached positions (or a prefill: ``--past 0 --sequence 512``) on the package and both builds
+in alternating rounds (the order flips each round): wall and process CPU medians, per-round ratios.
+With grouped-query attention kept (docs/ort.md) the two builds are the same graph; at commit 983c37b
+the first one held MultiHeadAttention over the repeated KV, the docs' "MHA" column.
 
-    .venv/bin/python scripts/bench_ort_gqa.py --root /tmp/bench-gqa --rounds 8 --threads 2
+    .venv/bin/python scripts/bench_ort_gqa.py --root /tmp/bench-gqa --rounds 12 --steps 10 --threads 2
 """
 
 from __future__ import annotations
