@@ -7,11 +7,13 @@ order); a paged package keeps its pools and block tables (attention stays unfuse
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from vlmc import backends, manager, pass_api, recipe
+from vlmc import backends, exporters, manager, pass_api, recipe
 from vlmc.backends import ort as ort_backend
+from vlmc.backends.ort import fusions
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 
@@ -79,15 +81,56 @@ def test_fp32_build_fuses_norms_rotary_and_attention_with_the_packages_tokens(mh
     assert _tokens(out / "package") == _tokens(mha)
 
 
+@pytest.fixture(scope="module")
+def mrope_mha(tmp_path_factory) -> Path:
+    """tiny-qwen2-vl (M-RoPE) with as many KV heads as query heads (the built-in has 4 over 2)."""
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlmc.exporters import qwen2_vl
+
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(qwen2_vl.tiny_qwen2_vl_config(num_key_value_heads=4)).eval()
+    exporters._eager(model)
+    source = exporters.Source(
+        name="tiny-qwen2-vl-mha", model=model, config=model.config, family="qwen2_vl", builtin=True
+    )
+    out = tmp_path_factory.mktemp("mrope") / "pkg"
+    exporters.export(source).save(out)
+    return out
+
+
 def test_fewer_kv_heads_keep_their_attention_with_the_reason(tiny_llava, tmp_path):
     pkg = Package.load(tiny_llava)  # 4 query heads over 2 KV heads: repeat_kv in the graph
     out = tmp_path / "build"
     facts = backends.get("ort").compile(pkg, out, {"backend": "ort"})["graphs"]["decoder"]["fusions"]
     layers = pkg.manifest["kv"]["layers"]
     assert facts["attention"]["fused"] == 0 and len(facts["attention"]["kept"]) == layers
-    assert all("fewer KV heads" in why for why in facts["attention"]["kept"].values())
+    assert all(why == fusions.GROUPED for why in facts["attention"]["kept"].values())
     assert facts["rotary"]["fused"] == 2 * layers and facts["rms_norm"]["fused"] == 2 * layers + 1
+    ops = _ops(Package.load(out / "package").model("decoder"))
+    assert ops["Softmax"] == layers and "MultiHeadAttention" not in ops
     assert _tokens(out / "package") == _tokens(tiny_llava)
+
+
+def test_mrope_attention_fuses_with_its_rotary_left_as_it_is(mrope_mha, tmp_path):
+    """M-RoPE's cos/sin are gathered per section from [3, batch, seq] positions: RotaryEmbedding does not
+    take those, so the rotary stays (skipped, with the reason) and attention reads its output."""
+    pkg = Package.load(mrope_mha)
+    layers = pkg.manifest["kv"]["layers"]
+    out = tmp_path / "build"
+    entry = backends.get("ort").compile(pkg, out, {"backend": "ort"})["graphs"]["decoder"]
+    facts = entry["fusions"]
+    assert facts["rotary"]["fused"] == 0 and "position_ids" in facts["rotary"]["skipped"]
+    assert facts["attention"]["fused"] == layers and facts["attention"]["kept"] == {}
+    for check in [facts["attention"]["check"], entry["check"]]:
+        assert all(o["rms_relative"] <= ort_backend.TOLERANCE["float"] for o in check["outputs"].values())
+    build = Package.load(out / "package")
+    ops = _ops(build.model("decoder"))
+    assert ops["MultiHeadAttention"] == layers and "Softmax" not in ops and "RotaryEmbedding" not in ops
+    for name in pkg.graph_names:  # the graph interface stays (position_ids [3, batch, seq] too)
+        assert _io(build, name) == _io(pkg, name)
+    assert _tokens(out / "package") == _tokens(mrope_mha)
 
 
 def test_fusion_options_turn_each_off(tiny_llava, tmp_path):

@@ -240,13 +240,59 @@ def test_attention_becomes_multi_head_attention_over_the_past():
     _close(_run(fused, empty), _run(model, empty))
 
 
-def test_attention_with_fewer_kv_heads_is_kept_with_the_reason():
-    model = _layer(kv_heads=1)
+def _empty_past(feeds: dict) -> dict:
+    """The first prefill: no cached positions."""
+    empty = dict(feeds, **{k: v[:, :, :0] for k, v in feeds.items() if k.startswith("past")})
+    empty["bias"] = feeds["bias"][..., PAST:]
+    empty["position_ids"] = np.arange(SEQ, dtype=np.int64)[None]
+    return empty
+
+
+def test_attention_reads_an_unfused_rotary_through_transpose_and_reshape():
+    """M-RoPE's rotary stays unfused (its positions are [3, batch, seq]); attention still fuses, the rotary's
+    BNSH output put back to [batch, seq, hidden] by Transpose + Reshape (a copy)."""
+    model = _layer()
+    feeds = _feeds()
+    ref = _run(model, feeds)
+    fused = model.clone()
+    facts = fusions.fuse_attention(fused)  # no rotary fusion before it
+    assert facts["fused"] == 1 and facts["kept"] == {}
+    ops = _ops(fused)
+    assert ops["MultiHeadAttention"] == 1 and "Softmax" not in ops and "RotaryEmbedding" not in ops
+    assert "Neg" in ops  # the rotary, as the graph wrote it
+    node = next(n for n in fused.graph if n.op_type == "MultiHeadAttention")
+    for i in (0, 1):  # query and key: Reshape(Transpose(rotary output))
+        rs = node.inputs[i].producer()
+        assert rs.op_type == "Reshape" and rs.inputs[0].producer().op_type == "Transpose"
+        assert rs.inputs[0].producer().inputs[0].producer().op_type == "Add"
+    assert node.inputs[2].producer().op_type == "MatMul"  # value: the projection itself
+    assert _signature(fused) == _signature(model)
+    _close(_run(fused, feeds), ref)
+    _close(_run(fused, _empty_past(feeds)), _run(model, _empty_past(feeds)))
+
+
+@pytest.mark.parametrize("rotary", [True, False], ids=["rotary-fused", "rotary-unfused"])
+def test_attention_with_fewer_kv_heads_is_kept_with_the_reason(rotary):
+    model = _layer(kv_heads=1)  # 2 query heads over 1 KV head: repeat_kv after the cache Concat
     feeds = _feeds(kv_heads=1)
     ref = _run(model, feeds)
-    fusions.fuse_rotary(model, POSITIONS)
+    if rotary:
+        fusions.fuse_rotary(model, POSITIONS)
     facts = fusions.fuse_attention(model)
-    assert facts["fused"] == 0
-    assert len(facts["kept"]) == 1 and "fewer KV heads" in next(iter(facts["kept"].values()))
-    assert "Softmax" in _ops(model)
+    assert facts["fused"] == 0 and len(facts["kept"]) == 1
+    why = next(iter(facts["kept"].values()))
+    assert why == fusions.GROUPED and "GroupQueryAttention" in why and "batch > 1 over a past" in why
+    assert "Softmax" in _ops(model) and "MultiHeadAttention" not in _ops(model)
     _close(_run(model, feeds), ref)
+
+
+def test_attention_that_matches_nothing_leaves_the_graph_as_it_is():
+    model = _layer()
+    # the scale is no scalar: the score path is not the eager form the rule takes
+    scale = next(n for n in model.graph if n.op_type == "Mul" and n.inputs[1].name == "scale")
+    scale.inputs[1].const_value = ir.tensor(np.full((1, 1, 1, 1 + PAST + SEQ - 1), 0.3, np.float32))
+    before = [(n.op_type, [i.name if i is not None else None for i in n.inputs]) for n in model.graph]
+    facts = fusions.fuse_attention(model)
+    assert facts["fused"] == 0 and facts["kept"] == {}
+    assert [(n.op_type, [i.name if i is not None else None for i in n.inputs]) for n in model.graph] == before
+    assert "com.microsoft" not in model.opset_imports

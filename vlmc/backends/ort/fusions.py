@@ -41,6 +41,12 @@ logger = logging.getLogger(__name__)
 DOMAIN = "com.microsoft"
 SOURCE = "microsoft/onnxruntime docs/ContribOperators.md"
 KINDS = ("rms_norm", "rotary", "attention")
+# Why grouped-query attention (fewer KV heads than query heads) keeps the graph's own attention.
+GROUPED = (
+    "fewer KV heads than query heads (repeat_kv): GroupQueryAttention's contract refuses a multi-token "
+    "step of batch > 1 over a past, which the decoder's interface takes; MultiHeadAttention over the "
+    "repeated KV ran slower than the graph's own attention (docs/ort.md)"
+)
 
 
 def _const(v: ir.Value | None) -> np.ndarray | None:
@@ -398,11 +404,19 @@ def _through_identity(v: ir.Value) -> ir.Value:
         v = p.inputs[0]
 
 
-def _repeat_kv(v: ir.Value) -> bool:
-    """True when ``v`` is HF's repeat_kv of the KV: ``Reshape(Expand(Unsqueeze(kv)))``."""
+def _unrepeat_kv(v: ir.Value) -> ir.Value | None:
+    """The KV under HF's repeat_kv (``Reshape(Expand(Unsqueeze(kv, 2)))``, each KV head repeated for its
+    group of query heads), else None."""
     rs = _op(v, "Reshape")
     ex = _op(rs.inputs[0], "Expand") if rs is not None else None
-    return ex is not None and _op(ex.inputs[0], "Unsqueeze") is not None
+    un = _op(ex.inputs[0], "Unsqueeze") if ex is not None else None
+    if un is None:
+        return None
+    axes = _attr(un, "axes")
+    if axes is None and len(un.inputs) > 1:
+        c = _const(un.inputs[1])
+        axes = None if c is None else [int(a) for a in c.reshape(-1)]
+    return un.inputs[0] if axes is not None and list(axes) == [2] else None
 
 
 def _attention_at(softmax: ir.Node) -> dict | None:
@@ -445,8 +459,8 @@ def _attention_at(softmax: ir.Node) -> dict | None:
     merge = _only_user(back.outputs[0], "Reshape")
     if merge is None or _rank(merge.outputs[0]) not in (None, 3):
         return None
-    if _repeat_kv(k_all):
-        return {"kept": "fewer KV heads than query heads (repeat_kv): MultiHeadAttention needs equal ones"}
+    if _unrepeat_kv(k_all) is not None or _unrepeat_kv(v_all) is not None:
+        return {"kept": GROUPED}
     cats = [_op(k_all, "Concat"), _op(v_all, "Concat")]
     if None in cats or any(_attr(c, "axis") not in (2, -2) or len(c.inputs) != 2 for c in cats):
         return None
@@ -465,48 +479,137 @@ def _attention_at(softmax: ir.Node) -> dict | None:
     }  # fmt: skip
 
 
+def _const_node(graph: ir.Graph, at: ir.Node, arr: np.ndarray, name: str) -> ir.Value:
+    node = ir.node("Constant", [], {"value": ir.tensor(arr, name=name)}, name=name)
+    graph.insert_before(at, node)
+    node.outputs[0].name = name
+    return node.outputs[0]
+
+
+def _unfused_rotary_input(x4: ir.Value) -> ir.Value | None:
+    """The BNSH input of an unfused ``x*cos + rotate_half(x)*sin`` producing ``x4`` (M-RoPE: its cos/sin are
+    gathered per section from ``[3, batch, seq]`` positions, which RotaryEmbedding does not take), else None."""
+    add = _op(x4, "Add")
+    m = _rotary_at(add) if add is not None else None
+    return m["x"] if m is not None else None
+
+
+def _projection(x4: ir.Value) -> ir.Value | None:
+    """The 3-D projection under the BNSH ``x4``: through a rotary (fused or not, partial or whole), per-head
+    norms (Qwen3's and Gemma3's q/k norms, fused or not, before or after the head Transpose), the head
+    Transpose and the head Reshape; else None. It gives the width (the head count); the fused graph
+    reads ``x4`` itself (:func:`_to_3d`), so whatever computed ``x4`` is kept as it is."""
+    v, transposed = x4, False
+    for _ in range(16):
+        p = v.producer()
+        if p is None:
+            return None
+        if p.domain == DOMAIN and p.op_type == "RotaryEmbedding":
+            v = p.inputs[0]
+        elif p.op_type == "SimplifiedLayerNormalization" and p.domain in ("", "ai.onnx"):
+            v = p.inputs[0]
+        elif (inner := _unfused_rotary_input(v)) is not None:
+            v = inner
+        elif (norm := _rms_norm_output_of(v)) is not None:
+            v = norm
+        elif (
+            p.op_type == "Concat"
+            and p.domain in ("", "ai.onnx")
+            and len(p.inputs) == 2
+            and _attr(p, "axis") in (-1, 3)
+            and _op(p.inputs[1], "Slice") is not None
+        ):  # partial rotary (GLM-4V): Concat(rotary(x[..., :r]), x[..., r:]); follow the pass-through x
+            v = p.inputs[1].producer().inputs[0]
+        elif p.op_type == "Transpose" and p.domain in ("", "ai.onnx") and not transposed:
+            if list(_attr(p, "perm", [])) != [0, 2, 1, 3]:
+                return None
+            v, transposed = p.inputs[0], True
+        elif p.op_type == "Reshape" and p.domain in ("", "ai.onnx") and transposed:
+            return p.inputs[0] if _rank(p.inputs[0]) in (None, 3) else None
+        else:
+            return None
+    return None
+
+
+def _rms_norm_output_of(v: ir.Value) -> ir.Value | None:
+    """The input of the unfused RMSNorm whose output is ``v`` (the norm fusion off), else None."""
+    mul = _op(v, "Mul")
+    if mul is None:
+        return None
+    for i in mul.inputs:
+        for node in _producers(i, 6):
+            if node.op_type == "ReduceMean" and node.domain in ("", "ai.onnx"):
+                m = _rms_norm_at(node)
+                if m is not None and m["output"] is v:
+                    return m["input"]
+    return None
+
+
+def _producers(v: ir.Value, depth: int):
+    """The nodes up to ``depth`` steps above ``v``."""
+    seen, frontier = [], [v]
+    for _ in range(depth):
+        nxt = []
+        for x in frontier:
+            p = x.producer() if x is not None else None
+            if p is not None and p not in seen:
+                seen.append(p)
+                nxt.extend(p.inputs)
+        frontier = nxt
+    return seen
+
+
 def _to_3d(
     graph: ir.Graph, x4: ir.Value, at: ir.Node, heads: int, head_dim: int, name: str
 ) -> ir.Value | None:
     """A [batch, seq, heads*head_dim] form of the BNSH ``x4``: the projection before it where the path is
-    Reshape+Transpose, the rotary applied to that projection where a RotaryEmbedding sits between."""
-    direct = _heads_of(x4)
-    if direct is not None:
-        return direct
-    rot = x4.producer()
-    if rot is None or rot.op_type != "RotaryEmbedding" or rot.domain != DOMAIN:
-        return None
-    x3 = _heads_of(rot.inputs[0])
-    if x3 is None:
-        return None
-    node = ir.node(
-        "RotaryEmbedding",
-        [x3, *rot.inputs[1:]],
-        {"interleaved": 0, "num_heads": heads, "rotary_embedding_dim": head_dim},
-        domain=DOMAIN,
-        name=f"{rot.name}_bsd",
-    )
-    y = node.outputs[0]
-    y.name, y.type = f"{name}_rotary_bsd", x4.type
-    graph.insert_before(at, node)
-    return y
-
-
-def _projection(x4: ir.Value) -> ir.Value | None:
-    """The 3-D projection under ``x4`` (through a fused rotary)."""
+    Reshape+Transpose, the rotary applied to that projection where a RotaryEmbedding sits between, and
+    else ``Reshape(Transpose(x4))`` (a copy, numerically exact: after a rotary left unfused or a per-head
+    norm)."""
     direct = _heads_of(x4)
     if direct is not None:
         return direct
     rot = x4.producer()
     if rot is not None and rot.op_type == "RotaryEmbedding" and rot.domain == DOMAIN:
-        return _heads_of(rot.inputs[0])
-    return None
+        x3 = _heads_of(rot.inputs[0])
+        if x3 is not None:
+            node = ir.node(
+                "RotaryEmbedding",
+                [x3, *rot.inputs[1:]],
+                {"interleaved": 0, "num_heads": heads, "rotary_embedding_dim": head_dim},
+                domain=DOMAIN,
+                name=f"{rot.name}_bsd",
+            )
+            y = node.outputs[0]
+            y.name, y.type = f"{name}_rotary_bsd", x4.type
+            graph.insert_before(at, node)
+            return y
+    if _projection(x4) is None:
+        return None
+    tr = ir.node("Transpose", [x4], {"perm": [0, 2, 1, 3]}, name=f"{name}_bsnh")
+    graph.insert_before(at, tr)
+    shape = _const_node(graph, at, np.array([0, 0, heads * head_dim], np.int64), f"{name}_bsd_shape")
+    rs = ir.node("Reshape", [tr.outputs[0], shape], name=f"{name}_bsd")
+    graph.insert_before(at, rs)
+    y = rs.outputs[0]
+    y.name, y.type = f"{name}_bsd", x4.type
+    return y
 
 
 def fuse_attention(model: ir.Model) -> dict:
-    """Eager attention over the contiguous KV (Concat(past, new) on axis 2) -> com.microsoft.MultiHeadAttention."""
+    """Eager attention over the contiguous KV (Concat(past, new) on axis 2) -> com.microsoft.MultiHeadAttention.
+
+    MultiHeadAttention takes the new key/value and the past, and its present_key/present_value become
+    the graph's ``present.{i}.*``. Grouped-query attention (fewer KV heads, HF's repeat_kv after the
+    cache Concat) is kept, for the reasons in :data:`GROUPED`.
+    """
     graph = model.graph
-    out: dict = {"op": f"{DOMAIN}.MultiHeadAttention", "source": SOURCE, "fused": 0, "kept": {}}
+    out: dict = {
+        "op": f"{DOMAIN}.MultiHeadAttention",
+        "source": SOURCE,
+        "fused": 0,
+        "kept": {},
+    }
     for softmax in [n for n in graph if n.op_type == "Softmax" and n.domain in ("", "ai.onnx")]:
         m = _attention_at(softmax)
         if m is None:
@@ -520,32 +623,29 @@ def fuse_attention(model: ir.Model) -> dict:
             continue
         head_dim, kv_heads = m["head_dim"], m["kv_heads"]
         widths = [_width(t) for t in (q, k, v)]
+        heads = kv_heads
         if widths != [kv_heads * head_dim] * 3:
             out["kept"][softmax.name] = (
                 f"projection widths {widths} are not {kv_heads} heads x {head_dim} each (MultiHeadAttention "
                 "needs as many query heads as KV heads)"
             )
             continue
-        heads = kv_heads
         at = m["at"]
         q3 = _to_3d(graph, m["q4"], at, heads, head_dim, f"{softmax.name}_q")
-        k3 = _to_3d(graph, m["k_new4"], at, heads, head_dim, f"{softmax.name}_k")
-        v3 = _to_3d(graph, m["v_new4"], at, heads, head_dim, f"{softmax.name}_v")
+        k3 = _to_3d(graph, m["k_new4"], at, kv_heads, head_dim, f"{softmax.name}_k")
+        v3 = _to_3d(graph, m["v_new4"], at, kv_heads, head_dim, f"{softmax.name}_v")
         if q3 is None or k3 is None or v3 is None:
             out["kept"][softmax.name] = (
                 "its query/key/value are not projections (with rotary) of the hidden state"
             )
             continue
-        attrs = {"num_heads": heads}
-        if m["scale"] is not None:
-            attrs["scale"] = float(m["scale"])
-        else:
-            attrs["scale"] = 1.0  # no scale in the graph: scores are used as they are
+        # no scale in the graph: scores are used as they are
+        scale = float(m["scale"]) if m["scale"] is not None else 1.0
         inputs = [q3, k3, v3, None, None, m["bias"], m["past_k"], m["past_v"]]
         node = ir.node(
             "MultiHeadAttention",
             inputs,
-            attrs,
+            {"num_heads": heads, "scale": scale},
             domain=DOMAIN,
             name=f"{softmax.name}_MultiHeadAttention",
             num_outputs=3,
