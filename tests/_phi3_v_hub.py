@@ -114,6 +114,14 @@ def tokenizer():
     return tok
 
 
+def _legacy_merges(text: str) -> str:
+    """tokenizer.json with its BPE merges as "a b" strings, the form of the published file: the tokenizers 0.19
+    that transformers 4.44 pins (the remote-reference venv) reads no other, and today's reads both."""
+    data = json.loads(text)
+    data["model"]["merges"] = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return json.dumps(data, ensure_ascii=False)
+
+
 def write_hub_copy(
     path: Path,
     seed: int = 3,
@@ -131,7 +139,7 @@ def write_hub_copy(
 
     path.mkdir(parents=True, exist_ok=True)
     tok = tokenizer()
-    (path / "tokenizer.json").write_text(tok.to_str())
+    (path / "tokenizer.json").write_text(_legacy_merges(tok.to_str()))
     specials = {t: tok.token_to_id(t) for t in PHI_TOKENS}
     cfg = json.loads(json.dumps(PUBLISHED_CONFIG))
     cfg.update(NARROW)
@@ -181,14 +189,14 @@ def write_hub_copy(
     if dtype is not None:
         weights = {k: v.to(dtype) for k, v in weights.items()}
     if shards <= 1:
-        save_file(weights, str(path / "model.safetensors"))
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
         return path
     names = sorted(weights)
     weight_map = {}
     for n in range(shards):
         shard = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
         part = names[n::shards]
-        save_file({k: weights[k] for k in part}, str(path / shard))
+        save_file({k: weights[k] for k in part}, str(path / shard), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(part, shard))
     total = sum(v.numel() * v.element_size() for v in weights.values())
     (path / "model.safetensors.index.json").write_text(

@@ -3,7 +3,7 @@ its own. Kept out of `make test`: marked remote_reference and skipped unless tha
 
     scripts/remote_reference_venv.sh                       # makes .venv-remote
     VLMC_QWEN_VL_REMOTE_CODE=/path/to/Qwen-VL-Chat \\         # modeling_qwen.py, visual.py, ... of the hub repo
-        .venv/bin/python -m pytest -n 0 -m remote_reference tests/test_qwen_vl_remote.py
+        .venv/bin/python -m pytest -n 0 -m remote_reference tests/integration/test_qwen_vl_remote.py
 """
 
 from __future__ import annotations
