@@ -14,17 +14,13 @@ the decoder and the vocabulary.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from _phi3_v_hub import PUBLISHED_CONFIG, tokenizer, write_hub_copy
+from _remote_reference import add_code, picture, ready, run, until_stop
 from click.testing import CliRunner
-from PIL import Image
 
 from vlmc import exporters
 from vlmc.cli import main
@@ -33,9 +29,7 @@ from vlmc.runtime import Pipeline
 
 pytestmark = pytest.mark.remote_reference
 
-ROOT = Path(__file__).resolve().parents[2]
-REMOTE_PYTHON = Path(os.environ.get("VLMC_REMOTE_PYTHON", ROOT / ".venv-remote" / "bin" / "python"))
-REMOTE_CODE = os.environ.get("VLMC_PHI3_V_REMOTE_CODE")
+CODE_VAR = "VLMC_PHI3_V_REMOTE_CODE"
 CODE_FILES = (
     "configuration_phi3_v.py",
     "image_embedding_phi3_v.py",
@@ -45,14 +39,7 @@ CODE_FILES = (
 )
 
 
-def _remote_ready() -> str | None:
-    if not REMOTE_PYTHON.exists():
-        return f"no remote reference venv ({REMOTE_PYTHON}; scripts/remote_reference_venv.sh makes it)"
-    if not REMOTE_CODE or not all((Path(REMOTE_CODE) / f).is_file() for f in CODE_FILES):
-        return (
-            "VLMC_PHI3_V_REMOTE_CODE does not name a directory with Phi-3-vision-128k-instruct's Python files"
-        )
-    return None
+NOT_READY = ready(CODE_VAR, CODE_FILES, "Phi-3-vision-128k-instruct")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +53,7 @@ def remote_hub(tmp_path_factory):
         img_processor=dict(PUBLISHED_CONFIG["img_processor"]),
         pad_token_id=tokenizer().token_to_id("<|endoftext|>"),
     )
-    for f in CODE_FILES:
-        shutil.copy(Path(REMOTE_CODE) / f, hub / f)
+    add_code(hub, CODE_VAR, CODE_FILES)
     return hub
 
 
@@ -78,31 +64,14 @@ def remote_package(remote_hub, tmp_path_factory):
     return out
 
 
-@pytest.mark.skipif(_remote_ready() is not None, reason=str(_remote_ready()))
+@pytest.mark.skipif(NOT_READY is not None, reason=str(NOT_READY))
 @pytest.mark.parametrize(
     ("question", "size"), [("What is in the picture?", (300, 400)), ("Describe it in one word.", (500, 280))]
 )
 def test_run_equals_remote_generate(remote_hub, remote_package, tmp_path, question, size):
-    rng = np.random.default_rng(size[0])
-    image = tmp_path / "picture.png"
-    Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)).save(image)
+    image = picture(tmp_path / "picture.png", size, seed=size[0])
     new = 8
-    done = subprocess.run(
-        [
-            str(REMOTE_PYTHON),
-            str(ROOT / "scripts" / "phi3_v_remote_reference.py"),
-            str(remote_hub),
-            str(image),
-            question,
-            str(new),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    remote = json.loads(done.stdout.strip().splitlines()[-1])
+    remote = run("phi3_v_remote_reference.py", remote_hub, image, question, new, timeout=1800)
 
     pkg = Package.load(remote_package)
     inp = Pipeline(pkg).prepare([question], [[str(image)]])
@@ -131,11 +100,6 @@ def test_run_equals_remote_generate(remote_hub, remote_package, tmp_path, questi
     )
     assert res.exit_code == 0, res.output
     got = json.loads(res.output)["tokens"][0]
-    stops = set(pkg.manifest["text"]["eos_token_id"])
-    want = []
-    for t in remote["tokens"]:
-        want.append(t)
-        if t in stops:
-            break
+    want = until_stop(remote["tokens"], set(pkg.manifest["text"]["eos_token_id"]))
     print(f"vlmc {got} remote {remote['tokens']}", file=sys.stderr)
     assert list(got) == want
