@@ -38,7 +38,7 @@ def test_ort_compile_writes_a_runnable_package(tiny_llava, tmp_path):
 
 def test_ort_target_options():
     # Targets are validated (recipe load, `vlmc compile`) before any backend's compile sees them.
-    names = ["matmul_nbits", "accuracy_level", "fuse_norms", "fuse_rotary", "fuse_attention"]
+    names = ["matmul_nbits", "accuracy_level", "fuse_norms", "fuse_rotary", "fuse_attention", "last_logits"]
     assert [o.name for o in ort_backend.TARGET_OPTIONS] == names
     with pytest.raises(VlmcError, match=r"unknown option 'soc'; valid options: " + ", ".join(names)):
         backends.validate_target({"backend": "ort", "soc": "Ascend910B3"})
@@ -51,6 +51,7 @@ def test_ort_target_options():
         "fuse_norms": True,
         "fuse_rotary": True,
         "fuse_attention": True,
+        "last_logits": True,
     }
 
 

@@ -23,7 +23,7 @@ from vlmc.errors import CheckFailed, VlmcError
 from vlmc.package import Package
 from vlmc.runtime import opener
 
-from . import fusions, matmul_nbits
+from . import fusions, last_logits, matmul_nbits
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,13 @@ TARGET_OPTIONS = (
         True,
         "attention over the contiguous KV -> com.microsoft.MultiHeadAttention (needs fuse_rotary where the "
         "model has rotary; skipped for paged packages and for fewer KV heads than query heads)",
+    ),
+    pass_api.Option(
+        "last_logits",
+        bool,
+        True,
+        "the LM head computes the last position only (logits [batch, 1, vocab]): the generation loop "
+        "reads only that position (false: every position, as the package)",
     ),
 )
 # How far a lowered graph's outputs may be from the package's on its sample inputs: the RMS of the
@@ -109,6 +116,12 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         if fused is not None:
             lowered, entry["fusions"] = fused
             ort_facts["fusions"] = {k: v["fused"] for k, v in entry["fusions"].items() if "fused" in v}
+        if opts["last_logits"] and last_logits.OUTPUT in _output_names(package, name, lowered):
+            candidate = lowered if lowered is not None else package.model(name).clone()
+            entry["last_logits"] = last_logits.lower(candidate)
+            if entry["last_logits"]["sliced"]:
+                lowered = candidate
+                ort_facts["last_logits"] = True
         if lowered is not None:
             build.set_graph(name, lowered, ort=ort_facts)  # the manifest: what was lowered and fused
         if lowered is None:
@@ -124,11 +137,22 @@ def compile(package: Package, out_dir: Path, target: dict | None = None, force: 
         written = Package.load(tmp / "package") if lowered else None  # nothing to check: not opened again
         for name in lowered:
             entry = graphs_summary[name]
-            check, entry["providers"] = _compare(package, written, name, _activations(written, name, opts))
+            check, entry["providers"] = _compare(
+                package,
+                written,
+                name,
+                _activations(written, name, opts),
+                bool(entry.get("last_logits", {}).get("sliced")),
+            )
             if "lowering" in entry:
                 entry["lowering"]["check"] = check
             entry["check"] = check
     return summary
+
+
+def _output_names(package: Package, name: str, lowered) -> list[str]:
+    model = lowered if lowered is not None else package.model(name)
+    return [o.name for o in model.graph.outputs]
 
 
 def _activations(pkg: Package, name: str, opts: dict) -> str:
@@ -222,8 +246,11 @@ def _open(name: str, make, *args):
         raise CheckFailed(f"ort: graph {name!r} does not load in onnxruntime: {first}") from exc
 
 
-def _compare(package: Package, build: Package, name: str, kind: str) -> tuple[dict, list[str]]:
+def _compare(package: Package, build: Package, name: str, kind: str, last: bool) -> tuple[dict, list[str]]:
     """Run the package's graph and the build's lowered one on the same sample inputs.
+
+    ``last``: the build's LM head computes the last position only; the package's logits are compared
+    at that position (what the build computes and the generation loop reads).
 
     Returns the differences per output and the lowered session's providers; CheckFailed past the bound.
     """
@@ -238,8 +265,13 @@ def _compare(package: Package, build: Package, name: str, kind: str) -> tuple[di
     del got_sess
     bound = TOLERANCE[kind]
     out: dict = {"inputs": "package samples", "activations": kind, "bound_rms_relative": bound, "outputs": {}}
+    if last:
+        ref[last_logits.OUTPUT] = ref[last_logits.OUTPUT][:, -1:, :]
+        out["logits_positions"] = "last"
     for oname, r in ref.items():
         g = got[oname]
+        if r.shape != g.shape:
+            raise CheckFailed(f"ort: lowering {name} changed the shape of {oname!r}: {r.shape} -> {g.shape}")
         if r.dtype.kind != "f":
             if not np.array_equal(r, g):
                 raise CheckFailed(f"ort: lowering {name} changed its integer output {oname!r}")
