@@ -208,6 +208,10 @@ class Quantize(Pass):
             for n in sorted(streamed & set(evaluated)):
                 # Before any graph changes: the FP32 outputs, one segment's weights at a time.
                 rec.outputs[n] = stream_fidelity.reference(package.model(n), rec.feeds[n][:eval_samples])
+                if n in fidelity.decoders(package):  # compared at the last position: keep that one only
+                    for out in rec.outputs[n]:
+                        if fidelity.LOGITS in out:
+                            out[fidelity.LOGITS] = out[fidelity.LOGITS][:, -1:].copy()
             if e2e_source is None and rec.generations:
                 e2e_source = rec
             for n in names:
@@ -262,7 +266,11 @@ class Quantize(Pass):
                 entry["fidelity"] = skipped[name]
             elif rec is not None and name in streamed:
                 entry["fidelity"], entry["fidelity_streamed"] = stream_fidelity.graph_fidelity(
-                    model, graph_scheme.mode, feeds[:eval_samples], rec.outputs.get(name, [])
+                    model,
+                    graph_scheme.mode,
+                    feeds[:eval_samples],
+                    rec.outputs.get(name, []),
+                    last_position=name in fidelity.decoders(package),
                 )
             elif rec is not None and name in graph_eval:
                 entry["fidelity"] = fidelity.graph_fidelity(

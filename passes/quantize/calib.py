@@ -19,9 +19,8 @@ from vlmc import interrupts, ortsession, samples
 from vlmc.errors import VlmcError
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
-from vlmc.runtime.executors.ort import OrtExecutor
 
-from . import stream_fidelity
+from . import fidelity, stream_fidelity
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +112,12 @@ def record(
         image_only = not (runnable & text_chain) and eval_tokens <= 0
         later = runnable if every_sample is None else runnable & every_sample
         recorder = _Recorder(rec, runnable, keep_outputs)
-        executor = _FeedsOnly(pkg, feeds_only & runnable, recorder) if feeds_only & runnable else None
+        # Decoders compute the LM head on the last position only (fidelity.LastPosition), as the
+        # quantized fidelity runs do: the generation reads nothing else.
+        if feeds_only & runnable:
+            executor = _FeedsOnly(pkg, feeds_only & runnable, recorder)
+        else:
+            executor = fidelity.LastPosition(pkg)
         pipe = Pipeline(pkg, on_graph=recorder, executor=executor)
         for i, ref in enumerate(images):
             interrupts.check()  # a Ctrl-C swallowed inside a sample's run stops the loop here
@@ -158,7 +162,7 @@ class _Recorded(Exception):
     """Ends a calibration sample: every target's feeds are recorded and no output is needed."""
 
 
-class _FeedsOnly(OrtExecutor):
+class _FeedsOnly(fidelity.LastPosition):
     """onnxruntime on the package's graphs, except ``large`` ones, which are never opened whole.
 
     A large graph's call records its feeds and ends the sample (a decoder's prefill is the last call

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import onnx_ir as ir
 
 from vlmc import memory, metrics, ortsession
 from vlmc.package import Package
@@ -14,12 +15,114 @@ from vlmc.runtime.executors.ort import OrtExecutor
 logger = logging.getLogger(__name__)
 
 
-class Sessions(OrtExecutor):
+LOGITS = "logits"  # the decoders' logits output (vlmc's graph interface)
+
+
+def last_position(model: ir.Model) -> ir.Model | None:
+    """A clone of a decoder whose ``logits`` output covers the last position only, or None.
+
+    Fidelity needs the last position's logits (the pipeline reads ``logits[:, -1]``; per-graph fidelity
+    compares what it reads), but a decoder's prefill computes the LM head over every prompt position:
+    at the 512 M real-width LLaVA's 600-token prompt that MatMul ([600, 4096] x [4096, 32064]) is
+    about 40% of the prefill, run for the FP32 reference, the per-graph and the end-to-end fidelity.
+    Here the LM head's input gets a ``Slice`` to the last position (axis 1). The path from ``logits``
+    back to that MatMul may pass through element-wise ops with constant operands (a softcap's
+    Div/Tanh/Mul, a bias Add, a Cast), which work per position. Any other shape gives None (the
+    caller keeps the whole graph). The weights are shared with ``model``, which is not changed.
+    """
+    work = model.clone()
+    graph = work.graph
+    value = next((v for v in graph.outputs if v.name == LOGITS), None)
+    elementwise = {"Tanh", "Mul", "Div", "Add", "Sub", "Cast"}
+    while value is not None:
+        node = value.producer()
+        if node is None:
+            return None
+        if node.op_type == "MatMul":
+            break
+        if node.op_type not in elementwise:
+            return None
+        # the one input that varies per call; the others must be constants (initializers)
+        varying = [
+            i for i in node.inputs if i is not None and i.const_value is None and not i.is_initializer()
+        ]
+        if len(varying) != 1:
+            return None
+        value = varying[0]
+    if value is None:
+        return None
+    matmul = value.producer()
+    hidden = matmul.inputs[0]
+    if hidden is None or (hidden.shape is not None and len(hidden.shape) != 3):
+        return None  # vlmc's decoders' hidden states are [batch, sequence, hidden]
+
+    def const(name: str, v: int) -> ir.Value:
+        t = ir.tensor(np.array([v], np.int64), name=name)
+        c = ir.Value(name=name, const_value=t, type=ir.TensorType(ir.DataType.INT64), shape=t.shape)
+        graph.register_initializer(c)
+        return c
+
+    starts, ends, axes = (
+        const("vlmc_last_position_start", -1),
+        const("vlmc_last_position_end", np.iinfo(np.int64).max),
+        const("vlmc_last_position_axis", 1),
+    )
+    last = ir.node("Slice", [hidden, starts, ends, axes], name="vlmc_last_position")
+    last.outputs[0].name = "vlmc_last_position_hidden"
+    if hidden.dtype is not None:
+        last.outputs[0].dtype = hidden.dtype
+    graph.insert_before(matmul, last)
+    matmul.replace_input_with(0, last.outputs[0])
+    for v in graph.outputs:
+        if v.name == LOGITS and v.shape is not None and len(v.shape) == 3:
+            v.shape = ir.Shape([v.shape[0], 1, v.shape[2]])
+    return work
+
+
+def decoders(pkg: Package) -> set[str]:
+    """The pipeline's decoder graphs with a ``logits`` output (those :func:`last_position` applies to)."""
+    names = pkg.manifest.get("pipeline", {}).get("decoder", [])
+    return {n for n in names if n in pkg.manifest["graphs"]}
+
+
+class LastPosition(OrtExecutor):
+    """onnxruntime on the package's graphs, the decoders' LM head on the last position only.
+
+    What the generation loop reads is the same (``logits[:, -1]``); only the positions it never reads
+    are not computed. Used by calibration's FP32 reference run and by the quantized fidelity runs, so
+    the per-graph decoder fidelity compares last-position logits on both sides.
+    """
+
+    def __init__(self, pkg, threads: int | None = None) -> None:
+        super().__init__(pkg, threads)
+        self.sliced: set[str] = set()  # the graphs whose session computes the last position's logits only
+
+    def _open(self, name: str, model: ir.Model):
+        if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
+            return ortsession.dequantized(model, self.threads)
+        return ortsession.from_model(model, self.threads, precision=self.pkg.info(name).get("precision"))
+
+    def session(self, name: str):
+        if name not in self.sessions:
+            sliced = last_position(self.pkg.model(name)) if name in decoders(self.pkg) else None
+            if sliced is not None:
+                self.sessions[name] = self._open(name, sliced)
+                self.sliced.add(name)
+            else:
+                self.sessions[name] = self._fallback(name)
+        return self.sessions[name]
+
+    def _fallback(self, name: str):
+        return super().session(name)
+
+
+class Sessions(LastPosition):
     """Sessions on the quantized graphs, shared by per-graph and end-to-end fidelity.
 
     Weight-only graphs run with each weight dequantized once (``ortsession.dequantized``) instead of
     per call: fidelity runs the decoder once per greedy token, and the per-call dequantization made
-    that phase the slowest of the build (688 s of a 512 M-parameter build's quantize step).
+    that phase the slowest of the build (688 s of a 512 M-parameter build's quantize step). Decoders
+    compute the last position's logits only (:class:`LastPosition`).
     """
 
     def session(self, name: str, alone: bool = False):
@@ -28,12 +131,12 @@ class Sessions(OrtExecutor):
             for other in [k for k in self.sessions if k != name]:
                 del self.sessions[other]
             memory.release_free()  # what the dropped sessions and the quantizer freed
-        if name not in self.sessions:
-            if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
-                self.sessions[name] = ortsession.dequantized(self.pkg.model(name), self.threads)
-            else:
-                self.sessions[name] = ortsession.for_graph(self.pkg, name, self.threads)
-        return self.sessions[name]
+        return super().session(name)
+
+    def _fallback(self, name: str):
+        if self.pkg.info(name).get("precision") in ("int8_weight_only", "int4_weight_only"):
+            return ortsession.dequantized(self.pkg.model(name), self.threads)
+        return ortsession.for_graph(self.pkg, name, self.threads)
 
 
 def graph_fidelity(
@@ -44,11 +147,14 @@ def graph_fidelity(
         return {}
     # Per-graph fidelity runs one graph at a time: the previous graph's session (and its weights)
     # need not stay resident beside this one's (end-to-end reopens what it needs).
-    sess = (sessions or Sessions(pkg)).session(name, alone=True)
+    sessions = sessions or Sessions(pkg)
+    sess = sessions.session(name, alone=True)
     names = [o.name for o in sess.get_outputs()]
     out: dict[str, dict] = {}
     for feed, ref in zip(feeds, refs):
         accumulate(out, ref, dict(zip(names, sess.run(None, _cast_feeds(sess, feed)))))
+    if name in sessions.sliced and LOGITS in out:
+        out[LOGITS]["positions"] = "last"  # both sides computed the last prompt position's logits only
     return out
 
 

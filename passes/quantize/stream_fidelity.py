@@ -268,8 +268,12 @@ def graph_fidelity(
     feeds: list[dict],
     refs: list[dict],
     segment_bytes: int | None = None,
+    last_position: bool = False,
 ) -> tuple[dict, dict]:
-    """``fidelity.graph_fidelity``'s numbers for the quantized ``model``, run segment by segment."""
+    """``fidelity.graph_fidelity``'s numbers for the quantized ``model``, run segment by segment.
+
+    ``last_position`` (a decoder): ``logits`` are compared at the last position, as the whole-graph
+    path does (``fidelity.last_position``); ``refs`` may hold that position only."""
     from . import fidelity
 
     if not refs:
@@ -281,7 +285,12 @@ def graph_fidelity(
     def compare(sample: int, name: str, got: np.ndarray) -> None:
         # Each output is compared as its segment makes it: only the FP32 references stay resident.
         if name in refs[sample]:
-            fidelity.accumulate(out, {name: refs[sample][name]}, {name: got})
+            ref = refs[sample][name]
+            if last_position and name == fidelity.LOGITS:
+                got, ref = got[:, -1:], ref[:, -1:]
+            fidelity.accumulate(out, {name: ref}, {name: got})
 
     _, facts = run(model, feeds[: len(refs)], _session_for(precision), segment_bytes, expand, compare)
+    if last_position and fidelity.LOGITS in out:
+        out[fidelity.LOGITS]["positions"] = "last"
     return dict(sorted(out.items(), key=lambda kv: order_of.get(kv[0], len(order_of)))), facts
