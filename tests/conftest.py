@@ -40,17 +40,11 @@ def mha(tmp_path_factory) -> Path:
     """tiny-llava with as many KV heads as query heads (LLaVA-1.5's shape, no repeat_kv in the graph; the
     built-in has 4 over 2), exported once per session."""
     import torch
+    from _export import export_model
     from transformers import LlavaForConditionalGeneration
 
-    from vlmc import exporters
     from vlmc.exporters import zoo
 
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(zoo.tiny_llava_config(num_key_value_heads=4)).eval()
-    exporters._eager(model)
-    source = exporters.Source(
-        name="tiny-llava-mha", model=model, config=model.config, family="llava", builtin=True
-    )
-    out = tmp_path_factory.mktemp("mha") / "pkg"
-    exporters.export(source).save(out)
-    return out
+    return export_model(tmp_path_factory, model, "tiny-llava-mha", "llava")

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
+from _export import export_model
 
-from vlmc import backends, exporters, manager, pass_api, recipe
+from vlmc import backends, manager, pass_api, recipe
 from vlmc.backends import ort as ort_backend
 from vlmc.backends.ort import fusions
 from vlmc.package import Package
@@ -91,13 +92,7 @@ def mrope_mha(tmp_path_factory) -> Path:
 
     torch.manual_seed(0)
     model = Qwen2VLForConditionalGeneration(qwen2_vl.tiny_qwen2_vl_config(num_key_value_heads=4)).eval()
-    exporters._eager(model)
-    source = exporters.Source(
-        name="tiny-qwen2-vl-mha", model=model, config=model.config, family="qwen2_vl", builtin=True
-    )
-    out = tmp_path_factory.mktemp("mrope") / "pkg"
-    exporters.export(source).save(out)
-    return out
+    return export_model(tmp_path_factory, model, "tiny-qwen2-vl-mha", "qwen2_vl")
 
 
 def test_fewer_kv_heads_keep_their_attention_with_the_reason(tiny_llava, tmp_path):
