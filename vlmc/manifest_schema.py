@@ -23,9 +23,16 @@ from typing import Any
 from vlmc import limits
 from vlmc.errors import VlmcError
 
+# The characters str.splitlines breaks at: a key path holds the file's own keys, which may contain them.
+_LINE_BREAKS = {c: repr(chr(c))[1:-1] for c in (*range(32), 0x7F, 0x85, 0x2028, 0x2029)}
+
 
 class SchemaError(VlmcError):
-    """A manifest value outside the schema; the message names the key path."""
+    """A manifest value outside the schema; the message names the key path, kept to one line (control
+    characters in a file's keys are shown escaped)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message.translate(_LINE_BREAKS))
 
 
 def _show(value: Any) -> str:

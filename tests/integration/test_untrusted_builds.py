@@ -788,3 +788,19 @@ def test_two_concurrent_exports_one_exits_0_and_the_other_2(tmp_path):
     )
     assert Package.load(out).manifest["model"]["family"] == "llava"
     assert _leftovers(tmp_path, "X") == []
+
+
+@pytest.mark.parametrize("key", ["\n", "a\rb", "x\u2028y", "\x85"])
+def test_a_line_break_in_a_tampered_key_stays_escaped_in_the_one_line_error(fuzz_build, key):
+    """The key path of a schema error holds compile.json's own keys (the fuzz above found a newline key)."""
+    root, summary, _ = fuzz_build
+    s = json.loads(json.dumps(summary))
+    s["builds"][0]["precision_mode_v2"] = {key: 2**63 + 1}
+    (root / "compile.json").write_text(json.dumps(s))
+    try:
+        with pytest.raises(VlmcError) as exc:
+            runner.read_build(root)
+        assert len(str(exc.value).splitlines()) == 1
+        assert repr(key)[1:-1] in str(exc.value)
+    finally:
+        (root / "compile.json").write_text(json.dumps(summary))
