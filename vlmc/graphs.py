@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes.common import NameFixPass
 
@@ -102,3 +103,87 @@ def op_histogram(model: ir.Model) -> dict[str, int]:
         key = f"{node.domain}::{node.op_type}" if node.domain not in ("", "ai.onnx") else node.op_type
         hist[key] = hist.get(key, 0) + 1
     return dict(sorted(hist.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+# ---- the LM head on the last position ------------------------------------------------------------
+
+# The LM head forms recognised: a MatMul (FP32, or the portable weight-only dequant chain) or the
+# MatMulNBits the ort lowering makes of it; both are position-wise in their first input.
+_LM_HEADS = {("", "MatMul"), ("ai.onnx", "MatMul"), ("com.microsoft", "MatMulNBits")}
+
+
+def _reads_graph_input(v: ir.Value, graph: ir.Graph) -> bool:
+    """Whether ``v`` depends on any graph input (a weight, even a dequantized one, does not)."""
+    inputs = {id(i) for i in graph.inputs}
+    seen: set[int] = set()
+    stack = [v]
+    while stack:
+        cur = stack.pop()
+        if id(cur) in seen:
+            continue
+        seen.add(id(cur))
+        if id(cur) in inputs:
+            return True
+        node = cur.producer()
+        if node is not None:
+            stack.extend(i for i in node.inputs if i is not None)
+    return False
+
+
+def slice_lm_head(model: ir.Model, output: str, through=frozenset(), name: str = "last_logits") -> dict:
+    """Make the LM head behind graph output ``output`` compute the last position only, in place: a ``Slice``
+    (axis 1, the last row) on its input. The output keeps its name and rank; its sequence axis becomes 1,
+    so ``output[:, -1, :]`` is the same tensor as before. Between the head and the output may stand ops of
+    ``through`` with one varying input and constant others (a softcap's Div/Tanh/Mul, a bias Add, a Cast:
+    position-wise). Returns the facts: ``sliced`` (0 or 1) and ``head``, or ``skipped`` with the reason;
+    nothing is changed when skipped. Initializers and the node are named after ``name``."""
+    graph = model.graph
+    out: dict = {"sliced": 0}
+    logits = next((o for o in graph.outputs if o.name == output), None)
+    if logits is None:
+        out["skipped"] = f"no {output!r} output"
+        return out
+    head = logits.producer()
+    while head is not None and head.op_type in through and (head.domain, head.op_type) not in _LM_HEADS:
+        varying = [
+            i for i in head.inputs if i is not None and i.const_value is None and not i.is_initializer()
+        ]
+        if len(varying) != 1:
+            break
+        head = varying[0].producer()
+    if head is None or (head.domain, head.op_type) not in _LM_HEADS:
+        out["skipped"] = f"{output!r} is not produced by a MatMul or MatMulNBits"
+        return out
+    hidden = head.inputs[0]
+    # The exporters leave intermediate shapes unset; the graph output's rank is the interface.
+    if (
+        hidden is None
+        or (hidden.shape is not None and len(hidden.shape) != 3)
+        or len(logits.shape or ()) != 3
+    ):
+        out["skipped"] = "the LM head's input or output is not rank 3 [batch, sequence, hidden]"
+        return out
+    if _reads_graph_input(head.inputs[1], graph):
+        out["skipped"] = "the LM head's weight is computed from a graph input"
+        return out
+    # Other readers of the hidden states (an output, a later op) keep every position: only the head's
+    # read is sliced.
+    consts = []
+    for part, arr in (("starts", [-1]), ("ends", [np.iinfo(np.int64).max]), ("axes", [1])):
+        arr = np.asarray(arr, np.int64)
+        v = ir.Value(name=f"{name}_{part}", const_value=ir.tensor(arr, name=f"{name}_{part}"))
+        v.shape, v.type = ir.Shape(arr.shape), ir.TensorType(ir.DataType.INT64)
+        graph.register_initializer(v)
+        consts.append(v)
+    node = ir.node("Slice", [hidden, *consts], name=name)
+    sliced = node.outputs[0]
+    sliced.name = f"{name}_hidden"
+    sliced.type = hidden.type
+    if hidden.shape is not None:
+        sliced.shape = ir.Shape([hidden.shape[0], 1, hidden.shape[2]])
+    graph.insert_before(head, node)
+    head.replace_input_with(0, sliced)
+    logits.shape = ir.Shape([logits.shape[0], 1, logits.shape[2]])
+    out["sliced"] = 1
+    out["head"] = f"{head.domain + '.' if head.domain else ''}{head.op_type}"
+    return out

@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from vlmc import memory, metrics, ortsession
+from vlmc import graphs, memory, metrics, ortsession
 from vlmc.package import Package
 from vlmc.runtime import Pipeline
 from vlmc.runtime.executors.ort import OrtExecutor
@@ -16,6 +16,11 @@ logger = logging.getLogger(__name__)
 
 
 LOGITS = "logits"  # the decoders' logits output (vlmc's graph interface)
+
+
+_ELEMENTWISE = frozenset(
+    {"Tanh", "Mul", "Div", "Add", "Sub", "Cast"}
+)  # position-wise, with constant operands
 
 
 def last_position(model: ir.Model) -> ir.Model | None:
@@ -31,52 +36,8 @@ def last_position(model: ir.Model) -> ir.Model | None:
     caller keeps the whole graph). The weights are shared with ``model``, which is not changed.
     """
     work = model.clone()
-    graph = work.graph
-    value = next((v for v in graph.outputs if v.name == LOGITS), None)
-    elementwise = {"Tanh", "Mul", "Div", "Add", "Sub", "Cast"}
-    while value is not None:
-        node = value.producer()
-        if node is None:
-            return None
-        if node.op_type == "MatMul":
-            break
-        if node.op_type not in elementwise:
-            return None
-        # the one input that varies per call; the others must be constants (initializers)
-        varying = [
-            i for i in node.inputs if i is not None and i.const_value is None and not i.is_initializer()
-        ]
-        if len(varying) != 1:
-            return None
-        value = varying[0]
-    if value is None:
-        return None
-    matmul = value.producer()
-    hidden = matmul.inputs[0]
-    if hidden is None or (hidden.shape is not None and len(hidden.shape) != 3):
-        return None  # vlmc's decoders' hidden states are [batch, sequence, hidden]
-
-    def const(name: str, v: int) -> ir.Value:
-        t = ir.tensor(np.array([v], np.int64), name=name)
-        c = ir.Value(name=name, const_value=t, type=ir.TensorType(ir.DataType.INT64), shape=t.shape)
-        graph.register_initializer(c)
-        return c
-
-    starts, ends, axes = (
-        const("vlmc_last_position_start", -1),
-        const("vlmc_last_position_end", np.iinfo(np.int64).max),
-        const("vlmc_last_position_axis", 1),
-    )
-    last = ir.node("Slice", [hidden, starts, ends, axes], name="vlmc_last_position")
-    last.outputs[0].name = "vlmc_last_position_hidden"
-    if hidden.dtype is not None:
-        last.outputs[0].dtype = hidden.dtype
-    graph.insert_before(matmul, last)
-    matmul.replace_input_with(0, last.outputs[0])
-    for v in graph.outputs:
-        if v.name == LOGITS and v.shape is not None and len(v.shape) == 3:
-            v.shape = ir.Shape([v.shape[0], 1, v.shape[2]])
-    return work
+    facts = graphs.slice_lm_head(work, LOGITS, _ELEMENTWISE, name="vlmc_last_position")
+    return work if facts["sliced"] else None
 
 
 def decoders(pkg: Package) -> set[str]:
